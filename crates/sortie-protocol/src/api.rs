@@ -1,0 +1,354 @@
+//! Request and response bodies of the control plane (DESIGN §4). Requests reject unknown fields;
+//! responses omit nothing: an absent value is `null`, so clients see one fixed shape.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::FailureCode;
+use crate::ids::SessionId;
+use crate::phase::{SessionPhase, TurnMode, TurnStatus};
+
+/// `POST /v1/sessions`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CreateSessionRequest {
+    /// An `https://` git URL, or an absolute path to a local git repository the workspace may use.
+    pub repo: String,
+    /// The task: the first turn's prompt (at most 100 KiB).
+    pub task: String,
+    /// The agent profile id; the server's default when absent.
+    #[serde(default)]
+    pub agent: Option<String>,
+    /// The branch to start from; the repository's default branch when absent.
+    #[serde(default)]
+    pub base: Option<String>,
+    /// The model the agent should use; the agent's default when absent.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Hosts the agent may reach through the egress proxy.
+    #[serde(default)]
+    pub egress: Option<EgressRequest>,
+    /// A shell script run in the sandbox before the agent starts (setup-phase egress applies).
+    #[serde(default)]
+    pub setup: Option<String>,
+    /// A title for people; the first line of the task when absent.
+    #[serde(default)]
+    pub title: Option<String>,
+}
+
+/// The egress part of a create request.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct EgressRequest {
+    /// Exact public DNS names, at most 32.
+    #[serde(default)]
+    pub allow: Vec<String>,
+}
+
+/// `POST /v1/sessions/{id}/steer`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct SteerRequest {
+    /// The new turn's prompt (at most 100 KiB).
+    pub prompt: String,
+    /// `queue` (default) waits for the running turn; `interrupt` stops it first.
+    #[serde(default)]
+    pub mode: Option<TurnMode>,
+}
+
+/// `POST /v1/sessions/{id}/attach-ticket`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct AttachTicketRequest {
+    /// `attach` (default) to read the stream, `turn` to submit a turn through it.
+    #[serde(default)]
+    pub action: Option<TicketAction>,
+}
+
+/// What a ticket lets its holder do on the conversation plane.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum TicketAction {
+    /// Read the session's stream (`GET …/stream`).
+    #[default]
+    Attach,
+    /// Submit a turn and read its stream (`POST …/stream`).
+    Turn,
+}
+
+impl TicketAction {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Attach => "attach",
+            Self::Turn => "turn",
+        }
+    }
+}
+
+/// The answer to `POST …/attach-ticket`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AttachTicket {
+    /// Send as `Authorization: Ticket <ticket>`; valid once.
+    pub ticket: String,
+    /// RFC 3339 UTC.
+    pub expires_at: String,
+    /// The stream path the ticket is for.
+    pub stream_url: String,
+}
+
+/// A session as the control plane shows it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Session {
+    pub id: SessionId,
+    /// The workspace's name.
+    pub workspace: String,
+    pub repo: String,
+    pub base: Option<String>,
+    /// `sortie/<id>`.
+    pub branch: String,
+    pub agent: String,
+    pub model: Option<String>,
+    pub title: String,
+    pub phase: SessionPhase,
+    /// Why a queued session waits, e.g. `SANDBOX_CAPACITY_LIMIT`; null otherwise.
+    pub queued_reason: Option<String>,
+    /// How many turns the session has.
+    pub turns: u32,
+    /// The turn in flight or last run; null before any turn started.
+    pub current_turn: Option<u32>,
+    pub head_sha: Option<String>,
+    pub pr: Option<PullRequest>,
+    pub failure: Option<Failure>,
+    pub egress: Egress,
+    pub usage: Usage,
+    pub archived: bool,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+    /// RFC 3339 UTC.
+    pub updated_at: String,
+}
+
+/// The draft pull request of a session.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PullRequest {
+    pub url: String,
+    pub number: u64,
+}
+
+/// Why a session or turn failed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Failure {
+    pub code: FailureCode,
+    /// A sentence a user can act on.
+    pub reason: String,
+}
+
+/// The session's egress allowlist.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Egress {
+    pub allow: Vec<String>,
+}
+
+/// What a session has used so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Usage {
+    pub compute_seconds: u64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+}
+
+/// One turn of a session's ledger.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Turn {
+    /// 1-based.
+    pub n: u32,
+    pub prompt: String,
+    pub status: TurnStatus,
+    pub mode: TurnMode,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+    pub started_at: Option<String>,
+    pub completed_at: Option<String>,
+    pub head_sha: Option<String>,
+    pub failure: Option<Failure>,
+    /// Which rung of the context ladder primed the agent for this turn (DESIGN §6.4).
+    pub priming: Option<String>,
+}
+
+/// `GET /v1/sessions`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SessionList {
+    pub sessions: Vec<Session>,
+    /// Pass as `cursor` for the next page; null on the last page.
+    pub next_cursor: Option<String>,
+}
+
+/// `GET /v1/sessions/{id}/turns`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct TurnList {
+    pub turns: Vec<Turn>,
+}
+
+/// An AI SDK `UIMessage`, as `GET /v1/sessions/{id}/messages` returns them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct UiMessage {
+    pub id: String,
+    pub role: UiRole,
+    /// AI SDK message parts (`text`, `reasoning`, `dynamic-tool`, `data-*`, …).
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<Object>))]
+    pub parts: Vec<serde_json::Value>,
+}
+
+/// Who a message is from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum UiRole {
+    /// A prompt.
+    User,
+    /// The agent's answer to it.
+    Assistant,
+}
+
+/// `GET /v1/usage`: one row per session and UTC day.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct UsageReport {
+    pub rows: Vec<UsageRow>,
+}
+
+/// Usage of one session on one UTC day.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct UsageRow {
+    pub session_id: SessionId,
+    /// `YYYY-MM-DD`.
+    pub day: String,
+    pub compute_seconds: u64,
+    pub models: Vec<ModelUsage>,
+}
+
+/// Tokens of one model.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ModelUsage {
+    pub model: String,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+}
+
+/// A token's role (DESIGN §4). Ordered: each role may do what the roles below it may.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Reads sessions, turns, transcripts and usage.
+    Viewer,
+    /// Also creates, steers, stops, cancels and archives sessions.
+    Operator,
+    /// Also manages tokens, forge connections and model keys.
+    Admin,
+}
+
+impl Role {
+    pub const ALL: [Role; 3] = [Role::Viewer, Role::Operator, Role::Admin];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Viewer => "viewer",
+            Self::Operator => "operator",
+            Self::Admin => "admin",
+        }
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = crate::phase::UnknownName;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|role| role.as_str() == s)
+            .ok_or_else(|| crate::phase::UnknownName { kind: "role", value: s.to_owned() })
+    }
+}
+
+/// Formats epoch milliseconds as RFC 3339 UTC with millisecond precision, e.g. `2026-12-02T13:50:31.123Z`.
+pub fn rfc3339_from_epoch_ms(epoch_ms: i64) -> String {
+    let seconds = epoch_ms.div_euclid(1000);
+    let millis = epoch_ms.rem_euclid(1000);
+    let days = seconds.div_euclid(86_400);
+    let second_of_day = seconds.rem_euclid(86_400);
+    let (year, month, day) = civil_from_days(days);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{millis:03}Z",
+        second_of_day / 3600,
+        (second_of_day % 3600) / 60,
+        second_of_day % 60
+    )
+}
+
+/// The UTC day (`YYYY-MM-DD`) of an epoch-millisecond time.
+pub fn utc_day_from_epoch_ms(epoch_ms: i64) -> String {
+    let (year, month, day) = civil_from_days(epoch_ms.div_euclid(86_400_000));
+    format!("{year:04}-{month:02}-{day:02}")
+}
+
+/// Days since 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's algorithm).
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let day_of_era = z.rem_euclid(146_097);
+    let year_of_era = (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let month_index = (5 * day_of_year + 2) / 153;
+    let day = (day_of_year - (153 * month_index + 2) / 5 + 1) as u32;
+    let month = if month_index < 10 { month_index + 3 } else { month_index - 9 } as u32;
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn create_request_rejects_unknown_fields() {
+        let ok: Result<CreateSessionRequest, _> = serde_json::from_str(r#"{"repo":"/r","task":"t"}"#);
+        assert!(ok.is_ok());
+        let unknown: Result<CreateSessionRequest, _> = serde_json::from_str(r#"{"repo":"/r","task":"t","x":1}"#);
+        assert!(unknown.is_err());
+        let nested: Result<CreateSessionRequest, _> =
+            serde_json::from_str(r#"{"repo":"/r","task":"t","egress":{"allow":[],"deny":[]}}"#);
+        assert!(nested.is_err());
+    }
+
+    #[test]
+    fn times_format_as_rfc3339_utc() {
+        assert_eq!(rfc3339_from_epoch_ms(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339_from_epoch_ms(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(rfc3339_from_epoch_ms(1_796_219_431_123), "2026-12-02T13:50:31.123Z");
+        assert_eq!(rfc3339_from_epoch_ms(-1), "1969-12-31T23:59:59.999Z");
+        assert_eq!(utc_day_from_epoch_ms(1_796_219_431_123), "2026-12-02");
+    }
+
+    #[test]
+    fn roles_are_ordered_by_power() {
+        assert!(Role::Viewer < Role::Operator && Role::Operator < Role::Admin);
+        assert_eq!("operator".parse::<Role>(), Ok(Role::Operator));
+        assert!("root".parse::<Role>().is_err());
+    }
+}

@@ -1,0 +1,207 @@
+//! Error codes of the control plane and failure codes of sessions. Both are part of the API: a code is
+//! never renamed or reused for another meaning.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+macro_rules! error_codes {
+    ($( $(#[doc = $doc:literal])* $variant:ident = $status:literal, )*) => {
+        /// A refusal the control plane answers with, and its HTTP status.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+        #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+        pub enum ErrorCode {
+            $( $(#[doc = $doc])* $variant, )*
+        }
+
+        impl ErrorCode {
+            pub const ALL: &'static [ErrorCode] = &[$(ErrorCode::$variant),*];
+
+            /// The HTTP status this code is answered with.
+            pub fn http_status(self) -> u16 {
+                match self { $(ErrorCode::$variant => $status,)* }
+            }
+        }
+    };
+}
+
+error_codes! {
+    /// Malformed JSON, a missing or unknown field, a wrong type or an out-of-range query parameter.
+    InvalidRequest = 400,
+    /// The request body is not `application/json`.
+    UnsupportedMediaType = 415,
+    /// The request body is larger than the control plane reads.
+    BodyTooLarge = 413,
+    /// No bearer token, or one that is unknown or revoked.
+    Unauthorized = 401,
+    /// The token's role is too low for this action.
+    Forbidden = 403,
+    /// No session with this id in the token's workspace.
+    SessionNotFound = 404,
+    /// No such route.
+    NotFound = 404,
+    /// The route exists but not for this method.
+    MethodNotAllowed = 405,
+    /// A prompt is larger than 100 KiB.
+    PromptTooLarge = 413,
+    /// The session's prompts together would pass 8 MiB.
+    SessionPromptsTooLarge = 413,
+    /// The setup script is larger than the limit.
+    SetupTooLarge = 413,
+    /// The title is longer than 200 characters.
+    TitleTooLong = 400,
+    /// An egress allowlist entry is not an exact public DNS name; `details.entries` names each.
+    EgressAllowlistInvalid = 400,
+    /// No agent profile has this id.
+    AgentUnknown = 400,
+    /// `repo` is neither an `https://` git URL nor an absolute path, or it carries credentials.
+    RepoInvalid = 400,
+    /// The repository is not allowed for this workspace.
+    RepoNotAllowed = 403,
+    /// `base` is not a valid branch name.
+    BaseInvalid = 400,
+    /// `model` is empty, too long or has characters a model name never has.
+    ModelInvalid = 400,
+    /// The session already has the most turns waiting that it may have.
+    TurnQueueFull = 409,
+    /// The session is canceled or archived: it takes no more turns.
+    SessionNotSteerable = 409,
+    /// Stop asked for, but no turn is running.
+    NoTurnRunning = 409,
+    /// The session has a turn in flight; stop or cancel it first.
+    SessionActive = 409,
+    /// The attach ticket is malformed, forged or for another session or action.
+    TicketInvalid = 401,
+    /// The attach ticket's lifetime has passed.
+    TicketExpired = 401,
+    /// The attach ticket was already used.
+    TicketReplayed = 401,
+    /// The store did not answer; try again.
+    StoreUnavailable = 503,
+    /// A fault of the server; the log has the detail.
+    Internal = 500,
+}
+
+impl ErrorCode {
+    /// The code as it appears on the wire, e.g. `SESSION_NOT_FOUND`.
+    pub fn as_str(self) -> String {
+        match serde_json::to_value(self) {
+            Ok(serde_json::Value::String(text)) => text,
+            _ => format!("{self:?}"),
+        }
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.as_str())
+    }
+}
+
+/// The body of every error answer: `{"error": {"code", "message", "details"}}`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ApiErrorBody {
+    pub error: ErrorDetail,
+}
+
+/// One error: a stable code, a sentence for people, and structured details (an empty object if none).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ErrorDetail {
+    pub code: ErrorCode,
+    pub message: String,
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+    pub details: serde_json::Value,
+}
+
+impl ApiErrorBody {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self::with_details(code, message, serde_json::json!({}))
+    }
+
+    pub fn with_details(code: ErrorCode, message: impl Into<String>, details: serde_json::Value) -> Self {
+        Self { error: ErrorDetail { code, message: message.into(), details } }
+    }
+}
+
+/// Why a session's last turn failed (`failure.code`, DESIGN §4.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum FailureCode {
+    /// The sandbox could not be created or started.
+    SandboxStartFailed,
+    /// The repository could not be cloned or the base branch checked out.
+    CloneFailed,
+    /// The setup script failed or timed out.
+    SetupFailed,
+    /// The agent did not start or did not complete the ACP handshake.
+    AgentStartFailed,
+    /// The vendor refused the model key the gateway injected.
+    VendorAuthRejected,
+    /// The turn ran past its time limit.
+    TurnTimeout,
+    /// The agent reported an error or exited mid-turn.
+    AgentError,
+    /// The delivery candidate holds something that looks like a secret; nothing was pushed.
+    SecretDetected,
+    /// The session's branch moved under us.
+    PushConflict,
+    /// Committing or pushing failed.
+    DeliveryFailed,
+    /// The work was pushed but the pull request could not be opened or updated.
+    PrOpenFailed,
+    /// The sandbox vanished.
+    SandboxLost,
+    /// A fault of sortie itself.
+    Internal,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_screaming_snake_case_on_the_wire() {
+        assert_eq!(ErrorCode::SessionNotFound.as_str(), "SESSION_NOT_FOUND");
+        assert_eq!(ErrorCode::EgressAllowlistInvalid.as_str(), "EGRESS_ALLOWLIST_INVALID");
+        for code in ErrorCode::ALL {
+            let text = code.as_str();
+            assert!(text.bytes().all(|b| b.is_ascii_uppercase() || b == b'_'), "{text}");
+            let back: ErrorCode = serde_json::from_value(serde_json::json!(text)).expect("round trip");
+            assert_eq!(back, *code);
+        }
+    }
+
+    #[test]
+    fn statuses_are_the_documented_ones() {
+        use ErrorCode::*;
+        let expected = [
+            (InvalidRequest, 400),
+            (Unauthorized, 401),
+            (Forbidden, 403),
+            (SessionNotFound, 404),
+            (PromptTooLarge, 413),
+            (SessionPromptsTooLarge, 413),
+            (EgressAllowlistInvalid, 400),
+            (AgentUnknown, 400),
+            (TurnQueueFull, 409),
+            (SessionNotSteerable, 409),
+            (NoTurnRunning, 409),
+            (TicketInvalid, 401),
+            (TicketExpired, 401),
+            (TicketReplayed, 401),
+            (Internal, 500),
+        ];
+        for (code, status) in expected {
+            assert_eq!(code.http_status(), status, "{code}");
+        }
+        for code in ErrorCode::ALL {
+            assert!((400..600).contains(&code.http_status()));
+        }
+    }
+}

@@ -1,0 +1,19 @@
+//! Wire types of sortie: everything that crosses a process or trust boundary.
+//!
+//! Ids, session phases and turn statuses with their transition rules, error codes with their HTTP
+//! status, REST request and response bodies, input limits, agent ids, the egress allowlist rules and
+//! the attach-ticket codec. This crate does no I/O: every function takes values and returns values, so
+//! the CLI, the driver and the dashboard's generated types can use it without the server.
+
+pub mod agents;
+pub mod api;
+pub mod egress;
+pub mod error;
+pub mod ids;
+pub mod limits;
+pub mod phase;
+pub mod ticket;
+
+pub use error::{ApiErrorBody, ErrorCode, ErrorDetail, FailureCode};
+pub use ids::{IdError, SessionId};
+pub use phase::{SessionPhase, TurnStatus};

@@ -1,0 +1,183 @@
+//! The store's rows: what it takes and what it returns.
+
+use sortie_protocol::api::Role;
+use sortie_protocol::phase::TurnMode;
+use sortie_protocol::{FailureCode, SessionId, SessionPhase, TurnStatus};
+
+/// Which local repositories a workspace may use (DESIGN §4).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RepoAccess {
+    /// Any local path the server can read (the embedded install's `default` workspace).
+    pub any_local_path: bool,
+    /// Otherwise, only paths under these absolute roots.
+    pub allowed_roots: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkspaceRow {
+    pub id: String,
+    pub name: String,
+    pub repo_access: RepoAccess,
+    pub created_at: i64,
+}
+
+/// Who a token speaks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Principal {
+    pub token_id: String,
+    pub workspace_id: String,
+    pub workspace_name: String,
+    pub role: Role,
+}
+
+/// A session to create, already validated by the api.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewSession {
+    pub id: SessionId,
+    pub workspace_id: String,
+    pub repo: String,
+    pub base: Option<String>,
+    pub agent: String,
+    pub model: Option<String>,
+    pub title: String,
+    pub egress_allow: Vec<String>,
+    pub setup: Option<String>,
+    pub task: String,
+}
+
+/// A turn to add by a steer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewTurn {
+    pub prompt: String,
+    pub mode: TurnMode,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionRow {
+    pub id: SessionId,
+    pub workspace_id: String,
+    pub workspace_name: String,
+    pub repo: String,
+    pub base: Option<String>,
+    pub agent: String,
+    pub model: Option<String>,
+    pub title: String,
+    pub phase: SessionPhase,
+    pub queued_reason: Option<String>,
+    pub n_turns: u32,
+    /// Turns `accepted` and not yet claimed.
+    pub n_waiting: u32,
+    pub current_turn: Option<u32>,
+    pub head_sha: Option<String>,
+    pub pr: Option<(String, u64)>,
+    pub failure: Option<(FailureCode, String)>,
+    pub egress_allow: Vec<String>,
+    pub setup: Option<String>,
+    pub archived: bool,
+    pub resume_requested: bool,
+    pub prompts_bytes: u64,
+    pub compute_ms: u64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+/// Why the worker should end a running turn early.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopRequest {
+    /// `POST …/stop`.
+    Stop,
+    /// A steer with `mode: interrupt`.
+    Interrupt,
+    /// `POST …/cancel`.
+    Cancel,
+}
+
+impl StopRequest {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Interrupt => "interrupt",
+            Self::Cancel => "cancel",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "stop" => Some(Self::Stop),
+            "interrupt" => Some(Self::Interrupt),
+            "cancel" => Some(Self::Cancel),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TurnRow {
+    pub session_id: SessionId,
+    pub n: u32,
+    pub prompt: String,
+    pub status: TurnStatus,
+    pub mode: TurnMode,
+    pub stop_requested: Option<StopRequest>,
+    pub priming: Option<String>,
+    pub head_sha: Option<String>,
+    pub failure: Option<(FailureCode, String)>,
+    pub created_at: i64,
+    pub started_at: Option<i64>,
+    pub completed_at: Option<i64>,
+}
+
+/// Which sessions a list returns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionFilter {
+    pub phase: Option<SessionPhase>,
+    pub repo: Option<String>,
+    pub archived: bool,
+    pub limit: u32,
+    /// Only sessions older than this one (the previous page's last id).
+    pub before: Option<SessionId>,
+}
+
+impl Default for SessionFilter {
+    fn default() -> Self {
+        Self { phase: None, repo: None, archived: false, limit: 50, before: None }
+    }
+}
+
+/// One part to store: its 0-based index within the turn and its UI message chunk, verbatim.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewPart {
+    pub part_index: u32,
+    pub payload: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredPart {
+    pub turn: u32,
+    pub part_index: u32,
+    /// Store-allocated, increasing within a session.
+    pub seq: i64,
+    pub payload: String,
+}
+
+/// Tokens one model call used, as the model proxy reads them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenUsage {
+    pub session_id: SessionId,
+    pub turn: u32,
+    pub model: String,
+    pub epoch_ms: i64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+}
+
+/// Usage rows by session, UTC day and model.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UsageRecords {
+    /// `(session, day, model, input, output)`.
+    pub tokens: Vec<(SessionId, String, String, u64, u64)>,
+    /// `(session, day, compute ms)`.
+    pub compute: Vec<(SessionId, String, u64)>,
+}

@@ -1,0 +1,869 @@
+//! [`SqlStore`]: the [`Store`] on SQLite or PostgreSQL through sqlx's `Any` driver.
+//!
+//! Portability rules (ref/deps.md §4): `$n` placeholders, only TEXT and 64-bit integers, `ON CONFLICT`,
+//! `RETURNING`. Writes that read first do so outside the transaction and then compare-and-set, so that a
+//! SQLite transaction always starts with its write (`BEGIN IMMEDIATE`) and never has to upgrade a read
+//! lock, and a PostgreSQL one re-checks its condition on the latest row version.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sortie_protocol::api::Role;
+use sortie_protocol::limits::{SESSION_PROMPTS_MAX_BYTES, TURN_QUEUE_MAX};
+use sortie_protocol::phase::TurnMode;
+use sortie_protocol::{FailureCode, SessionId, SessionPhase, TurnStatus};
+use sqlx::any::{AnyPoolOptions, AnyRow};
+use sqlx::{Any, AnyPool, Executor, Row, Transaction};
+
+use crate::model::*;
+use crate::{Store, StoreError, StoreResult, TurnOutcome, now_ms};
+
+/// The database behind a [`SqlStore`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+impl Backend {
+    /// The backend a database URL names.
+    pub fn from_url(url: &str) -> StoreResult<Self> {
+        if url.starts_with("sqlite:") {
+            Ok(Self::Sqlite)
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Ok(Self::Postgres)
+        } else {
+            Err(StoreError::Internal("the database URL must start with sqlite: or postgres://".into()))
+        }
+    }
+}
+
+/// How often a compare-and-set loop re-reads before it gives up with a conflict.
+const CAS_ATTEMPTS: usize = 200;
+
+pub struct SqlStore {
+    pool: AnyPool,
+    backend: Backend,
+}
+
+impl SqlStore {
+    /// Connects, applies pending migrations and returns the store. A SQLite file is created if missing.
+    pub async fn connect(url: &str) -> StoreResult<Self> {
+        sqlx::any::install_default_drivers();
+        let backend = Backend::from_url(url)?;
+        let options = AnyPoolOptions::new().acquire_timeout(Duration::from_secs(10));
+        let pool = match backend {
+            Backend::Sqlite => {
+                let url = if url.contains('?') { url.to_owned() } else { format!("{url}?mode=rwc") };
+                options
+                    .max_connections(8)
+                    .after_connect(|connection, _| {
+                        Box::pin(async move {
+                            // WAL lets readers run beside the writer; NORMAL syncs at checkpoints, which
+                            // survives a killed process (only power loss can drop the newest commits).
+                            connection.execute("PRAGMA journal_mode = WAL").await?;
+                            connection.execute("PRAGMA synchronous = NORMAL").await?;
+                            connection.execute("PRAGMA busy_timeout = 10000").await?;
+                            connection.execute("PRAGMA foreign_keys = ON").await?;
+                            Ok(())
+                        })
+                    })
+                    .connect(&url)
+                    .await?
+            }
+            Backend::Postgres => options.max_connections(16).connect(url).await?,
+        };
+        let store = Self { pool, backend };
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    async fn migrate(&self) -> StoreResult<()> {
+        match self.backend {
+            Backend::Sqlite => sqlx::migrate!("./migrations/sqlite").run(&self.pool).await?,
+            Backend::Postgres => sqlx::migrate!("./migrations/postgres").run(&self.pool).await?,
+        }
+        Ok(())
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// Closes the pool; pending work finishes first.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    /// A transaction that writes. On SQLite it takes the write lock up front, so concurrent writers
+    /// queue on `busy_timeout` instead of failing on a lock upgrade.
+    async fn begin_write(&self) -> StoreResult<Transaction<'static, Any>> {
+        Ok(match self.backend {
+            Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await?,
+            Backend::Postgres => self.pool.begin().await?,
+        })
+    }
+
+    async fn fetch_session(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow> {
+        let row = sqlx::query(session_select!("WHERE s.id = $1 AND s.workspace_id = $2"))
+            .bind(session_id.as_str())
+            .bind(workspace_id)
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        session_from_row(&row)
+    }
+
+    async fn fetch_session_any_workspace(&self, session_id: &SessionId) -> StoreResult<SessionRow> {
+        let row = sqlx::query(session_select!("WHERE s.id = $1"))
+            .bind(session_id.as_str())
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        session_from_row(&row)
+    }
+
+    async fn fetch_turn(&self, session_id: &SessionId, n: u32) -> StoreResult<TurnRow> {
+        let row = sqlx::query(turn_select!("WHERE session_id = $1 AND n = $2"))
+            .bind(session_id.as_str())
+            .bind(i64::from(n))
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        turn_from_row(&row)
+    }
+}
+
+macro_rules! session_select {
+    ($tail:literal) => {
+        concat!(
+            "SELECT s.id, s.workspace_id, w.name AS workspace_name, s.repo, s.base, s.agent, s.model, s.title, ",
+            "s.phase, s.queued_reason, s.n_turns, s.n_waiting, s.current_turn, s.head_sha, s.pr_url, s.pr_number, ",
+            "s.failure_code, s.failure_reason, s.egress_allow, s.setup, s.archived, s.resume_requested, ",
+            "s.prompts_bytes, s.compute_ms, s.input_tokens, s.output_tokens, s.created_at, s.updated_at ",
+            "FROM sessions s JOIN workspaces w ON w.id = s.workspace_id ",
+            $tail
+        )
+    };
+}
+use session_select;
+
+macro_rules! turn_select {
+    ($tail:literal) => {
+        concat!(
+            "SELECT session_id, n, prompt, status, mode, stop_requested, priming, head_sha, failure_code, ",
+            "failure_reason, created_at, started_at, completed_at FROM turns ",
+            $tail
+        )
+    };
+}
+use turn_select;
+
+fn internal(what: impl std::fmt::Display) -> StoreError {
+    StoreError::Internal(what.to_string())
+}
+
+fn get_u32(row: &AnyRow, column: &str) -> StoreResult<u32> {
+    let value: i64 = row.try_get(column)?;
+    u32::try_from(value).map_err(|_| internal(format!("{column} out of range: {value}")))
+}
+
+fn get_u64(row: &AnyRow, column: &str) -> StoreResult<u64> {
+    let value: i64 = row.try_get(column)?;
+    u64::try_from(value).map_err(|_| internal(format!("{column} out of range: {value}")))
+}
+
+fn get_opt_u32(row: &AnyRow, column: &str) -> StoreResult<Option<u32>> {
+    let value: Option<i64> = row.try_get(column)?;
+    value.map(|v| u32::try_from(v).map_err(|_| internal(format!("{column} out of range: {v}")))).transpose()
+}
+
+fn parse_failure(code: Option<String>, reason: Option<String>) -> StoreResult<Option<(FailureCode, String)>> {
+    match code {
+        None => Ok(None),
+        Some(code) => {
+            let parsed: FailureCode =
+                serde_json::from_value(serde_json::Value::String(code.clone())).map_err(|_| internal(format!("unknown failure code {code}")))?;
+            Ok(Some((parsed, reason.unwrap_or_default())))
+        }
+    }
+}
+
+fn failure_code_text(code: FailureCode) -> String {
+    match serde_json::to_value(code) {
+        Ok(serde_json::Value::String(text)) => text,
+        _ => "INTERNAL".to_owned(),
+    }
+}
+
+fn session_from_row(row: &AnyRow) -> StoreResult<SessionRow> {
+    let id: String = row.try_get("id")?;
+    let phase: String = row.try_get("phase")?;
+    let egress_allow: String = row.try_get("egress_allow")?;
+    let pr_url: Option<String> = row.try_get("pr_url")?;
+    let pr_number: Option<i64> = row.try_get("pr_number")?;
+    Ok(SessionRow {
+        id: SessionId::parse(&id).map_err(internal)?,
+        workspace_id: row.try_get("workspace_id")?,
+        workspace_name: row.try_get("workspace_name")?,
+        repo: row.try_get("repo")?,
+        base: row.try_get("base")?,
+        agent: row.try_get("agent")?,
+        model: row.try_get("model")?,
+        title: row.try_get("title")?,
+        phase: SessionPhase::from_str(&phase).map_err(internal)?,
+        queued_reason: row.try_get("queued_reason")?,
+        n_turns: get_u32(row, "n_turns")?,
+        n_waiting: get_u32(row, "n_waiting")?,
+        current_turn: get_opt_u32(row, "current_turn")?,
+        head_sha: row.try_get("head_sha")?,
+        pr: match (pr_url, pr_number) {
+            (Some(url), Some(number)) => Some((url, u64::try_from(number).map_err(internal)?)),
+            _ => None,
+        },
+        failure: parse_failure(row.try_get("failure_code")?, row.try_get("failure_reason")?)?,
+        egress_allow: serde_json::from_str(&egress_allow).map_err(internal)?,
+        setup: row.try_get("setup")?,
+        archived: row.try_get::<i64, _>("archived")? != 0,
+        resume_requested: row.try_get::<i64, _>("resume_requested")? != 0,
+        prompts_bytes: get_u64(row, "prompts_bytes")?,
+        compute_ms: get_u64(row, "compute_ms")?,
+        input_tokens: get_u64(row, "input_tokens")?,
+        output_tokens: get_u64(row, "output_tokens")?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+    })
+}
+
+fn turn_from_row(row: &AnyRow) -> StoreResult<TurnRow> {
+    let session_id: String = row.try_get("session_id")?;
+    let status: String = row.try_get("status")?;
+    let mode: String = row.try_get("mode")?;
+    let stop_requested: Option<String> = row.try_get("stop_requested")?;
+    Ok(TurnRow {
+        session_id: SessionId::parse(&session_id).map_err(internal)?,
+        n: get_u32(row, "n")?,
+        prompt: row.try_get("prompt")?,
+        status: TurnStatus::from_str(&status).map_err(internal)?,
+        mode: TurnMode::from_str(&mode).map_err(internal)?,
+        stop_requested: stop_requested.as_deref().and_then(StopRequest::parse),
+        priming: row.try_get("priming")?,
+        head_sha: row.try_get("head_sha")?,
+        failure: parse_failure(row.try_get("failure_code")?, row.try_get("failure_reason")?)?,
+        created_at: row.try_get("created_at")?,
+        started_at: row.try_get("started_at")?,
+        completed_at: row.try_get("completed_at")?,
+    })
+}
+
+fn workspace_from_row(row: &AnyRow) -> StoreResult<WorkspaceRow> {
+    let roots: String = row.try_get("allowed_roots")?;
+    Ok(WorkspaceRow {
+        id: row.try_get("id")?,
+        name: row.try_get("name")?,
+        repo_access: RepoAccess {
+            any_local_path: row.try_get::<i64, _>("allow_any_local")? != 0,
+            allowed_roots: serde_json::from_str(&roots).map_err(internal)?,
+        },
+        created_at: row.try_get("created_at")?,
+    })
+}
+
+fn prefixed_ulid(prefix: &str) -> String {
+    format!("{prefix}{}", ulid::Ulid::generate().to_string().to_ascii_lowercase())
+}
+
+#[async_trait]
+impl Store for SqlStore {
+    async fn ping(&self) -> StoreResult<()> {
+        sqlx::query("SELECT 1 FROM workspaces LIMIT 1").fetch_optional(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn create_workspace(&self, name: &str, repo_access: RepoAccess) -> StoreResult<WorkspaceRow> {
+        let id = prefixed_ulid("ws_");
+        let roots = serde_json::to_string(&repo_access.allowed_roots).map_err(internal)?;
+        let row = sqlx::query(
+            "INSERT INTO workspaces (id, name, allow_any_local, allowed_roots, created_at) VALUES ($1, $2, $3, $4, $5) \
+             ON CONFLICT (name) DO NOTHING RETURNING id, name, allow_any_local, allowed_roots, created_at",
+        )
+        .bind(&id)
+        .bind(name)
+        .bind(i64::from(repo_access.any_local_path))
+        .bind(roots)
+        .bind(now_ms())
+        .fetch_optional(&self.pool)
+        .await?
+        .ok_or_else(|| StoreError::Conflict(format!("a workspace named {name:?} exists")))?;
+        workspace_from_row(&row)
+    }
+
+    async fn workspace_by_name(&self, name: &str) -> StoreResult<WorkspaceRow> {
+        let row = sqlx::query("SELECT id, name, allow_any_local, allowed_roots, created_at FROM workspaces WHERE name = $1")
+            .bind(name)
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        workspace_from_row(&row)
+    }
+
+    async fn workspace(&self, workspace_id: &str) -> StoreResult<WorkspaceRow> {
+        let row = sqlx::query("SELECT id, name, allow_any_local, allowed_roots, created_at FROM workspaces WHERE id = $1")
+            .bind(workspace_id)
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        workspace_from_row(&row)
+    }
+
+    async fn create_token(&self, workspace_id: &str, role: Role, token_hash: &str, label: Option<&str>) -> StoreResult<String> {
+        let id = prefixed_ulid("tok_");
+        sqlx::query("INSERT INTO tokens (id, workspace_id, role, token_hash, label, created_at) VALUES ($1, $2, $3, $4, $5, $6)")
+            .bind(&id)
+            .bind(workspace_id)
+            .bind(role.as_str())
+            .bind(token_hash)
+            .bind(label)
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await?;
+        Ok(id)
+    }
+
+    async fn principal_by_token_hash(&self, token_hash: &str) -> StoreResult<Principal> {
+        let row = sqlx::query(
+            "SELECT t.id, t.workspace_id, w.name, t.role FROM tokens t JOIN workspaces w ON w.id = t.workspace_id \
+             WHERE t.token_hash = $1 AND t.revoked_at IS NULL",
+        )
+        .bind(token_hash)
+        .fetch_optional(&self.pool)
+        .await?
+        .ok_or(StoreError::NotFound)?;
+        let role: String = row.try_get("role")?;
+        Ok(Principal {
+            token_id: row.try_get("id")?,
+            workspace_id: row.try_get("workspace_id")?,
+            workspace_name: row.try_get("name")?,
+            role: Role::from_str(&role).map_err(internal)?,
+        })
+    }
+
+    async fn create_session(&self, new: NewSession) -> StoreResult<SessionRow> {
+        let now = now_ms();
+        let egress = serde_json::to_string(&new.egress_allow).map_err(internal)?;
+        let prompt_bytes = i64::try_from(new.task.len()).map_err(internal)?;
+        let mut tx = self.begin_write().await?;
+        sqlx::query(
+            "INSERT INTO sessions (id, workspace_id, repo, base, agent, model, title, phase, n_turns, n_waiting, \
+             egress_allow, setup, prompts_bytes, created_at, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, 'queued', 1, 1, $8, $9, $10, $11, $11)",
+        )
+        .bind(new.id.as_str())
+        .bind(&new.workspace_id)
+        .bind(&new.repo)
+        .bind(new.base.as_deref())
+        .bind(&new.agent)
+        .bind(new.model.as_deref())
+        .bind(&new.title)
+        .bind(egress)
+        .bind(new.setup.as_deref())
+        .bind(prompt_bytes)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("INSERT INTO turns (session_id, n, prompt, status, mode, created_at) VALUES ($1, 1, $2, 'accepted', 'queue', $3)")
+            .bind(new.id.as_str())
+            .bind(&new.task)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        self.fetch_session(&new.workspace_id, &new.id).await
+    }
+
+    async fn session(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow> {
+        self.fetch_session(workspace_id, session_id).await
+    }
+
+    async fn list_sessions(&self, workspace_id: &str, filter: &SessionFilter) -> StoreResult<Vec<SessionRow>> {
+        let rows = sqlx::query(session_select!(
+            "WHERE s.workspace_id = $1 AND s.archived = $2 AND ($3 IS NULL OR s.phase = $3) \
+             AND ($4 IS NULL OR s.repo = $4) AND ($5 IS NULL OR s.id < $5) ORDER BY s.id DESC LIMIT $6"
+        ))
+        .bind(workspace_id)
+        .bind(i64::from(filter.archived))
+        .bind(filter.phase.map(SessionPhase::as_str))
+        .bind(filter.repo.as_deref())
+        .bind(filter.before.as_ref().map(SessionId::as_str))
+        .bind(i64::from(filter.limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(session_from_row).collect()
+    }
+
+    async fn turns(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<Vec<TurnRow>> {
+        // The workspace check and the read are one statement, so a foreign session yields nothing.
+        let rows = sqlx::query(turn_select!(
+            "WHERE session_id = $1 AND EXISTS (SELECT 1 FROM sessions s WHERE s.id = $1 AND s.workspace_id = $2) ORDER BY n"
+        ))
+        .bind(session_id.as_str())
+        .bind(workspace_id)
+        .fetch_all(&self.pool)
+        .await?;
+        if rows.is_empty() {
+            // Every session has turn 1, so no rows means no such session here.
+            return Err(StoreError::NotFound);
+        }
+        rows.iter().map(turn_from_row).collect()
+    }
+
+    async fn steer(&self, workspace_id: &str, session_id: &SessionId, steer: NewTurn) -> StoreResult<TurnRow> {
+        let prompt_bytes = u64::try_from(steer.prompt.len()).map_err(internal)?;
+        for _ in 0..CAS_ATTEMPTS {
+            let session = self.fetch_session(workspace_id, session_id).await?;
+            let Some(next_phase) = session.phase.after_steer() else {
+                return Err(StoreError::NotSteerable("canceled"));
+            };
+            if session.archived {
+                return Err(StoreError::NotSteerable("archived"));
+            }
+            if session.n_waiting >= TURN_QUEUE_MAX {
+                return Err(StoreError::TurnQueueFull(session.n_waiting));
+            }
+            let would_be = session.prompts_bytes + prompt_bytes;
+            if would_be > SESSION_PROMPTS_MAX_BYTES {
+                return Err(StoreError::PromptsTooLarge { would_be, limit: SESSION_PROMPTS_MAX_BYTES });
+            }
+            let clear_failure = next_phase != session.phase;
+            let now = now_ms();
+            let mut tx = self.begin_write().await?;
+            let claimed = sqlx::query(
+                "UPDATE sessions SET n_turns = n_turns + 1, n_waiting = n_waiting + 1, prompts_bytes = prompts_bytes + $3, \
+                 phase = $4, failure_code = CASE WHEN $5 = 1 THEN NULL ELSE failure_code END, \
+                 failure_reason = CASE WHEN $5 = 1 THEN NULL ELSE failure_reason END, updated_at = $6 \
+                 WHERE id = $1 AND workspace_id = $2 AND phase = $7 AND archived = 0 AND n_waiting < $8 \
+                 AND prompts_bytes + $3 <= $9 RETURNING n_turns",
+            )
+            .bind(session_id.as_str())
+            .bind(workspace_id)
+            .bind(i64::try_from(prompt_bytes).map_err(internal)?)
+            .bind(next_phase.as_str())
+            .bind(i64::from(clear_failure))
+            .bind(now)
+            .bind(session.phase.as_str())
+            .bind(i64::from(TURN_QUEUE_MAX))
+            .bind(i64::try_from(SESSION_PROMPTS_MAX_BYTES).map_err(internal)?)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let Some(claimed) = claimed else {
+                // Someone changed the session since we read it: read again and decide afresh.
+                tx.rollback().await?;
+                continue;
+            };
+            let n: i64 = claimed.try_get("n_turns")?;
+            sqlx::query("INSERT INTO turns (session_id, n, prompt, status, mode, created_at) VALUES ($1, $2, $3, 'accepted', $4, $5)")
+                .bind(session_id.as_str())
+                .bind(n)
+                .bind(&steer.prompt)
+                .bind(steer.mode.as_str())
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+            if steer.mode == TurnMode::Interrupt {
+                sqlx::query("UPDATE turns SET stop_requested = 'interrupt' WHERE session_id = $1 AND status = 'running' AND stop_requested IS NULL")
+                    .bind(session_id.as_str())
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            tx.commit().await?;
+            return self.fetch_turn(session_id, u32::try_from(n).map_err(internal)?).await;
+        }
+        Err(StoreError::Conflict("the session changed too often while steering; try again".into()))
+    }
+
+    async fn request_stop(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<TurnRow> {
+        let session = self.fetch_session(workspace_id, session_id).await?;
+        let row = sqlx::query(
+            "UPDATE turns SET stop_requested = 'stop' WHERE session_id = $1 AND status = 'running' \
+             AND (stop_requested IS NULL OR stop_requested = 'interrupt') RETURNING n",
+        )
+        .bind(session.id.as_str())
+        .fetch_optional(&self.pool)
+        .await?;
+        match row {
+            Some(row) => self.fetch_turn(session_id, get_u32(&row, "n")?).await,
+            None => {
+                // Already asked to stop (or cancel): answer with the running turn so the call is idempotent.
+                let running = sqlx::query(turn_select!("WHERE session_id = $1 AND status = 'running'"))
+                    .bind(session.id.as_str())
+                    .fetch_optional(&self.pool)
+                    .await?;
+                match running {
+                    Some(row) => turn_from_row(&row),
+                    None => Err(StoreError::NoTurnRunning),
+                }
+            }
+        }
+    }
+
+    async fn cancel(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow> {
+        for _ in 0..CAS_ATTEMPTS {
+            let session = self.fetch_session(workspace_id, session_id).await?;
+            if session.phase == SessionPhase::Canceled {
+                return Ok(session);
+            }
+            let now = now_ms();
+            let mut tx = self.begin_write().await?;
+            let changed = sqlx::query(
+                "UPDATE sessions SET phase = 'canceled', n_waiting = 0, queued_reason = NULL, resume_requested = 0, \
+                 updated_at = $3 WHERE id = $1 AND phase = $2",
+            )
+            .bind(session_id.as_str())
+            .bind(session.phase.as_str())
+            .bind(now)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if changed == 0 {
+                tx.rollback().await?;
+                continue;
+            }
+            sqlx::query("UPDATE turns SET status = 'canceled', completed_at = $2 WHERE session_id = $1 AND status = 'accepted'")
+                .bind(session_id.as_str())
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query("UPDATE turns SET stop_requested = 'cancel' WHERE session_id = $1 AND status = 'running'")
+                .bind(session_id.as_str())
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            return self.fetch_session(workspace_id, session_id).await;
+        }
+        Err(StoreError::Conflict("the session changed too often while canceling; try again".into()))
+    }
+
+    async fn resume(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow> {
+        for _ in 0..CAS_ATTEMPTS {
+            let session = self.fetch_session(workspace_id, session_id).await?;
+            if session.phase.is_terminal() {
+                return Err(StoreError::NotSteerable("canceled"));
+            }
+            if session.archived {
+                return Err(StoreError::NotSteerable("archived"));
+            }
+            if session.phase != SessionPhase::Hibernated {
+                return Ok(session);
+            }
+            let changed = sqlx::query(
+                "UPDATE sessions SET phase = 'queued', resume_requested = 1, updated_at = $2 \
+                 WHERE id = $1 AND phase = 'hibernated' AND archived = 0",
+            )
+            .bind(session_id.as_str())
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+            if changed == 1 {
+                return self.fetch_session(workspace_id, session_id).await;
+            }
+        }
+        Err(StoreError::Conflict("the session changed too often while resuming; try again".into()))
+    }
+
+    async fn set_archived(&self, workspace_id: &str, session_id: &SessionId, archived: bool) -> StoreResult<SessionRow> {
+        for _ in 0..CAS_ATTEMPTS {
+            let session = self.fetch_session(workspace_id, session_id).await?;
+            if session.archived == archived {
+                return Ok(session);
+            }
+            if archived && session.phase.has_active_turn() {
+                return Err(StoreError::SessionActive(session.phase));
+            }
+            let changed = sqlx::query("UPDATE sessions SET archived = $2, updated_at = $3 WHERE id = $1 AND phase = $4 AND archived = $5")
+                .bind(session_id.as_str())
+                .bind(i64::from(archived))
+                .bind(now_ms())
+                .bind(session.phase.as_str())
+                .bind(i64::from(session.archived))
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+            if changed == 1 {
+                return self.fetch_session(workspace_id, session_id).await;
+            }
+        }
+        Err(StoreError::Conflict("the session changed too often while archiving; try again".into()))
+    }
+
+    async fn claim_turn(&self, session_id: &SessionId, warm: bool, worker_id: &str) -> StoreResult<Option<TurnRow>> {
+        let to = if warm { SessionPhase::Running } else { SessionPhase::Provisioning };
+        let session = self.fetch_session_any_workspace(session_id).await?;
+        if session.phase != SessionPhase::Queued || session.n_waiting == 0 {
+            return Ok(None);
+        }
+        let next = sqlx::query("SELECT MIN(n) AS n FROM turns WHERE session_id = $1 AND status = 'accepted'")
+            .bind(session_id.as_str())
+            .fetch_one(&self.pool)
+            .await?;
+        let Some(n) = next.try_get::<Option<i64>, _>("n")? else {
+            return Ok(None);
+        };
+        let now = now_ms();
+        let mut tx = self.begin_write().await?;
+        let session_claimed = sqlx::query(
+            "UPDATE sessions SET phase = $2, n_waiting = n_waiting - 1, current_turn = $3, queued_reason = NULL, \
+             resume_requested = 0, updated_at = $4 WHERE id = $1 AND phase = 'queued' AND n_waiting > 0 \
+             AND NOT EXISTS (SELECT 1 FROM turns WHERE session_id = $1 AND status = 'running')",
+        )
+        .bind(session_id.as_str())
+        .bind(to.as_str())
+        .bind(n)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        let turn_claimed = if session_claimed == 1 {
+            sqlx::query("UPDATE turns SET status = 'running', started_at = $3, claimed_by = $4 WHERE session_id = $1 AND n = $2 AND status = 'accepted'")
+                .bind(session_id.as_str())
+                .bind(n)
+                .bind(now)
+                .bind(worker_id)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected()
+        } else {
+            0
+        };
+        if turn_claimed != 1 {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+        tx.commit().await?;
+        Ok(Some(self.fetch_turn(session_id, u32::try_from(n).map_err(internal)?).await?))
+    }
+
+    async fn transition_session(&self, session_id: &SessionId, from: SessionPhase, to: SessionPhase) -> StoreResult<bool> {
+        if !from.can_become(to) {
+            return Err(StoreError::IllegalTransition { from: from.to_string(), to: to.to_string() });
+        }
+        let changed = sqlx::query("UPDATE sessions SET phase = $3, updated_at = $4 WHERE id = $1 AND phase = $2")
+            .bind(session_id.as_str())
+            .bind(from.as_str())
+            .bind(to.as_str())
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        Ok(changed == 1)
+    }
+
+    async fn finish_turn(&self, session_id: &SessionId, n: u32, outcome: TurnOutcome) -> StoreResult<bool> {
+        if !TurnStatus::Running.can_become(outcome.status) {
+            return Err(StoreError::IllegalTransition { from: "running".into(), to: outcome.status.to_string() });
+        }
+        let (failure_code, failure_reason) = match outcome.failure {
+            Some((code, reason)) => (Some(failure_code_text(code)), Some(reason)),
+            None => (None, None),
+        };
+        let mut tx = self.begin_write().await?;
+        let changed = sqlx::query(
+            "UPDATE turns SET status = $3, head_sha = $4, failure_code = $5, failure_reason = $6, completed_at = $7 \
+             WHERE session_id = $1 AND n = $2 AND status = 'running'",
+        )
+        .bind(session_id.as_str())
+        .bind(i64::from(n))
+        .bind(outcome.status.as_str())
+        .bind(outcome.head_sha.as_deref())
+        .bind(failure_code.as_deref())
+        .bind(failure_reason.as_deref())
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if changed == 1 {
+            sqlx::query(
+                "UPDATE sessions SET head_sha = COALESCE($2, head_sha), failure_code = $3, failure_reason = $4, updated_at = $5 \
+                 WHERE id = $1",
+            )
+            .bind(session_id.as_str())
+            .bind(outcome.head_sha.as_deref())
+            .bind(failure_code.as_deref())
+            .bind(failure_reason.as_deref())
+            .bind(now_ms())
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(changed == 1)
+    }
+
+    async fn append_parts(&self, session_id: &SessionId, turn: u32, parts: &[NewPart]) -> StoreResult<u64> {
+        if parts.is_empty() {
+            return Ok(0);
+        }
+        let count = i64::try_from(parts.len()).map_err(internal)?;
+        let now = now_ms();
+        let mut tx = self.begin_write().await?;
+        let reserved = sqlx::query("UPDATE sessions SET next_part_seq = next_part_seq + $2 WHERE id = $1 RETURNING next_part_seq")
+            .bind(session_id.as_str())
+            .bind(count)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        let end: i64 = reserved.try_get("next_part_seq")?;
+        let mut inserted = 0;
+        for (offset, part) in (0_i64..).zip(parts) {
+            inserted += sqlx::query(
+                "INSERT INTO parts (session_id, turn, part_index, seq, payload, created_at) VALUES ($1, $2, $3, $4, $5, $6) \
+                 ON CONFLICT (session_id, turn, part_index) DO NOTHING",
+            )
+            .bind(session_id.as_str())
+            .bind(i64::from(turn))
+            .bind(i64::from(part.part_index))
+            .bind(end - count + offset)
+            .bind(&part.payload)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        }
+        tx.commit().await?;
+        Ok(inserted)
+    }
+
+    async fn parts(&self, session_id: &SessionId) -> StoreResult<Vec<StoredPart>> {
+        let rows = sqlx::query("SELECT turn, part_index, seq, payload FROM parts WHERE session_id = $1 ORDER BY turn, part_index")
+            .bind(session_id.as_str())
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(StoredPart {
+                    turn: get_u32(row, "turn")?,
+                    part_index: get_u32(row, "part_index")?,
+                    seq: row.try_get("seq")?,
+                    payload: row.try_get("payload")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn record_token_usage(&self, usage: &TokenUsage) -> StoreResult<()> {
+        let day = sortie_protocol::api::utc_day_from_epoch_ms(usage.epoch_ms);
+        let input = i64::try_from(usage.input_tokens).map_err(internal)?;
+        let output = i64::try_from(usage.output_tokens).map_err(internal)?;
+        let mut tx = self.begin_write().await?;
+        sqlx::query(
+            "INSERT INTO usage_tokens (session_id, turn, model, day, input_tokens, output_tokens, requests) \
+             VALUES ($1, $2, $3, $4, $5, $6, 1) ON CONFLICT (session_id, turn, model, day) DO UPDATE SET \
+             input_tokens = usage_tokens.input_tokens + $5, output_tokens = usage_tokens.output_tokens + $6, \
+             requests = usage_tokens.requests + 1",
+        )
+        .bind(usage.session_id.as_str())
+        .bind(i64::from(usage.turn))
+        .bind(&usage.model)
+        .bind(day)
+        .bind(input)
+        .bind(output)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("UPDATE sessions SET input_tokens = input_tokens + $2, output_tokens = output_tokens + $3 WHERE id = $1")
+            .bind(usage.session_id.as_str())
+            .bind(input)
+            .bind(output)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn record_compute(&self, session_id: &SessionId, turn: u32, epoch_ms: i64, compute_ms: u64) -> StoreResult<()> {
+        let day = sortie_protocol::api::utc_day_from_epoch_ms(epoch_ms);
+        let compute = i64::try_from(compute_ms).map_err(internal)?;
+        let mut tx = self.begin_write().await?;
+        sqlx::query(
+            "INSERT INTO usage_compute (session_id, turn, day, compute_ms) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (session_id, turn, day) DO UPDATE SET compute_ms = usage_compute.compute_ms + $4",
+        )
+        .bind(session_id.as_str())
+        .bind(i64::from(turn))
+        .bind(day)
+        .bind(compute)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("UPDATE sessions SET compute_ms = compute_ms + $2 WHERE id = $1")
+            .bind(session_id.as_str())
+            .bind(compute)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn usage(&self, workspace_id: &str, session_id: Option<&SessionId>) -> StoreResult<UsageRecords> {
+        let session_filter = session_id.map(SessionId::as_str);
+        let token_rows = sqlx::query(
+            "SELECT u.session_id, u.day, u.model, CAST(SUM(u.input_tokens) AS BIGINT) AS input_tokens, \
+             CAST(SUM(u.output_tokens) AS BIGINT) AS output_tokens FROM usage_tokens u JOIN sessions s ON s.id = u.session_id \
+             WHERE s.workspace_id = $1 AND ($2 IS NULL OR u.session_id = $2) GROUP BY u.session_id, u.day, u.model \
+             ORDER BY u.day DESC, u.session_id, u.model",
+        )
+        .bind(workspace_id)
+        .bind(session_filter)
+        .fetch_all(&self.pool)
+        .await?;
+        let compute_rows = sqlx::query(
+            "SELECT u.session_id, u.day, CAST(SUM(u.compute_ms) AS BIGINT) AS compute_ms FROM usage_compute u \
+             JOIN sessions s ON s.id = u.session_id WHERE s.workspace_id = $1 AND ($2 IS NULL OR u.session_id = $2) \
+             GROUP BY u.session_id, u.day ORDER BY u.day DESC, u.session_id",
+        )
+        .bind(workspace_id)
+        .bind(session_filter)
+        .fetch_all(&self.pool)
+        .await?;
+        let session_of = |row: &AnyRow| -> StoreResult<SessionId> {
+            let id: String = row.try_get("session_id")?;
+            SessionId::parse(&id).map_err(internal)
+        };
+        let mut records = UsageRecords::default();
+        for row in &token_rows {
+            records.tokens.push((
+                session_of(row)?,
+                row.try_get("day")?,
+                row.try_get("model")?,
+                get_u64(row, "input_tokens")?,
+                get_u64(row, "output_tokens")?,
+            ));
+        }
+        for row in &compute_rows {
+            records.compute.push((session_of(row)?, row.try_get("day")?, get_u64(row, "compute_ms")?));
+        }
+        Ok(records)
+    }
+
+    async fn claim_ticket_nonce(&self, nonce: &str, expires_at_ms: i64) -> StoreResult<bool> {
+        let now = now_ms();
+        // Expired nonces can be forgotten: a ticket carrying one fails its expiry check first.
+        sqlx::query("DELETE FROM ticket_nonces WHERE expires_at < $1").bind(now - 60_000).execute(&self.pool).await?;
+        let inserted = sqlx::query("INSERT INTO ticket_nonces (nonce, expires_at) VALUES ($1, $2) ON CONFLICT (nonce) DO NOTHING")
+            .bind(nonce)
+            .bind(expires_at_ms)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        Ok(inserted == 1)
+    }
+
+    async fn instance_secret(&self, name: &str, candidate: &str) -> StoreResult<String> {
+        sqlx::query("INSERT INTO instance_secrets (name, value, created_at) VALUES ($1, $2, $3) ON CONFLICT (name) DO NOTHING")
+            .bind(name)
+            .bind(candidate)
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await?;
+        let row = sqlx::query("SELECT value FROM instance_secrets WHERE name = $1").bind(name).fetch_one(&self.pool).await?;
+        Ok(row.try_get("value")?)
+    }
+}
