@@ -11,7 +11,9 @@ pub const BUILT_IN_AGENTS: &[&str] = &["claude-code", "codex", "gemini", "openco
 /// Well formed is not known: the server also checks its profile list.
 pub fn is_well_formed_agent_id(id: &str) -> bool {
     (1..=64).contains(&id.len())
-        && id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         && !id.starts_with('-')
 }
 

@@ -23,8 +23,22 @@ pub struct AllowlistViolation {
 }
 
 /// Top-level names that never lead to a public host (special-use and private-use suffixes).
-const NON_PUBLIC_SUFFIXES: &[&str] =
-    &["localhost", "local", "internal", "localdomain", "lan", "home", "corp", "intranet", "private", "arpa", "invalid", "test", "example", "onion"];
+const NON_PUBLIC_SUFFIXES: &[&str] = &[
+    "localhost",
+    "local",
+    "internal",
+    "localdomain",
+    "lan",
+    "home",
+    "corp",
+    "intranet",
+    "private",
+    "arpa",
+    "invalid",
+    "test",
+    "example",
+    "onion",
+];
 
 const MAX_NAME_LEN: usize = 253;
 const MAX_LABEL_LEN: usize = 63;
@@ -35,7 +49,9 @@ pub fn validate_allowlist(entries: &[String]) -> Result<(), Vec<AllowlistViolati
     let mut seen = HashSet::new();
     for (index, entry) in entries.iter().enumerate() {
         let reason = if index >= EGRESS_ALLOW_MAX_ENTRIES {
-            Some(format!("the allowlist has more than {EGRESS_ALLOW_MAX_ENTRIES} entries"))
+            Some(format!(
+                "the allowlist has more than {EGRESS_ALLOW_MAX_ENTRIES} entries"
+            ))
         } else if let Err(reason) = check_host_name(entry) {
             Some(reason)
         } else if !seen.insert(entry.as_str()) {
@@ -44,10 +60,18 @@ pub fn validate_allowlist(entries: &[String]) -> Result<(), Vec<AllowlistViolati
             None
         };
         if let Some(reason) = reason {
-            violations.push(AllowlistViolation { entry: entry.clone(), index, reason });
+            violations.push(AllowlistViolation {
+                entry: entry.clone(),
+                index,
+                reason,
+            });
         }
     }
-    if violations.is_empty() { Ok(()) } else { Err(violations) }
+    if violations.is_empty() {
+        Ok(())
+    } else {
+        Err(violations)
+    }
 }
 
 /// Checks one entry: an exact, lowercase, public DNS name of at least two labels.
@@ -79,8 +103,13 @@ pub fn check_host_name(entry: &str) -> Result<(), String> {
     if entry.bytes().any(|b| b.is_ascii_uppercase()) {
         return Err("host names must be lowercase".into());
     }
-    if let Some(bad) = entry.chars().find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '-' || *c == '.')) {
-        return Err(format!("character {bad:?} is not allowed: only lowercase letters, digits, hyphens and dots"));
+    if let Some(bad) = entry
+        .chars()
+        .find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '-' || *c == '.'))
+    {
+        return Err(format!(
+            "character {bad:?} is not allowed: only lowercase letters, digits, hyphens and dots"
+        ));
     }
     if entry.len() > MAX_NAME_LEN {
         return Err(format!("longer than {MAX_NAME_LEN} characters"));
@@ -94,7 +123,9 @@ pub fn check_host_name(entry: &str) -> Result<(), String> {
     }
     for label in &labels {
         if label.len() > MAX_LABEL_LEN {
-            return Err(format!("label {label:?} is longer than {MAX_LABEL_LEN} characters"));
+            return Err(format!(
+                "label {label:?} is longer than {MAX_LABEL_LEN} characters"
+            ));
         }
         if label.starts_with('-') || label.ends_with('-') {
             return Err(format!("label {label:?} starts or ends with a hyphen"));
@@ -132,7 +163,9 @@ mod tests {
         ] {
             assert_eq!(one(good), Ok(()), "{good} should be accepted");
         }
-        let full: Vec<String> = (0..EGRESS_ALLOW_MAX_ENTRIES).map(|i| format!("host{i}.example.com")).collect();
+        let full: Vec<String> = (0..EGRESS_ALLOW_MAX_ENTRIES)
+            .map(|i| format!("host{i}.example.com"))
+            .collect();
         assert_eq!(validate_allowlist(&full), Ok(()));
         assert_eq!(validate_allowlist(&[]), Ok(()));
     }
@@ -189,16 +222,25 @@ mod tests {
 
     #[test]
     fn duplicates_name_the_second_occurrence() {
-        let list = vec!["github.com".to_owned(), "pypi.org".to_owned(), "github.com".to_owned()];
+        let list = vec![
+            "github.com".to_owned(),
+            "pypi.org".to_owned(),
+            "github.com".to_owned(),
+        ];
         let violations = validate_allowlist(&list).expect_err("duplicate");
         assert_eq!(violations.len(), 1);
-        assert_eq!((violations[0].entry.as_str(), violations[0].index), ("github.com", 2));
+        assert_eq!(
+            (violations[0].entry.as_str(), violations[0].index),
+            ("github.com", 2)
+        );
         assert!(violations[0].reason.contains("duplicate"));
     }
 
     #[test]
     fn thirty_three_entries_refuse_the_extra_one() {
-        let list: Vec<String> = (0..EGRESS_ALLOW_MAX_ENTRIES + 1).map(|i| format!("host{i}.example.com")).collect();
+        let list: Vec<String> = (0..EGRESS_ALLOW_MAX_ENTRIES + 1)
+            .map(|i| format!("host{i}.example.com"))
+            .collect();
         let violations = validate_allowlist(&list).expect_err("too many");
         assert_eq!(violations.len(), 1);
         assert_eq!(violations[0].index, EGRESS_ALLOW_MAX_ENTRIES);
@@ -207,7 +249,12 @@ mod tests {
 
     #[test]
     fn every_offending_entry_is_reported_not_just_the_first() {
-        let list = vec!["*.a.com".to_owned(), "ok.com".to_owned(), "localhost".to_owned(), "10.1.1.1".to_owned()];
+        let list = vec![
+            "*.a.com".to_owned(),
+            "ok.com".to_owned(),
+            "localhost".to_owned(),
+            "10.1.1.1".to_owned(),
+        ];
         let violations = validate_allowlist(&list).expect_err("bad");
         let named: Vec<usize> = violations.iter().map(|v| v.index).collect();
         assert_eq!(named, vec![0, 2, 3]);

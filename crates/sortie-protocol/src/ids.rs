@@ -34,7 +34,10 @@ impl SessionId {
 
     /// The id for a given ULID (tests and imports use it to make ids deterministic).
     pub fn from_ulid(ulid: ulid::Ulid) -> Self {
-        Self(format!("{SESSION_ID_PREFIX}{}", ulid.to_string().to_ascii_lowercase()))
+        Self(format!(
+            "{SESSION_ID_PREFIX}{}",
+            ulid.to_string().to_ascii_lowercase()
+        ))
     }
 
     /// Parses and validates an id; uppercase is refused so that one session has exactly one spelling.

@@ -13,6 +13,8 @@ pub mod ids;
 pub mod limits;
 pub mod phase;
 pub mod ticket;
+pub mod ui;
+pub mod validate;
 
 pub use error::{ApiErrorBody, ErrorCode, ErrorDetail, FailureCode};
 pub use ids::{IdError, SessionId};

@@ -64,7 +64,10 @@ impl SessionPhase {
 
     /// Whether a turn of the session is active: waiting, being provisioned, running or delivering.
     pub fn has_active_turn(self) -> bool {
-        matches!(self, Self::Queued | Self::Provisioning | Self::Running | Self::Delivering)
+        matches!(
+            self,
+            Self::Queued | Self::Provisioning | Self::Running | Self::Delivering
+        )
     }
 
     /// Whether `self → to` is a legal session transition.
@@ -138,7 +141,10 @@ impl FromStr for SessionPhase {
         Self::ALL
             .into_iter()
             .find(|phase| phase.as_str() == s)
-            .ok_or_else(|| UnknownName { kind: "phase", value: s.to_owned() })
+            .ok_or_else(|| UnknownName {
+                kind: "phase",
+                value: s.to_owned(),
+            })
     }
 }
 
@@ -222,7 +228,10 @@ impl FromStr for TurnStatus {
         Self::ALL
             .into_iter()
             .find(|status| status.as_str() == s)
-            .ok_or_else(|| UnknownName { kind: "turn status", value: s.to_owned() })
+            .ok_or_else(|| UnknownName {
+                kind: "turn status",
+                value: s.to_owned(),
+            })
     }
 }
 
@@ -253,7 +262,10 @@ impl FromStr for TurnMode {
         match s {
             "queue" => Ok(Self::Queue),
             "interrupt" => Ok(Self::Interrupt),
-            _ => Err(UnknownName { kind: "turn mode", value: s.to_owned() }),
+            _ => Err(UnknownName {
+                kind: "turn mode",
+                value: s.to_owned(),
+            }),
         }
     }
 }
@@ -269,7 +281,10 @@ mod tests {
     fn expected_session(from: P, to: P) -> bool {
         match from {
             P::Queued => matches!(to, P::Provisioning | P::Running | P::Canceled),
-            P::Provisioning => matches!(to, P::Running | P::Idle | P::Queued | P::Failed | P::Canceled),
+            P::Provisioning => matches!(
+                to,
+                P::Running | P::Idle | P::Queued | P::Failed | P::Canceled
+            ),
             P::Running => matches!(to, P::Delivering | P::Failed | P::Canceled),
             P::Delivering => matches!(to, P::Idle | P::Queued | P::Failed | P::Canceled),
             P::Idle => matches!(to, P::Queued | P::Hibernated | P::Canceled),
@@ -283,7 +298,11 @@ mod tests {
     fn every_session_pair_is_decided_by_the_table() {
         for from in P::ALL {
             for to in P::ALL {
-                assert_eq!(from.can_become(to), expected_session(from, to), "{from} -> {to}");
+                assert_eq!(
+                    from.can_become(to),
+                    expected_session(from, to),
+                    "{from} -> {to}"
+                );
             }
         }
     }
@@ -292,7 +311,10 @@ mod tests {
     fn session_table_has_no_duplicates_or_self_loops() {
         for (i, pair) in SESSION_TRANSITIONS.iter().enumerate() {
             assert_ne!(pair.0, pair.1, "self loop {pair:?}");
-            assert!(!SESSION_TRANSITIONS[i + 1..].contains(pair), "duplicate {pair:?}");
+            assert!(
+                !SESSION_TRANSITIONS[i + 1..].contains(pair),
+                "duplicate {pair:?}"
+            );
         }
     }
 
@@ -309,7 +331,10 @@ mod tests {
         for from in P::ALL {
             match from.after_steer() {
                 Some(to) if to != from => assert!(from.can_become(to), "{from} -> {to}"),
-                Some(_) => assert!(from.has_active_turn(), "{from} keeps its phase only with a turn in flight"),
+                Some(_) => assert!(
+                    from.has_active_turn(),
+                    "{from} keeps its phase only with a turn in flight"
+                ),
                 None => assert!(from.is_terminal()),
             }
         }
@@ -333,11 +358,17 @@ mod tests {
     fn names_round_trip_through_text_and_json() {
         for phase in P::ALL {
             assert_eq!(phase.as_str().parse::<P>(), Ok(phase));
-            assert_eq!(serde_json::to_value(phase).ok(), Some(serde_json::json!(phase.as_str())));
+            assert_eq!(
+                serde_json::to_value(phase).ok(),
+                Some(serde_json::json!(phase.as_str()))
+            );
         }
         for status in T::ALL {
             assert_eq!(status.as_str().parse::<T>(), Ok(status));
-            assert_eq!(serde_json::to_value(status).ok(), Some(serde_json::json!(status.as_str())));
+            assert_eq!(
+                serde_json::to_value(status).ok(),
+                Some(serde_json::json!(status.as_str()))
+            );
         }
         assert!("Queued".parse::<P>().is_err());
         assert_eq!("interrupt".parse::<TurnMode>(), Ok(TurnMode::Interrupt));

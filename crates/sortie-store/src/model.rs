@@ -142,7 +142,13 @@ pub struct SessionFilter {
 
 impl Default for SessionFilter {
     fn default() -> Self {
-        Self { phase: None, repo: None, archived: false, limit: 50, before: None }
+        Self {
+            phase: None,
+            repo: None,
+            archived: false,
+            limit: 50,
+            before: None,
+        }
     }
 }
 

@@ -34,7 +34,9 @@ impl Backend {
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             Ok(Self::Postgres)
         } else {
-            Err(StoreError::Internal("the database URL must start with sqlite: or postgres://".into()))
+            Err(StoreError::Internal(
+                "the database URL must start with sqlite: or postgres://".into(),
+            ))
         }
     }
 }
@@ -55,7 +57,11 @@ impl SqlStore {
         let options = AnyPoolOptions::new().acquire_timeout(Duration::from_secs(10));
         let pool = match backend {
             Backend::Sqlite => {
-                let url = if url.contains('?') { url.to_owned() } else { format!("{url}?mode=rwc") };
+                let url = if url.contains('?') {
+                    url.to_owned()
+                } else {
+                    format!("{url}?mode=rwc")
+                };
                 options
                     .max_connections(8)
                     .after_connect(|connection, _| {
@@ -81,8 +87,16 @@ impl SqlStore {
 
     async fn migrate(&self) -> StoreResult<()> {
         match self.backend {
-            Backend::Sqlite => sqlx::migrate!("./migrations/sqlite").run(&self.pool).await?,
-            Backend::Postgres => sqlx::migrate!("./migrations/postgres").run(&self.pool).await?,
+            Backend::Sqlite => {
+                sqlx::migrate!("./migrations/sqlite")
+                    .run(&self.pool)
+                    .await?
+            }
+            Backend::Postgres => {
+                sqlx::migrate!("./migrations/postgres")
+                    .run(&self.pool)
+                    .await?
+            }
         }
         Ok(())
     }
@@ -105,7 +119,11 @@ impl SqlStore {
         })
     }
 
-    async fn fetch_session(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow> {
+    async fn fetch_session(
+        &self,
+        workspace_id: &str,
+        session_id: &SessionId,
+    ) -> StoreResult<SessionRow> {
         let row = sqlx::query(session_select!("WHERE s.id = $1 AND s.workspace_id = $2"))
             .bind(session_id.as_str())
             .bind(workspace_id)
@@ -176,15 +194,21 @@ fn get_u64(row: &AnyRow, column: &str) -> StoreResult<u64> {
 
 fn get_opt_u32(row: &AnyRow, column: &str) -> StoreResult<Option<u32>> {
     let value: Option<i64> = row.try_get(column)?;
-    value.map(|v| u32::try_from(v).map_err(|_| internal(format!("{column} out of range: {v}")))).transpose()
+    value
+        .map(|v| u32::try_from(v).map_err(|_| internal(format!("{column} out of range: {v}"))))
+        .transpose()
 }
 
-fn parse_failure(code: Option<String>, reason: Option<String>) -> StoreResult<Option<(FailureCode, String)>> {
+fn parse_failure(
+    code: Option<String>,
+    reason: Option<String>,
+) -> StoreResult<Option<(FailureCode, String)>> {
     match code {
         None => Ok(None),
         Some(code) => {
             let parsed: FailureCode =
-                serde_json::from_value(serde_json::Value::String(code.clone())).map_err(|_| internal(format!("unknown failure code {code}")))?;
+                serde_json::from_value(serde_json::Value::String(code.clone()))
+                    .map_err(|_| internal(format!("unknown failure code {code}")))?;
             Ok(Some((parsed, reason.unwrap_or_default())))
         }
     }
@@ -271,17 +295,26 @@ fn workspace_from_row(row: &AnyRow) -> StoreResult<WorkspaceRow> {
 }
 
 fn prefixed_ulid(prefix: &str) -> String {
-    format!("{prefix}{}", ulid::Ulid::generate().to_string().to_ascii_lowercase())
+    format!(
+        "{prefix}{}",
+        ulid::Ulid::generate().to_string().to_ascii_lowercase()
+    )
 }
 
 #[async_trait]
 impl Store for SqlStore {
     async fn ping(&self) -> StoreResult<()> {
-        sqlx::query("SELECT 1 FROM workspaces LIMIT 1").fetch_optional(&self.pool).await?;
+        sqlx::query("SELECT 1 FROM workspaces LIMIT 1")
+            .fetch_optional(&self.pool)
+            .await?;
         Ok(())
     }
 
-    async fn create_workspace(&self, name: &str, repo_access: RepoAccess) -> StoreResult<WorkspaceRow> {
+    async fn create_workspace(
+        &self,
+        name: &str,
+        repo_access: RepoAccess,
+    ) -> StoreResult<WorkspaceRow> {
         let id = prefixed_ulid("ws_");
         let roots = serde_json::to_string(&repo_access.allowed_roots).map_err(internal)?;
         let row = sqlx::query(
@@ -317,7 +350,13 @@ impl Store for SqlStore {
         workspace_from_row(&row)
     }
 
-    async fn create_token(&self, workspace_id: &str, role: Role, token_hash: &str, label: Option<&str>) -> StoreResult<String> {
+    async fn create_token(
+        &self,
+        workspace_id: &str,
+        role: Role,
+        token_hash: &str,
+        label: Option<&str>,
+    ) -> StoreResult<String> {
         let id = prefixed_ulid("tok_");
         sqlx::query("INSERT INTO tokens (id, workspace_id, role, token_hash, label, created_at) VALUES ($1, $2, $3, $4, $5, $6)")
             .bind(&id)
@@ -386,7 +425,11 @@ impl Store for SqlStore {
         self.fetch_session(workspace_id, session_id).await
     }
 
-    async fn list_sessions(&self, workspace_id: &str, filter: &SessionFilter) -> StoreResult<Vec<SessionRow>> {
+    async fn list_sessions(
+        &self,
+        workspace_id: &str,
+        filter: &SessionFilter,
+    ) -> StoreResult<Vec<SessionRow>> {
         let rows = sqlx::query(session_select!(
             "WHERE s.workspace_id = $1 AND s.archived = $2 AND ($3 IS NULL OR s.phase = $3) \
              AND ($4 IS NULL OR s.repo = $4) AND ($5 IS NULL OR s.id < $5) ORDER BY s.id DESC LIMIT $6"
@@ -418,7 +461,12 @@ impl Store for SqlStore {
         rows.iter().map(turn_from_row).collect()
     }
 
-    async fn steer(&self, workspace_id: &str, session_id: &SessionId, steer: NewTurn) -> StoreResult<TurnRow> {
+    async fn steer(
+        &self,
+        workspace_id: &str,
+        session_id: &SessionId,
+        steer: NewTurn,
+    ) -> StoreResult<TurnRow> {
         let prompt_bytes = u64::try_from(steer.prompt.len()).map_err(internal)?;
         for _ in 0..CAS_ATTEMPTS {
             let session = self.fetch_session(workspace_id, session_id).await?;
@@ -433,7 +481,10 @@ impl Store for SqlStore {
             }
             let would_be = session.prompts_bytes + prompt_bytes;
             if would_be > SESSION_PROMPTS_MAX_BYTES {
-                return Err(StoreError::PromptsTooLarge { would_be, limit: SESSION_PROMPTS_MAX_BYTES });
+                return Err(StoreError::PromptsTooLarge {
+                    would_be,
+                    limit: SESSION_PROMPTS_MAX_BYTES,
+                });
             }
             let clear_failure = next_phase != session.phase;
             let now = now_ms();
@@ -477,12 +528,20 @@ impl Store for SqlStore {
                     .await?;
             }
             tx.commit().await?;
-            return self.fetch_turn(session_id, u32::try_from(n).map_err(internal)?).await;
+            return self
+                .fetch_turn(session_id, u32::try_from(n).map_err(internal)?)
+                .await;
         }
-        Err(StoreError::Conflict("the session changed too often while steering; try again".into()))
+        Err(StoreError::Conflict(
+            "the session changed too often while steering; try again".into(),
+        ))
     }
 
-    async fn request_stop(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<TurnRow> {
+    async fn request_stop(
+        &self,
+        workspace_id: &str,
+        session_id: &SessionId,
+    ) -> StoreResult<TurnRow> {
         let session = self.fetch_session(workspace_id, session_id).await?;
         let row = sqlx::query(
             "UPDATE turns SET stop_requested = 'stop' WHERE session_id = $1 AND status = 'running' \
@@ -495,10 +554,11 @@ impl Store for SqlStore {
             Some(row) => self.fetch_turn(session_id, get_u32(&row, "n")?).await,
             None => {
                 // Already asked to stop (or cancel): answer with the running turn so the call is idempotent.
-                let running = sqlx::query(turn_select!("WHERE session_id = $1 AND status = 'running'"))
-                    .bind(session.id.as_str())
-                    .fetch_optional(&self.pool)
-                    .await?;
+                let running =
+                    sqlx::query(turn_select!("WHERE session_id = $1 AND status = 'running'"))
+                        .bind(session.id.as_str())
+                        .fetch_optional(&self.pool)
+                        .await?;
                 match running {
                     Some(row) => turn_from_row(&row),
                     None => Err(StoreError::NoTurnRunning),
@@ -541,7 +601,9 @@ impl Store for SqlStore {
             tx.commit().await?;
             return self.fetch_session(workspace_id, session_id).await;
         }
-        Err(StoreError::Conflict("the session changed too often while canceling; try again".into()))
+        Err(StoreError::Conflict(
+            "the session changed too often while canceling; try again".into(),
+        ))
     }
 
     async fn resume(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow> {
@@ -569,10 +631,17 @@ impl Store for SqlStore {
                 return self.fetch_session(workspace_id, session_id).await;
             }
         }
-        Err(StoreError::Conflict("the session changed too often while resuming; try again".into()))
+        Err(StoreError::Conflict(
+            "the session changed too often while resuming; try again".into(),
+        ))
     }
 
-    async fn set_archived(&self, workspace_id: &str, session_id: &SessionId, archived: bool) -> StoreResult<SessionRow> {
+    async fn set_archived(
+        &self,
+        workspace_id: &str,
+        session_id: &SessionId,
+        archived: bool,
+    ) -> StoreResult<SessionRow> {
         for _ in 0..CAS_ATTEMPTS {
             let session = self.fetch_session(workspace_id, session_id).await?;
             if session.archived == archived {
@@ -594,19 +663,32 @@ impl Store for SqlStore {
                 return self.fetch_session(workspace_id, session_id).await;
             }
         }
-        Err(StoreError::Conflict("the session changed too often while archiving; try again".into()))
+        Err(StoreError::Conflict(
+            "the session changed too often while archiving; try again".into(),
+        ))
     }
 
-    async fn claim_turn(&self, session_id: &SessionId, warm: bool, worker_id: &str) -> StoreResult<Option<TurnRow>> {
-        let to = if warm { SessionPhase::Running } else { SessionPhase::Provisioning };
+    async fn claim_turn(
+        &self,
+        session_id: &SessionId,
+        warm: bool,
+        worker_id: &str,
+    ) -> StoreResult<Option<TurnRow>> {
+        let to = if warm {
+            SessionPhase::Running
+        } else {
+            SessionPhase::Provisioning
+        };
         let session = self.fetch_session_any_workspace(session_id).await?;
         if session.phase != SessionPhase::Queued || session.n_waiting == 0 {
             return Ok(None);
         }
-        let next = sqlx::query("SELECT MIN(n) AS n FROM turns WHERE session_id = $1 AND status = 'accepted'")
-            .bind(session_id.as_str())
-            .fetch_one(&self.pool)
-            .await?;
+        let next = sqlx::query(
+            "SELECT MIN(n) AS n FROM turns WHERE session_id = $1 AND status = 'accepted'",
+        )
+        .bind(session_id.as_str())
+        .fetch_one(&self.pool)
+        .await?;
         let Some(n) = next.try_get::<Option<i64>, _>("n")? else {
             return Ok(None);
         };
@@ -641,27 +723,48 @@ impl Store for SqlStore {
             return Ok(None);
         }
         tx.commit().await?;
-        Ok(Some(self.fetch_turn(session_id, u32::try_from(n).map_err(internal)?).await?))
+        Ok(Some(
+            self.fetch_turn(session_id, u32::try_from(n).map_err(internal)?)
+                .await?,
+        ))
     }
 
-    async fn transition_session(&self, session_id: &SessionId, from: SessionPhase, to: SessionPhase) -> StoreResult<bool> {
+    async fn transition_session(
+        &self,
+        session_id: &SessionId,
+        from: SessionPhase,
+        to: SessionPhase,
+    ) -> StoreResult<bool> {
         if !from.can_become(to) {
-            return Err(StoreError::IllegalTransition { from: from.to_string(), to: to.to_string() });
+            return Err(StoreError::IllegalTransition {
+                from: from.to_string(),
+                to: to.to_string(),
+            });
         }
-        let changed = sqlx::query("UPDATE sessions SET phase = $3, updated_at = $4 WHERE id = $1 AND phase = $2")
-            .bind(session_id.as_str())
-            .bind(from.as_str())
-            .bind(to.as_str())
-            .bind(now_ms())
-            .execute(&self.pool)
-            .await?
-            .rows_affected();
+        let changed = sqlx::query(
+            "UPDATE sessions SET phase = $3, updated_at = $4 WHERE id = $1 AND phase = $2",
+        )
+        .bind(session_id.as_str())
+        .bind(from.as_str())
+        .bind(to.as_str())
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
         Ok(changed == 1)
     }
 
-    async fn finish_turn(&self, session_id: &SessionId, n: u32, outcome: TurnOutcome) -> StoreResult<bool> {
+    async fn finish_turn(
+        &self,
+        session_id: &SessionId,
+        n: u32,
+        outcome: TurnOutcome,
+    ) -> StoreResult<bool> {
         if !TurnStatus::Running.can_become(outcome.status) {
-            return Err(StoreError::IllegalTransition { from: "running".into(), to: outcome.status.to_string() });
+            return Err(StoreError::IllegalTransition {
+                from: "running".into(),
+                to: outcome.status.to_string(),
+            });
         }
         let (failure_code, failure_reason) = match outcome.failure {
             Some((code, reason)) => (Some(failure_code_text(code)), Some(reason)),
@@ -699,7 +802,12 @@ impl Store for SqlStore {
         Ok(changed == 1)
     }
 
-    async fn append_parts(&self, session_id: &SessionId, turn: u32, parts: &[NewPart]) -> StoreResult<u64> {
+    async fn append_parts(
+        &self,
+        session_id: &SessionId,
+        turn: u32,
+        parts: &[NewPart],
+    ) -> StoreResult<u64> {
         if parts.is_empty() {
             return Ok(0);
         }
@@ -779,7 +887,13 @@ impl Store for SqlStore {
         Ok(())
     }
 
-    async fn record_compute(&self, session_id: &SessionId, turn: u32, epoch_ms: i64, compute_ms: u64) -> StoreResult<()> {
+    async fn record_compute(
+        &self,
+        session_id: &SessionId,
+        turn: u32,
+        epoch_ms: i64,
+        compute_ms: u64,
+    ) -> StoreResult<()> {
         let day = sortie_protocol::api::utc_day_from_epoch_ms(epoch_ms);
         let compute = i64::try_from(compute_ms).map_err(internal)?;
         let mut tx = self.begin_write().await?;
@@ -802,7 +916,11 @@ impl Store for SqlStore {
         Ok(())
     }
 
-    async fn usage(&self, workspace_id: &str, session_id: Option<&SessionId>) -> StoreResult<UsageRecords> {
+    async fn usage(
+        &self,
+        workspace_id: &str,
+        session_id: Option<&SessionId>,
+    ) -> StoreResult<UsageRecords> {
         let session_filter = session_id.map(SessionId::as_str);
         let token_rows = sqlx::query(
             "SELECT u.session_id, u.day, u.model, CAST(SUM(u.input_tokens) AS BIGINT) AS input_tokens, \
@@ -838,7 +956,11 @@ impl Store for SqlStore {
             ));
         }
         for row in &compute_rows {
-            records.compute.push((session_of(row)?, row.try_get("day")?, get_u64(row, "compute_ms")?));
+            records.compute.push((
+                session_of(row)?,
+                row.try_get("day")?,
+                get_u64(row, "compute_ms")?,
+            ));
         }
         Ok(records)
     }
@@ -846,7 +968,10 @@ impl Store for SqlStore {
     async fn claim_ticket_nonce(&self, nonce: &str, expires_at_ms: i64) -> StoreResult<bool> {
         let now = now_ms();
         // Expired nonces can be forgotten: a ticket carrying one fails its expiry check first.
-        sqlx::query("DELETE FROM ticket_nonces WHERE expires_at < $1").bind(now - 60_000).execute(&self.pool).await?;
+        sqlx::query("DELETE FROM ticket_nonces WHERE expires_at < $1")
+            .bind(now - 60_000)
+            .execute(&self.pool)
+            .await?;
         let inserted = sqlx::query("INSERT INTO ticket_nonces (nonce, expires_at) VALUES ($1, $2) ON CONFLICT (nonce) DO NOTHING")
             .bind(nonce)
             .bind(expires_at_ms)
@@ -863,7 +988,10 @@ impl Store for SqlStore {
             .bind(now_ms())
             .execute(&self.pool)
             .await?;
-        let row = sqlx::query("SELECT value FROM instance_secrets WHERE name = $1").bind(name).fetch_one(&self.pool).await?;
+        let row = sqlx::query("SELECT value FROM instance_secrets WHERE name = $1")
+            .bind(name)
+            .fetch_one(&self.pool)
+            .await?;
         Ok(row.try_get("value")?)
     }
 }

@@ -37,31 +37,54 @@ impl TestDatabase {
     }
 
     pub fn sqlite(dir: &Path) -> Self {
-        Self { url: format!("sqlite://{}", dir.join("sortie.db").display()), postgres: None }
+        Self {
+            url: format!("sqlite://{}", dir.join("sortie.db").display()),
+            postgres: None,
+        }
     }
 
     pub async fn postgres() -> StoreResult<Self> {
-        let admin_url = std::env::var(TEST_POSTGRES_URL_ENV).unwrap_or_else(|_| DEFAULT_TEST_POSTGRES_URL.to_owned());
-        let name = format!("sortie_test_{}", ulid::Ulid::generate().to_string().to_ascii_lowercase());
+        let admin_url = std::env::var(TEST_POSTGRES_URL_ENV)
+            .unwrap_or_else(|_| DEFAULT_TEST_POSTGRES_URL.to_owned());
+        let name = format!(
+            "sortie_test_{}",
+            ulid::Ulid::generate().to_string().to_ascii_lowercase()
+        );
         let mut admin = sqlx::PgConnection::connect(&admin_url).await?;
-        admin.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).await?;
+        admin
+            .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .await?;
         admin.close().await?;
-        let (base, _) = admin_url
-            .rsplit_once('/')
-            .ok_or_else(|| StoreError::Internal(format!("{TEST_POSTGRES_URL_ENV} has no database path")))?;
-        Ok(Self { url: format!("{base}/{name}"), postgres: Some((admin_url, name)) })
+        let (base, _) = admin_url.rsplit_once('/').ok_or_else(|| {
+            StoreError::Internal(format!("{TEST_POSTGRES_URL_ENV} has no database path"))
+        })?;
+        Ok(Self {
+            url: format!("{base}/{name}"),
+            postgres: Some((admin_url, name)),
+        })
     }
 }
 
 impl Drop for TestDatabase {
     fn drop(&mut self) {
-        let Some((admin_url, name)) = self.postgres.take() else { return };
+        let Some((admin_url, name)) = self.postgres.take() else {
+            return;
+        };
         // Drop may run inside a runtime, which cannot block on another: use a thread of its own.
         let dropper = std::thread::spawn(move || {
-            let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
             runtime.block_on(async {
                 if let Ok(mut admin) = sqlx::PgConnection::connect(&admin_url).await {
-                    let _ = admin.execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))).await;
+                    let _ = admin
+                        .execute(sqlx::AssertSqlSafe(format!(
+                            "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                        )))
+                        .await;
                     let _ = admin.close().await;
                 }
             });

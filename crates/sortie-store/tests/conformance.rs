@@ -18,10 +18,26 @@ struct Fixture {
 
 async fn fixture(backend: TestBackend) -> Fixture {
     let dir = tempfile::tempdir().expect("temp dir");
-    let database = TestDatabase::new(backend, dir.path()).await.expect("test database");
+    let database = TestDatabase::new(backend, dir.path())
+        .await
+        .expect("test database");
     let store = Arc::new(SqlStore::connect(&database.url).await.expect("connect"));
-    let workspace = store.create_workspace("default", RepoAccess { any_local_path: true, allowed_roots: vec![] }).await.expect("workspace");
-    Fixture { store, workspace, _database: database, _dir: dir }
+    let workspace = store
+        .create_workspace(
+            "default",
+            RepoAccess {
+                any_local_path: true,
+                allowed_roots: vec![],
+            },
+        )
+        .await
+        .expect("workspace");
+    Fixture {
+        store,
+        workspace,
+        _database: database,
+        _dir: dir,
+    }
 }
 
 fn new_session(workspace_id: &str, repo: &str, task: &str) -> NewSession {
@@ -40,7 +56,10 @@ fn new_session(workspace_id: &str, repo: &str, task: &str) -> NewSession {
 }
 
 fn queue(prompt: &str) -> NewTurn {
-    NewTurn { prompt: prompt.to_owned(), mode: TurnMode::Queue }
+    NewTurn {
+        prompt: prompt.to_owned(),
+        mode: TurnMode::Queue,
+    }
 }
 
 /// Generates one test per backend for each story.
@@ -77,19 +96,63 @@ on_both_databases!(
 
 async fn workspaces_and_tokens(backend: TestBackend) {
     let f = fixture(backend).await;
-    let again = f.store.create_workspace("default", RepoAccess::default()).await;
+    let again = f
+        .store
+        .create_workspace("default", RepoAccess::default())
+        .await;
     assert!(matches!(again, Err(StoreError::Conflict(_))), "{again:?}");
-    let team = f.store.create_workspace("team", RepoAccess { any_local_path: false, allowed_roots: vec!["/srv/git".into()] }).await.expect("team");
-    assert_eq!(f.store.workspace_by_name("team").await.expect("by name"), team);
+    let team = f
+        .store
+        .create_workspace(
+            "team",
+            RepoAccess {
+                any_local_path: false,
+                allowed_roots: vec!["/srv/git".into()],
+            },
+        )
+        .await
+        .expect("team");
+    assert_eq!(
+        f.store.workspace_by_name("team").await.expect("by name"),
+        team
+    );
     assert_eq!(team.repo_access.allowed_roots, vec!["/srv/git".to_owned()]);
-    assert!(matches!(f.store.workspace_by_name("nope").await, Err(StoreError::NotFound)));
+    assert!(matches!(
+        f.store.workspace_by_name("nope").await,
+        Err(StoreError::NotFound)
+    ));
 
-    let token_id = f.store.create_token(&team.id, Role::Viewer, "hash-1", Some("ci")).await.expect("token");
-    let principal = f.store.principal_by_token_hash("hash-1").await.expect("principal");
-    assert_eq!(principal, Principal { token_id, workspace_id: team.id.clone(), workspace_name: "team".into(), role: Role::Viewer });
-    assert!(matches!(f.store.principal_by_token_hash("hash-2").await, Err(StoreError::NotFound)));
-    let duplicate = f.store.create_token(&team.id, Role::Admin, "hash-1", None).await;
-    assert!(matches!(duplicate, Err(StoreError::Conflict(_))), "{duplicate:?}");
+    let token_id = f
+        .store
+        .create_token(&team.id, Role::Viewer, "hash-1", Some("ci"))
+        .await
+        .expect("token");
+    let principal = f
+        .store
+        .principal_by_token_hash("hash-1")
+        .await
+        .expect("principal");
+    assert_eq!(
+        principal,
+        Principal {
+            token_id,
+            workspace_id: team.id.clone(),
+            workspace_name: "team".into(),
+            role: Role::Viewer
+        }
+    );
+    assert!(matches!(
+        f.store.principal_by_token_hash("hash-2").await,
+        Err(StoreError::NotFound)
+    ));
+    let duplicate = f
+        .store
+        .create_token(&team.id, Role::Admin, "hash-1", None)
+        .await;
+    assert!(
+        matches!(duplicate, Err(StoreError::Conflict(_))),
+        "{duplicate:?}"
+    );
     f.store.ping().await.expect("ping");
 }
 
@@ -100,38 +163,96 @@ async fn create_writes_session_and_first_turn(backend: TestBackend) {
     assert_eq!(session.id, new.id);
     assert_eq!(session.workspace_name, "default");
     assert_eq!(session.phase, SessionPhase::Queued);
-    assert_eq!((session.n_turns, session.n_waiting, session.current_turn), (1, 1, None));
+    assert_eq!(
+        (session.n_turns, session.n_waiting, session.current_turn),
+        (1, 1, None)
+    );
     assert_eq!(session.prompts_bytes, "fix the bug".len() as u64);
     assert_eq!(session.egress_allow, vec!["github.com".to_owned()]);
     assert_eq!(session.base.as_deref(), Some("main"));
     assert!(!session.archived && session.failure.is_none() && session.pr.is_none());
 
-    let turns = f.store.turns(&f.workspace.id, &session.id).await.expect("turns");
+    let turns = f
+        .store
+        .turns(&f.workspace.id, &session.id)
+        .await
+        .expect("turns");
     assert_eq!(turns.len(), 1);
-    assert_eq!((turns[0].n, turns[0].status, turns[0].mode), (1, TurnStatus::Accepted, TurnMode::Queue));
+    assert_eq!(
+        (turns[0].n, turns[0].status, turns[0].mode),
+        (1, TurnStatus::Accepted, TurnMode::Queue)
+    );
     assert_eq!(turns[0].prompt, "fix the bug");
 
     let duplicate = f.store.create_session(new).await;
-    assert!(matches!(duplicate, Err(StoreError::Conflict(_))), "{duplicate:?}");
+    assert!(
+        matches!(duplicate, Err(StoreError::Conflict(_))),
+        "{duplicate:?}"
+    );
 }
 
 async fn sessions_are_invisible_to_other_workspaces(backend: TestBackend) {
     let f = fixture(backend).await;
-    let other = f.store.create_workspace("other", RepoAccess::default()).await.expect("other");
-    let session = f.store.create_session(new_session(&f.workspace.id, "/r", "t")).await.expect("create");
+    let other = f
+        .store
+        .create_workspace("other", RepoAccess::default())
+        .await
+        .expect("other");
+    let session = f
+        .store
+        .create_session(new_session(&f.workspace.id, "/r", "t"))
+        .await
+        .expect("create");
     let id = &session.id;
-    assert!(matches!(f.store.session(&other.id, id).await, Err(StoreError::NotFound)));
-    assert!(matches!(f.store.turns(&other.id, id).await, Err(StoreError::NotFound)));
-    assert!(matches!(f.store.steer(&other.id, id, queue("x")).await, Err(StoreError::NotFound)));
-    assert!(matches!(f.store.request_stop(&other.id, id).await, Err(StoreError::NotFound)));
-    assert!(matches!(f.store.cancel(&other.id, id).await, Err(StoreError::NotFound)));
-    assert!(matches!(f.store.resume(&other.id, id).await, Err(StoreError::NotFound)));
-    assert!(matches!(f.store.set_archived(&other.id, id, true).await, Err(StoreError::NotFound)));
-    assert!(f.store.list_sessions(&other.id, &SessionFilter::default()).await.expect("list").is_empty());
-    assert!(f.store.usage(&other.id, Some(id)).await.expect("usage").tokens.is_empty());
+    assert!(matches!(
+        f.store.session(&other.id, id).await,
+        Err(StoreError::NotFound)
+    ));
+    assert!(matches!(
+        f.store.turns(&other.id, id).await,
+        Err(StoreError::NotFound)
+    ));
+    assert!(matches!(
+        f.store.steer(&other.id, id, queue("x")).await,
+        Err(StoreError::NotFound)
+    ));
+    assert!(matches!(
+        f.store.request_stop(&other.id, id).await,
+        Err(StoreError::NotFound)
+    ));
+    assert!(matches!(
+        f.store.cancel(&other.id, id).await,
+        Err(StoreError::NotFound)
+    ));
+    assert!(matches!(
+        f.store.resume(&other.id, id).await,
+        Err(StoreError::NotFound)
+    ));
+    assert!(matches!(
+        f.store.set_archived(&other.id, id, true).await,
+        Err(StoreError::NotFound)
+    ));
+    assert!(
+        f.store
+            .list_sessions(&other.id, &SessionFilter::default())
+            .await
+            .expect("list")
+            .is_empty()
+    );
+    assert!(
+        f.store
+            .usage(&other.id, Some(id))
+            .await
+            .expect("usage")
+            .tokens
+            .is_empty()
+    );
     // Nothing changed for the owner.
     let unchanged = f.store.session(&f.workspace.id, id).await.expect("session");
-    assert_eq!((unchanged.phase, unchanged.n_turns, unchanged.archived), (SessionPhase::Queued, 1, false));
+    assert_eq!(
+        (unchanged.phase, unchanged.n_turns, unchanged.archived),
+        (SessionPhase::Queued, 1, false)
+    );
 }
 
 async fn list_is_newest_first_with_filters_and_pages(backend: TestBackend) {
@@ -143,61 +264,198 @@ async fn list_is_newest_first_with_filters_and_pages(backend: TestBackend) {
         new.id = SessionId::from_ulid(ulid::Ulid::from_parts(1_700_000_000_000 + i, 7));
         ids.push(f.store.create_session(new).await.expect("create").id);
     }
-    let all = f.store.list_sessions(&f.workspace.id, &SessionFilter::default()).await.expect("list");
+    let all = f
+        .store
+        .list_sessions(&f.workspace.id, &SessionFilter::default())
+        .await
+        .expect("list");
     let listed: Vec<_> = all.iter().map(|s| s.id.clone()).collect();
     let mut newest_first = ids.clone();
     newest_first.reverse();
     assert_eq!(listed, newest_first);
 
-    let page = SessionFilter { limit: 2, ..SessionFilter::default() };
-    let first = f.store.list_sessions(&f.workspace.id, &page).await.expect("page 1");
-    assert_eq!(first.iter().map(|s| &s.id).collect::<Vec<_>>(), vec![&ids[4], &ids[3]]);
-    let second = f.store.list_sessions(&f.workspace.id, &SessionFilter { before: Some(ids[3].clone()), ..page.clone() }).await.expect("page 2");
-    assert_eq!(second.iter().map(|s| &s.id).collect::<Vec<_>>(), vec![&ids[2], &ids[1]]);
+    let page = SessionFilter {
+        limit: 2,
+        ..SessionFilter::default()
+    };
+    let first = f
+        .store
+        .list_sessions(&f.workspace.id, &page)
+        .await
+        .expect("page 1");
+    assert_eq!(
+        first.iter().map(|s| &s.id).collect::<Vec<_>>(),
+        vec![&ids[4], &ids[3]]
+    );
+    let second = f
+        .store
+        .list_sessions(
+            &f.workspace.id,
+            &SessionFilter {
+                before: Some(ids[3].clone()),
+                ..page.clone()
+            },
+        )
+        .await
+        .expect("page 2");
+    assert_eq!(
+        second.iter().map(|s| &s.id).collect::<Vec<_>>(),
+        vec![&ids[2], &ids[1]]
+    );
 
-    let odd = f.store.list_sessions(&f.workspace.id, &SessionFilter { repo: Some("/odd".into()), ..SessionFilter::default() }).await.expect("odd");
+    let odd = f
+        .store
+        .list_sessions(
+            &f.workspace.id,
+            &SessionFilter {
+                repo: Some("/odd".into()),
+                ..SessionFilter::default()
+            },
+        )
+        .await
+        .expect("odd");
     assert_eq!(odd.len(), 2);
-    f.store.cancel(&f.workspace.id, &ids[0]).await.expect("cancel");
-    let canceled =
-        f.store.list_sessions(&f.workspace.id, &SessionFilter { phase: Some(SessionPhase::Canceled), ..SessionFilter::default() }).await.expect("canceled");
-    assert_eq!(canceled.iter().map(|s| &s.id).collect::<Vec<_>>(), vec![&ids[0]]);
-    f.store.set_archived(&f.workspace.id, &ids[0], true).await.expect("archive");
-    let unarchived = f.store.list_sessions(&f.workspace.id, &SessionFilter::default()).await.expect("list");
+    f.store
+        .cancel(&f.workspace.id, &ids[0])
+        .await
+        .expect("cancel");
+    let canceled = f
+        .store
+        .list_sessions(
+            &f.workspace.id,
+            &SessionFilter {
+                phase: Some(SessionPhase::Canceled),
+                ..SessionFilter::default()
+            },
+        )
+        .await
+        .expect("canceled");
+    assert_eq!(
+        canceled.iter().map(|s| &s.id).collect::<Vec<_>>(),
+        vec![&ids[0]]
+    );
+    f.store
+        .set_archived(&f.workspace.id, &ids[0], true)
+        .await
+        .expect("archive");
+    let unarchived = f
+        .store
+        .list_sessions(&f.workspace.id, &SessionFilter::default())
+        .await
+        .expect("list");
     assert_eq!(unarchived.len(), 4);
-    let archived = f.store.list_sessions(&f.workspace.id, &SessionFilter { archived: true, ..SessionFilter::default() }).await.expect("archived");
-    assert_eq!(archived.iter().map(|s| &s.id).collect::<Vec<_>>(), vec![&ids[0]]);
+    let archived = f
+        .store
+        .list_sessions(
+            &f.workspace.id,
+            &SessionFilter {
+                archived: true,
+                ..SessionFilter::default()
+            },
+        )
+        .await
+        .expect("archived");
+    assert_eq!(
+        archived.iter().map(|s| &s.id).collect::<Vec<_>>(),
+        vec![&ids[0]]
+    );
 }
 
 async fn steer_queues_turns_until_the_queue_is_full(backend: TestBackend) {
     let f = fixture(backend).await;
-    let session = f.store.create_session(new_session(&f.workspace.id, "/r", "t")).await.expect("create");
+    let session = f
+        .store
+        .create_session(new_session(&f.workspace.id, "/r", "t"))
+        .await
+        .expect("create");
     for n in 2..=TURN_QUEUE_MAX {
-        let turn = f.store.steer(&f.workspace.id, &session.id, queue(&format!("steer {n}"))).await.expect("steer");
+        let turn = f
+            .store
+            .steer(&f.workspace.id, &session.id, queue(&format!("steer {n}")))
+            .await
+            .expect("steer");
         assert_eq!((turn.n, turn.status), (n, TurnStatus::Accepted));
     }
-    let full = f.store.steer(&f.workspace.id, &session.id, queue("one too many")).await;
+    let full = f
+        .store
+        .steer(&f.workspace.id, &session.id, queue("one too many"))
+        .await;
     assert_eq!(full, Err(StoreError::TurnQueueFull(TURN_QUEUE_MAX)));
-    let after = f.store.session(&f.workspace.id, &session.id).await.expect("session");
-    assert_eq!((after.n_turns, after.n_waiting), (TURN_QUEUE_MAX, TURN_QUEUE_MAX));
-    assert_eq!(f.store.turns(&f.workspace.id, &session.id).await.expect("turns").len(), TURN_QUEUE_MAX as usize);
+    let after = f
+        .store
+        .session(&f.workspace.id, &session.id)
+        .await
+        .expect("session");
+    assert_eq!(
+        (after.n_turns, after.n_waiting),
+        (TURN_QUEUE_MAX, TURN_QUEUE_MAX)
+    );
+    assert_eq!(
+        f.store
+            .turns(&f.workspace.id, &session.id)
+            .await
+            .expect("turns")
+            .len(),
+        TURN_QUEUE_MAX as usize
+    );
 
-    f.store.cancel(&f.workspace.id, &session.id).await.expect("cancel");
-    assert_eq!(f.store.steer(&f.workspace.id, &session.id, queue("late")).await, Err(StoreError::NotSteerable("canceled")));
+    f.store
+        .cancel(&f.workspace.id, &session.id)
+        .await
+        .expect("cancel");
+    assert_eq!(
+        f.store
+            .steer(&f.workspace.id, &session.id, queue("late"))
+            .await,
+        Err(StoreError::NotSteerable("canceled"))
+    );
 }
 
 async fn steer_refuses_prompts_past_the_session_budget(backend: TestBackend) {
     let f = fixture(backend).await;
     let big = "x".repeat(PROMPT_MAX_BYTES);
-    let session = f.store.create_session(new_session(&f.workspace.id, "/r", &big)).await.expect("create");
+    let session = f
+        .store
+        .create_session(new_session(&f.workspace.id, "/r", &big))
+        .await
+        .expect("create");
     let mut total = big.len() as u64;
     // Run every turn to completion so the queue never fills; only the byte budget can refuse.
     loop {
-        let claimed = f.store.claim_turn(&session.id, true, "w1").await.expect("claim").expect("a turn to claim");
-        let done = TurnOutcome { status: TurnStatus::Completed, head_sha: None, failure: None };
-        assert!(f.store.finish_turn(&session.id, claimed.n, done).await.expect("finish"));
-        assert!(f.store.transition_session(&session.id, SessionPhase::Running, SessionPhase::Delivering).await.expect("deliver"));
-        assert!(f.store.transition_session(&session.id, SessionPhase::Delivering, SessionPhase::Idle).await.expect("idle"));
-        match f.store.steer(&f.workspace.id, &session.id, queue(&big)).await {
+        let claimed = f
+            .store
+            .claim_turn(&session.id, true, "w1")
+            .await
+            .expect("claim")
+            .expect("a turn to claim");
+        let done = TurnOutcome {
+            status: TurnStatus::Completed,
+            head_sha: None,
+            failure: None,
+        };
+        assert!(
+            f.store
+                .finish_turn(&session.id, claimed.n, done)
+                .await
+                .expect("finish")
+        );
+        assert!(
+            f.store
+                .transition_session(&session.id, SessionPhase::Running, SessionPhase::Delivering)
+                .await
+                .expect("deliver")
+        );
+        assert!(
+            f.store
+                .transition_session(&session.id, SessionPhase::Delivering, SessionPhase::Idle)
+                .await
+                .expect("idle")
+        );
+        match f
+            .store
+            .steer(&f.workspace.id, &session.id, queue(&big))
+            .await
+        {
             Ok(_) => total += big.len() as u64,
             Err(StoreError::PromptsTooLarge { would_be, limit }) => {
                 assert_eq!(would_be, total + big.len() as u64);
@@ -208,23 +466,43 @@ async fn steer_refuses_prompts_past_the_session_budget(backend: TestBackend) {
             Err(other) => panic!("unexpected {other:?}"),
         }
     }
-    let after = f.store.session(&f.workspace.id, &session.id).await.expect("session");
+    let after = f
+        .store
+        .session(&f.workspace.id, &session.id)
+        .await
+        .expect("session");
     assert_eq!(after.prompts_bytes, total);
-    assert_eq!(after.phase, SessionPhase::Idle, "a refused steer writes nothing");
+    assert_eq!(
+        after.phase,
+        SessionPhase::Idle,
+        "a refused steer writes nothing"
+    );
     // A smaller prompt that still fits is accepted.
     let room = (SESSION_PROMPTS_MAX_BYTES - total) as usize;
-    let fits = f.store.steer(&f.workspace.id, &session.id, queue(&"y".repeat(room))).await.expect("fits exactly");
+    let fits = f
+        .store
+        .steer(&f.workspace.id, &session.id, queue(&"y".repeat(room)))
+        .await
+        .expect("fits exactly");
     assert_eq!(fits.n, after.n_turns + 1);
 }
 
 async fn concurrent_steers_get_distinct_numbers_and_respect_the_queue(backend: TestBackend) {
     let f = fixture(backend).await;
-    let session = f.store.create_session(new_session(&f.workspace.id, "/r", "t")).await.expect("create");
+    let session = f
+        .store
+        .create_session(new_session(&f.workspace.id, "/r", "t"))
+        .await
+        .expect("create");
     let mut tasks = Vec::new();
     for i in 0..50 {
         let store = f.store.clone();
         let (workspace_id, session_id) = (f.workspace.id.clone(), session.id.clone());
-        tasks.push(tokio::spawn(async move { store.steer(&workspace_id, &session_id, queue(&format!("steer {i}"))).await }));
+        tasks.push(tokio::spawn(async move {
+            store
+                .steer(&workspace_id, &session_id, queue(&format!("steer {i}")))
+                .await
+        }));
     }
     let mut numbers = Vec::new();
     let mut full = 0;
@@ -237,16 +515,30 @@ async fn concurrent_steers_get_distinct_numbers_and_respect_the_queue(backend: T
     }
     numbers.sort_unstable();
     let expected: Vec<u32> = (2..=TURN_QUEUE_MAX).collect();
-    assert_eq!(numbers, expected, "distinct, gapless numbers up to the queue limit");
+    assert_eq!(
+        numbers, expected,
+        "distinct, gapless numbers up to the queue limit"
+    );
     assert_eq!(full, 50 - numbers.len());
-    let turns = f.store.turns(&f.workspace.id, &session.id).await.expect("turns");
-    assert_eq!(turns.iter().map(|t| t.n).collect::<Vec<_>>(), (1..=TURN_QUEUE_MAX).collect::<Vec<_>>());
+    let turns = f
+        .store
+        .turns(&f.workspace.id, &session.id)
+        .await
+        .expect("turns");
+    assert_eq!(
+        turns.iter().map(|t| t.n).collect::<Vec<_>>(),
+        (1..=TURN_QUEUE_MAX).collect::<Vec<_>>()
+    );
 }
 
 async fn cancel_racing_steers_leaves_a_consistent_ledger(backend: TestBackend) {
     let f = fixture(backend).await;
     for _round in 0..3 {
-        let session = f.store.create_session(new_session(&f.workspace.id, "/r", "t")).await.expect("create");
+        let session = f
+            .store
+            .create_session(new_session(&f.workspace.id, "/r", "t"))
+            .await
+            .expect("create");
         let mut tasks = Vec::new();
         for i in 0..20 {
             let store = f.store.clone();
@@ -255,178 +547,541 @@ async fn cancel_racing_steers_leaves_a_consistent_ledger(backend: TestBackend) {
                 if i == 7 {
                     store.cancel(&workspace_id, &session_id).await.map(|_| ())
                 } else {
-                    store.steer(&workspace_id, &session_id, queue("s")).await.map(|_| ())
+                    store
+                        .steer(&workspace_id, &session_id, queue("s"))
+                        .await
+                        .map(|_| ())
                 }
             }));
         }
         for task in tasks {
             match task.await.expect("join") {
-                Ok(()) | Err(StoreError::TurnQueueFull(_)) | Err(StoreError::NotSteerable("canceled")) => {}
+                Ok(())
+                | Err(StoreError::TurnQueueFull(_))
+                | Err(StoreError::NotSteerable("canceled")) => {}
                 Err(other) => panic!("unexpected {other:?}"),
             }
         }
-        let after = f.store.session(&f.workspace.id, &session.id).await.expect("session");
-        let turns = f.store.turns(&f.workspace.id, &session.id).await.expect("turns");
+        let after = f
+            .store
+            .session(&f.workspace.id, &session.id)
+            .await
+            .expect("session");
+        let turns = f
+            .store
+            .turns(&f.workspace.id, &session.id)
+            .await
+            .expect("turns");
         assert_eq!(after.phase, SessionPhase::Canceled);
         assert_eq!(after.n_waiting, 0);
         assert_eq!(after.n_turns as usize, turns.len());
-        assert_eq!(turns.iter().map(|t| t.n).collect::<Vec<_>>(), (1..=after.n_turns).collect::<Vec<_>>());
-        assert!(turns.iter().all(|t| t.status == TurnStatus::Canceled), "{turns:?}");
+        assert_eq!(
+            turns.iter().map(|t| t.n).collect::<Vec<_>>(),
+            (1..=after.n_turns).collect::<Vec<_>>()
+        );
+        assert!(
+            turns.iter().all(|t| t.status == TurnStatus::Canceled),
+            "{turns:?}"
+        );
     }
 }
 
 async fn worker_ledger_claims_stops_and_finishes_turns(backend: TestBackend) {
     let f = fixture(backend).await;
     let ws = &f.workspace.id;
-    let session = f.store.create_session(new_session(ws, "/r", "t")).await.expect("create");
-    assert_eq!(f.store.request_stop(ws, &session.id).await, Err(StoreError::NoTurnRunning));
+    let session = f
+        .store
+        .create_session(new_session(ws, "/r", "t"))
+        .await
+        .expect("create");
+    assert_eq!(
+        f.store.request_stop(ws, &session.id).await,
+        Err(StoreError::NoTurnRunning)
+    );
 
     // Two workers race for the same turn: exactly one wins.
-    let (a, b) = tokio::join!(f.store.claim_turn(&session.id, false, "w1"), f.store.claim_turn(&session.id, false, "w2"));
-    let winners = [a.expect("a"), b.expect("b")].into_iter().flatten().collect::<Vec<_>>();
+    let (a, b) = tokio::join!(
+        f.store.claim_turn(&session.id, false, "w1"),
+        f.store.claim_turn(&session.id, false, "w2")
+    );
+    let winners = [a.expect("a"), b.expect("b")]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>();
     assert_eq!(winners.len(), 1);
     assert_eq!((winners[0].n, winners[0].status), (1, TurnStatus::Running));
     let provisioning = f.store.session(ws, &session.id).await.expect("session");
-    assert_eq!((provisioning.phase, provisioning.current_turn, provisioning.n_waiting), (SessionPhase::Provisioning, Some(1), 0));
-    assert!(f.store.transition_session(&session.id, SessionPhase::Provisioning, SessionPhase::Running).await.expect("run"));
-    assert!(!f.store.transition_session(&session.id, SessionPhase::Provisioning, SessionPhase::Running).await.expect("stale CAS"));
-    let illegal = f.store.transition_session(&session.id, SessionPhase::Running, SessionPhase::Hibernated).await;
-    assert!(matches!(illegal, Err(StoreError::IllegalTransition { .. })), "{illegal:?}");
+    assert_eq!(
+        (
+            provisioning.phase,
+            provisioning.current_turn,
+            provisioning.n_waiting
+        ),
+        (SessionPhase::Provisioning, Some(1), 0)
+    );
+    assert!(
+        f.store
+            .transition_session(
+                &session.id,
+                SessionPhase::Provisioning,
+                SessionPhase::Running
+            )
+            .await
+            .expect("run")
+    );
+    assert!(
+        !f.store
+            .transition_session(
+                &session.id,
+                SessionPhase::Provisioning,
+                SessionPhase::Running
+            )
+            .await
+            .expect("stale CAS")
+    );
+    let illegal = f
+        .store
+        .transition_session(&session.id, SessionPhase::Running, SessionPhase::Hibernated)
+        .await;
+    assert!(
+        matches!(illegal, Err(StoreError::IllegalTransition { .. })),
+        "{illegal:?}"
+    );
 
-    let queued = f.store.steer(ws, &session.id, queue("next")).await.expect("queued steer");
+    let queued = f
+        .store
+        .steer(ws, &session.id, queue("next"))
+        .await
+        .expect("queued steer");
     assert_eq!(queued.n, 2);
     let stop = f.store.request_stop(ws, &session.id).await.expect("stop");
     assert_eq!((stop.n, stop.stop_requested), (1, Some(StopRequest::Stop)));
-    assert_eq!(f.store.request_stop(ws, &session.id).await.expect("stop again").n, 1, "stop is idempotent");
+    assert_eq!(
+        f.store
+            .request_stop(ws, &session.id)
+            .await
+            .expect("stop again")
+            .n,
+        1,
+        "stop is idempotent"
+    );
 
-    let stopped = TurnOutcome { status: TurnStatus::Stopped, head_sha: Some("abc123".into()), failure: None };
-    assert!(f.store.finish_turn(&session.id, 1, stopped.clone()).await.expect("finish"));
-    assert!(!f.store.finish_turn(&session.id, 1, stopped).await.expect("finish twice"), "a replayed callback changes nothing");
-    assert!(f.store.transition_session(&session.id, SessionPhase::Running, SessionPhase::Delivering).await.expect("deliver"));
-    assert!(f.store.transition_session(&session.id, SessionPhase::Delivering, SessionPhase::Queued).await.expect("next"));
-    let second = f.store.claim_turn(&session.id, true, "w1").await.expect("claim 2").expect("turn 2");
+    let stopped = TurnOutcome {
+        status: TurnStatus::Stopped,
+        head_sha: Some("abc123".into()),
+        failure: None,
+    };
+    assert!(
+        f.store
+            .finish_turn(&session.id, 1, stopped.clone())
+            .await
+            .expect("finish")
+    );
+    assert!(
+        !f.store
+            .finish_turn(&session.id, 1, stopped)
+            .await
+            .expect("finish twice"),
+        "a replayed callback changes nothing"
+    );
+    assert!(
+        f.store
+            .transition_session(&session.id, SessionPhase::Running, SessionPhase::Delivering)
+            .await
+            .expect("deliver")
+    );
+    assert!(
+        f.store
+            .transition_session(&session.id, SessionPhase::Delivering, SessionPhase::Queued)
+            .await
+            .expect("next")
+    );
+    let second = f
+        .store
+        .claim_turn(&session.id, true, "w1")
+        .await
+        .expect("claim 2")
+        .expect("turn 2");
     assert_eq!(second.n, 2);
-    assert_eq!(f.store.session(ws, &session.id).await.expect("s").phase, SessionPhase::Running);
+    assert_eq!(
+        f.store.session(ws, &session.id).await.expect("s").phase,
+        SessionPhase::Running
+    );
 
-    let interrupt = f.store.steer(ws, &session.id, NewTurn { prompt: "now".into(), mode: TurnMode::Interrupt }).await.expect("interrupt");
+    let interrupt = f
+        .store
+        .steer(
+            ws,
+            &session.id,
+            NewTurn {
+                prompt: "now".into(),
+                mode: TurnMode::Interrupt,
+            },
+        )
+        .await
+        .expect("interrupt");
     assert_eq!((interrupt.n, interrupt.mode), (3, TurnMode::Interrupt));
     let turns = f.store.turns(ws, &session.id).await.expect("turns");
     assert_eq!(turns[1].stop_requested, Some(StopRequest::Interrupt));
 
-    let failed = TurnOutcome { status: TurnStatus::Failed, head_sha: None, failure: Some((FailureCode::AgentError, "the agent exited".into())) };
-    assert!(f.store.finish_turn(&session.id, 2, failed).await.expect("fail"));
-    assert!(f.store.transition_session(&session.id, SessionPhase::Running, SessionPhase::Failed).await.expect("failed"));
+    let failed = TurnOutcome {
+        status: TurnStatus::Failed,
+        head_sha: None,
+        failure: Some((FailureCode::AgentError, "the agent exited".into())),
+    };
+    assert!(
+        f.store
+            .finish_turn(&session.id, 2, failed)
+            .await
+            .expect("fail")
+    );
+    assert!(
+        f.store
+            .transition_session(&session.id, SessionPhase::Running, SessionPhase::Failed)
+            .await
+            .expect("failed")
+    );
     let failed_session = f.store.session(ws, &session.id).await.expect("s");
-    assert_eq!(failed_session.failure, Some((FailureCode::AgentError, "the agent exited".into())));
+    assert_eq!(
+        failed_session.failure,
+        Some((FailureCode::AgentError, "the agent exited".into()))
+    );
     assert_eq!(failed_session.head_sha.as_deref(), Some("abc123"));
     let turns = f.store.turns(ws, &session.id).await.expect("turns");
-    assert_eq!(turns.iter().map(|t| t.status).collect::<Vec<_>>(), vec![TurnStatus::Stopped, TurnStatus::Failed, TurnStatus::Accepted]);
+    assert_eq!(
+        turns.iter().map(|t| t.status).collect::<Vec<_>>(),
+        vec![
+            TurnStatus::Stopped,
+            TurnStatus::Failed,
+            TurnStatus::Accepted
+        ]
+    );
     assert!(turns[0].started_at.is_some() && turns[0].completed_at.is_some());
 
     // A failed session that waits for a worker is queued again with its failure cleared by a steer.
-    f.store.steer(ws, &session.id, queue("retry")).await.expect("retry");
+    f.store
+        .steer(ws, &session.id, queue("retry"))
+        .await
+        .expect("retry");
     let retried = f.store.session(ws, &session.id).await.expect("s");
-    assert_eq!((retried.phase, retried.failure.clone(), retried.n_waiting), (SessionPhase::Queued, None, 2));
+    assert_eq!(
+        (retried.phase, retried.failure.clone(), retried.n_waiting),
+        (SessionPhase::Queued, None, 2)
+    );
 
     // Cancel asks the running turn to stop and cancels the waiting ones.
-    let third = f.store.claim_turn(&session.id, true, "w1").await.expect("claim").expect("turn 3");
+    let third = f
+        .store
+        .claim_turn(&session.id, true, "w1")
+        .await
+        .expect("claim")
+        .expect("turn 3");
     assert_eq!(third.n, 3);
     f.store.cancel(ws, &session.id).await.expect("cancel");
     let turns = f.store.turns(ws, &session.id).await.expect("turns");
-    assert_eq!((turns[2].status, turns[2].stop_requested), (TurnStatus::Running, Some(StopRequest::Cancel)));
+    assert_eq!(
+        (turns[2].status, turns[2].stop_requested),
+        (TurnStatus::Running, Some(StopRequest::Cancel))
+    );
     assert_eq!(turns[3].status, TurnStatus::Canceled);
-    assert!(f.store.finish_turn(&session.id, 3, TurnOutcome { status: TurnStatus::Canceled, head_sha: None, failure: None }).await.expect("finish"));
+    assert!(
+        f.store
+            .finish_turn(
+                &session.id,
+                3,
+                TurnOutcome {
+                    status: TurnStatus::Canceled,
+                    head_sha: None,
+                    failure: None
+                }
+            )
+            .await
+            .expect("finish")
+    );
 }
 
 async fn resume_and_archive_follow_the_phase_rules(backend: TestBackend) {
     let f = fixture(backend).await;
     let ws = &f.workspace.id;
-    let session = f.store.create_session(new_session(ws, "/r", "t")).await.expect("create");
-    assert_eq!(f.store.set_archived(ws, &session.id, true).await, Err(StoreError::SessionActive(SessionPhase::Queued)));
-    assert_eq!(f.store.resume(ws, &session.id).await.expect("resume queued").phase, SessionPhase::Queued);
+    let session = f
+        .store
+        .create_session(new_session(ws, "/r", "t"))
+        .await
+        .expect("create");
+    assert_eq!(
+        f.store.set_archived(ws, &session.id, true).await,
+        Err(StoreError::SessionActive(SessionPhase::Queued))
+    );
+    assert_eq!(
+        f.store
+            .resume(ws, &session.id)
+            .await
+            .expect("resume queued")
+            .phase,
+        SessionPhase::Queued
+    );
 
-    f.store.claim_turn(&session.id, true, "w").await.expect("claim").expect("turn");
-    f.store.finish_turn(&session.id, 1, TurnOutcome { status: TurnStatus::Completed, head_sha: None, failure: None }).await.expect("finish");
-    f.store.transition_session(&session.id, SessionPhase::Running, SessionPhase::Delivering).await.expect("deliver");
-    f.store.transition_session(&session.id, SessionPhase::Delivering, SessionPhase::Idle).await.expect("idle");
-    f.store.transition_session(&session.id, SessionPhase::Idle, SessionPhase::Hibernated).await.expect("hibernate");
+    f.store
+        .claim_turn(&session.id, true, "w")
+        .await
+        .expect("claim")
+        .expect("turn");
+    f.store
+        .finish_turn(
+            &session.id,
+            1,
+            TurnOutcome {
+                status: TurnStatus::Completed,
+                head_sha: None,
+                failure: None,
+            },
+        )
+        .await
+        .expect("finish");
+    f.store
+        .transition_session(&session.id, SessionPhase::Running, SessionPhase::Delivering)
+        .await
+        .expect("deliver");
+    f.store
+        .transition_session(&session.id, SessionPhase::Delivering, SessionPhase::Idle)
+        .await
+        .expect("idle");
+    f.store
+        .transition_session(&session.id, SessionPhase::Idle, SessionPhase::Hibernated)
+        .await
+        .expect("hibernate");
 
     let resumed = f.store.resume(ws, &session.id).await.expect("resume");
-    assert_eq!((resumed.phase, resumed.resume_requested), (SessionPhase::Queued, true));
-    f.store.claim_turn(&session.id, false, "w").await.expect("no turn to claim");
-    f.store.transition_session(&session.id, SessionPhase::Queued, SessionPhase::Provisioning).await.expect("provision");
-    f.store.transition_session(&session.id, SessionPhase::Provisioning, SessionPhase::Idle).await.expect("idle");
+    assert_eq!(
+        (resumed.phase, resumed.resume_requested),
+        (SessionPhase::Queued, true)
+    );
+    f.store
+        .claim_turn(&session.id, false, "w")
+        .await
+        .expect("no turn to claim");
+    f.store
+        .transition_session(
+            &session.id,
+            SessionPhase::Queued,
+            SessionPhase::Provisioning,
+        )
+        .await
+        .expect("provision");
+    f.store
+        .transition_session(&session.id, SessionPhase::Provisioning, SessionPhase::Idle)
+        .await
+        .expect("idle");
 
-    let archived = f.store.set_archived(ws, &session.id, true).await.expect("archive idle");
+    let archived = f
+        .store
+        .set_archived(ws, &session.id, true)
+        .await
+        .expect("archive idle");
     assert!(archived.archived);
-    assert_eq!(f.store.steer(ws, &session.id, queue("x")).await, Err(StoreError::NotSteerable("archived")));
-    assert_eq!(f.store.resume(ws, &session.id).await, Err(StoreError::NotSteerable("archived")));
-    assert!(!f.store.set_archived(ws, &session.id, false).await.expect("unarchive").archived);
+    assert_eq!(
+        f.store.steer(ws, &session.id, queue("x")).await,
+        Err(StoreError::NotSteerable("archived"))
+    );
+    assert_eq!(
+        f.store.resume(ws, &session.id).await,
+        Err(StoreError::NotSteerable("archived"))
+    );
+    assert!(
+        !f.store
+            .set_archived(ws, &session.id, false)
+            .await
+            .expect("unarchive")
+            .archived
+    );
     f.store.cancel(ws, &session.id).await.expect("cancel");
-    assert_eq!(f.store.resume(ws, &session.id).await, Err(StoreError::NotSteerable("canceled")));
-    assert!(f.store.set_archived(ws, &session.id, true).await.expect("archive canceled").archived);
+    assert_eq!(
+        f.store.resume(ws, &session.id).await,
+        Err(StoreError::NotSteerable("canceled"))
+    );
+    assert!(
+        f.store
+            .set_archived(ws, &session.id, true)
+            .await
+            .expect("archive canceled")
+            .archived
+    );
 }
 
 async fn parts_are_stored_once_in_order(backend: TestBackend) {
     let f = fixture(backend).await;
-    let session = f.store.create_session(new_session(&f.workspace.id, "/r", "t")).await.expect("create");
-    let part = |i: u32| NewPart { part_index: i, payload: format!(r#"{{"type":"text-delta","id":"t","delta":"{i}"}}"#) };
-    assert_eq!(f.store.append_parts(&session.id, 1, &[part(0), part(1), part(2)]).await.expect("append"), 3);
+    let session = f
+        .store
+        .create_session(new_session(&f.workspace.id, "/r", "t"))
+        .await
+        .expect("create");
+    let part = |i: u32| NewPart {
+        part_index: i,
+        payload: format!(r#"{{"type":"text-delta","id":"t","delta":"{i}"}}"#),
+    };
+    assert_eq!(
+        f.store
+            .append_parts(&session.id, 1, &[part(0), part(1), part(2)])
+            .await
+            .expect("append"),
+        3
+    );
     // A replayed batch overlapping the stored prefix adds only what is new.
-    assert_eq!(f.store.append_parts(&session.id, 1, &[part(2), part(3)]).await.expect("append"), 1);
-    assert_eq!(f.store.append_parts(&session.id, 2, &[part(0)]).await.expect("append"), 1);
+    assert_eq!(
+        f.store
+            .append_parts(&session.id, 1, &[part(2), part(3)])
+            .await
+            .expect("append"),
+        1
+    );
+    assert_eq!(
+        f.store
+            .append_parts(&session.id, 2, &[part(0)])
+            .await
+            .expect("append"),
+        1
+    );
     let stored = f.store.parts(&session.id).await.expect("parts");
     let keys: Vec<(u32, u32)> = stored.iter().map(|p| (p.turn, p.part_index)).collect();
     assert_eq!(keys, vec![(1, 0), (1, 1), (1, 2), (1, 3), (2, 0)]);
-    assert!(stored.windows(2).all(|w| w[0].seq < w[1].seq), "seq increases: {stored:?}");
+    assert!(
+        stored.windows(2).all(|w| w[0].seq < w[1].seq),
+        "seq increases: {stored:?}"
+    );
     assert_eq!(stored[3].payload, part(3).payload, "payload kept verbatim");
-    let missing = f.store.append_parts(&SessionId::generate(), 1, &[part(0)]).await;
+    let missing = f
+        .store
+        .append_parts(&SessionId::generate(), 1, &[part(0)])
+        .await;
     assert_eq!(missing, Err(StoreError::NotFound));
 }
 
 async fn usage_is_summed_by_session_and_day(backend: TestBackend) {
     let f = fixture(backend).await;
-    let session = f.store.create_session(new_session(&f.workspace.id, "/r", "t")).await.expect("create");
+    let session = f
+        .store
+        .create_session(new_session(&f.workspace.id, "/r", "t"))
+        .await
+        .expect("create");
     let day_one = 1_796_219_431_000; // 2026-12-02
     let day_two = day_one + 86_400_000;
-    for (turn, at, input, output) in [(1, day_one, 100, 10), (1, day_one, 50, 5), (2, day_two, 7, 3)] {
-        let usage = TokenUsage { session_id: session.id.clone(), turn, model: "claude-x".into(), epoch_ms: at, input_tokens: input, output_tokens: output };
+    for (turn, at, input, output) in [
+        (1, day_one, 100, 10),
+        (1, day_one, 50, 5),
+        (2, day_two, 7, 3),
+    ] {
+        let usage = TokenUsage {
+            session_id: session.id.clone(),
+            turn,
+            model: "claude-x".into(),
+            epoch_ms: at,
+            input_tokens: input,
+            output_tokens: output,
+        };
         f.store.record_token_usage(&usage).await.expect("tokens");
     }
-    f.store.record_compute(&session.id, 1, day_one, 1_500).await.expect("compute");
-    f.store.record_compute(&session.id, 2, day_one, 500).await.expect("compute");
+    f.store
+        .record_compute(&session.id, 1, day_one, 1_500)
+        .await
+        .expect("compute");
+    f.store
+        .record_compute(&session.id, 2, day_one, 500)
+        .await
+        .expect("compute");
     let records = f.store.usage(&f.workspace.id, None).await.expect("usage");
     assert_eq!(
         records.tokens,
         vec![
-            (session.id.clone(), "2026-12-03".into(), "claude-x".into(), 7, 3),
-            (session.id.clone(), "2026-12-02".into(), "claude-x".into(), 150, 15),
+            (
+                session.id.clone(),
+                "2026-12-03".into(),
+                "claude-x".into(),
+                7,
+                3
+            ),
+            (
+                session.id.clone(),
+                "2026-12-02".into(),
+                "claude-x".into(),
+                150,
+                15
+            ),
         ]
     );
-    assert_eq!(records.compute, vec![(session.id.clone(), "2026-12-02".into(), 2_000)]);
-    let totals = f.store.session(&f.workspace.id, &session.id).await.expect("session");
-    assert_eq!((totals.input_tokens, totals.output_tokens, totals.compute_ms), (157, 18, 2_000));
+    assert_eq!(
+        records.compute,
+        vec![(session.id.clone(), "2026-12-02".into(), 2_000)]
+    );
+    let totals = f
+        .store
+        .session(&f.workspace.id, &session.id)
+        .await
+        .expect("session");
+    assert_eq!(
+        (totals.input_tokens, totals.output_tokens, totals.compute_ms),
+        (157, 18, 2_000)
+    );
 }
 
 async fn ticket_nonces_are_claimed_once(backend: TestBackend) {
     let f = fixture(backend).await;
     let expires = now_ms() + 60_000;
-    assert!(f.store.claim_ticket_nonce("n-1", expires).await.expect("claim"));
-    assert!(!f.store.claim_ticket_nonce("n-1", expires).await.expect("replay"));
-    assert!(f.store.claim_ticket_nonce("n-2", expires).await.expect("other"));
+    assert!(
+        f.store
+            .claim_ticket_nonce("n-1", expires)
+            .await
+            .expect("claim")
+    );
+    assert!(
+        !f.store
+            .claim_ticket_nonce("n-1", expires)
+            .await
+            .expect("replay")
+    );
+    assert!(
+        f.store
+            .claim_ticket_nonce("n-2", expires)
+            .await
+            .expect("other")
+    );
 }
 
 async fn instance_secrets_are_stable(backend: TestBackend) {
     let f = fixture(backend).await;
-    assert_eq!(f.store.instance_secret("ticket", "first").await.expect("secret"), "first");
-    assert_eq!(f.store.instance_secret("ticket", "second").await.expect("secret"), "first");
+    assert_eq!(
+        f.store
+            .instance_secret("ticket", "first")
+            .await
+            .expect("secret"),
+        "first"
+    );
+    assert_eq!(
+        f.store
+            .instance_secret("ticket", "second")
+            .await
+            .expect("secret"),
+        "first"
+    );
 }
 
 async fn reconnecting_keeps_everything(backend: TestBackend) {
     let f = fixture(backend).await;
-    let session = f.store.create_session(new_session(&f.workspace.id, "/r", "t")).await.expect("create");
+    let session = f
+        .store
+        .create_session(new_session(&f.workspace.id, "/r", "t"))
+        .await
+        .expect("create");
     f.store.close().await;
-    let reopened = SqlStore::connect(&f._database.url).await.expect("reconnect (migrations are idempotent)");
-    assert_eq!(reopened.session(&f.workspace.id, &session.id).await.expect("session").id, session.id);
+    let reopened = SqlStore::connect(&f._database.url)
+        .await
+        .expect("reconnect (migrations are idempotent)");
+    assert_eq!(
+        reopened
+            .session(&f.workspace.id, &session.id)
+            .await
+            .expect("session")
+            .id,
+        session.id
+    );
     reopened.close().await;
 }

@@ -1,1 +1,60 @@
-fn main() {}
+//! The `sortie` binary: `serve` runs the roles, the admin commands work on the store directly, and
+//! the client commands talk to a running server over REST. `main` parses, sets up logging and hands
+//! off; each command lives in its own module.
+
+mod admin;
+mod cli;
+mod client;
+mod config;
+mod serve;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use crate::cli::{Cli, Command};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing(matches!(cli.command, Command::Serve(_)));
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let outcome = runtime.block_on(async move {
+        match cli.command {
+            Command::Serve(args) => serve::serve(cli.client, args).await,
+            Command::Workspace(command) => admin::workspace(&cli.client, command).await,
+            Command::Token(command) => admin::token(&cli.client, command).await,
+            client_command => client::run(cli.client, client_command).await,
+        }
+    });
+    match outcome {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Logs go to stderr; `SORTIE_LOG` (or `RUST_LOG`) sets the filter. Client commands log only warnings.
+fn init_tracing(serving: bool) {
+    use tracing_subscriber::EnvFilter;
+    let default = if serving { "info,sqlx=warn" } else { "warn" };
+    let filter = std::env::var(config::env::LOG)
+        .or_else(|_| std::env::var("RUST_LOG"))
+        .ok()
+        .and_then(|text| EnvFilter::try_new(text).ok())
+        .unwrap_or_else(|| EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}

@@ -1,0 +1,203 @@
+//! Extractors that turn every malformed input into an [`ApiError`] with a stable code: the caller's
+//! token and role, the session id in the path, JSON bodies and query strings.
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request};
+use axum::http::header::{AUTHORIZATION, CONTENT_TYPE};
+use axum::http::request::Parts;
+use serde::de::DeserializeOwned;
+use sortie_protocol::api::Role;
+use sortie_protocol::{ErrorCode, SessionId};
+use sortie_store::{Principal, StoreError};
+
+use crate::ApiState;
+use crate::error::ApiError;
+use crate::tokens::hash_token;
+
+/// Looks up the bearer token and checks that its role is at least `needed`.
+async fn authenticate(
+    parts: &Parts,
+    state: &ApiState,
+    needed: Role,
+) -> Result<Principal, ApiError> {
+    let header = parts.headers.get(AUTHORIZATION).ok_or_else(|| {
+        ApiError::new(
+            ErrorCode::Unauthorized,
+            "missing Authorization: Bearer <token>",
+        )
+    })?;
+    let token = header
+        .to_str()
+        .ok()
+        .and_then(|value| value.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|token| !token.is_empty())
+        .ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::Unauthorized,
+                "the Authorization header is not `Bearer <token>`",
+            )
+        })?;
+    let principal = match state
+        .store
+        .principal_by_token_hash(&hash_token(token))
+        .await
+    {
+        Ok(principal) => principal,
+        Err(StoreError::NotFound) => {
+            return Err(ApiError::new(
+                ErrorCode::Unauthorized,
+                "unknown or revoked token",
+            ));
+        }
+        Err(other) => return Err(other.into()),
+    };
+    if principal.role < needed {
+        return Err(ApiError::new(
+            ErrorCode::Forbidden,
+            format!(
+                "this needs the {} role; the token is {}",
+                needed.as_str(),
+                principal.role.as_str()
+            ),
+        ));
+    }
+    Ok(principal)
+}
+
+macro_rules! role_extractor {
+    ($(#[$doc:meta])* $name:ident, $role:expr) => {
+        $(#[$doc])*
+        pub struct $name(pub Principal);
+
+        impl FromRequestParts<ApiState> for $name {
+            type Rejection = ApiError;
+            async fn from_request_parts(parts: &mut Parts, state: &ApiState) -> Result<Self, Self::Rejection> {
+                authenticate(parts, state, $role).await.map($name)
+            }
+        }
+    };
+}
+
+role_extractor!(
+    /// A caller with any role: reads.
+    Viewer,
+    Role::Viewer
+);
+role_extractor!(
+    /// A caller that may change sessions.
+    Operator,
+    Role::Operator
+);
+
+/// The `{id}` of a session path. A malformed id cannot name a session, so it is `SESSION_NOT_FOUND`.
+pub struct SessionPath(pub SessionId);
+
+impl FromRequestParts<ApiState> for SessionPath {
+    type Rejection = ApiError;
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &ApiState,
+    ) -> Result<Self, Self::Rejection> {
+        let Path(id) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(|_| ApiError::session_not_found())?;
+        SessionId::parse(&id)
+            .map(SessionPath)
+            .map_err(|_| ApiError::session_not_found())
+    }
+}
+
+/// A query string parsed into `T`; anything unknown or malformed is `INVALID_REQUEST`.
+pub struct ApiQuery<T>(pub T);
+
+impl<T: DeserializeOwned + Send> FromRequestParts<ApiState> for ApiQuery<T> {
+    type Rejection = ApiError;
+    async fn from_request_parts(
+        parts: &mut Parts,
+        _state: &ApiState,
+    ) -> Result<Self, Self::Rejection> {
+        Query::<T>::try_from_uri(&parts.uri)
+            .map(|Query(value)| ApiQuery(value))
+            .map_err(|rejection| ApiError::invalid(rejection.body_text()))
+    }
+}
+
+/// A JSON body: `application/json`, within the size cap, valid UTF-8, no unknown fields.
+pub struct ApiJson<T>(pub T);
+
+/// A JSON body that may also be left out entirely (then `T::default()`), for actions without input.
+pub struct OptionalJson<T>(pub T);
+
+async fn read_body(request: Request, state: &ApiState) -> Result<Bytes, ApiError> {
+    Bytes::from_request(request, state)
+        .await
+        .map_err(|rejection| {
+            if rejection.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::new(
+                    ErrorCode::BodyTooLarge,
+                    format!(
+                        "the request body is over {} bytes",
+                        sortie_protocol::limits::REQUEST_BODY_MAX_BYTES
+                    ),
+                )
+            } else {
+                ApiError::invalid(format!(
+                    "the request body could not be read: {}",
+                    rejection.body_text()
+                ))
+            }
+        })
+}
+
+fn require_json_content_type(headers: &axum::http::HeaderMap) -> Result<(), ApiError> {
+    let is_json = headers
+        .get(CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.split(';').next())
+        .is_some_and(|media| media.trim().eq_ignore_ascii_case("application/json"));
+    if is_json {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            ErrorCode::UnsupportedMediaType,
+            "send the body as Content-Type: application/json",
+        ))
+    }
+}
+
+fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    // serde would also build a struct from a JSON array; every body of this API is an object.
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::invalid("the request body must be a JSON object"));
+    }
+    serde_json::from_slice(bytes)
+        .map_err(|error| ApiError::invalid(format!("the request body is not valid: {error}")))
+}
+
+impl<T: DeserializeOwned> FromRequest<ApiState> for ApiJson<T> {
+    type Rejection = ApiError;
+    async fn from_request(request: Request, state: &ApiState) -> Result<Self, Self::Rejection> {
+        require_json_content_type(request.headers())?;
+        let bytes = read_body(request, state).await?;
+        parse_json(&bytes).map(ApiJson)
+    }
+}
+
+impl<T: DeserializeOwned + Default> FromRequest<ApiState> for OptionalJson<T> {
+    type Rejection = ApiError;
+    async fn from_request(request: Request, state: &ApiState) -> Result<Self, Self::Rejection> {
+        let headers = request.headers().clone();
+        let bytes = read_body(request, state).await?;
+        if bytes.is_empty() {
+            return Ok(OptionalJson(T::default()));
+        }
+        require_json_content_type(&headers)?;
+        parse_json(&bytes).map(OptionalJson)
+    }
+}
+
+/// The body of actions that take no input: `{}` or nothing.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoInput {}

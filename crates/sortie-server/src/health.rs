@@ -1,0 +1,55 @@
+//! Liveness, readiness, Prometheus metrics and the OpenAPI document. None needs a token.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use serde::Serialize;
+use sortie_protocol::ApiErrorBody;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::ApiState;
+use crate::error::ApiError;
+
+pub fn routes() -> OpenApiRouter<ApiState> {
+    OpenApiRouter::new()
+        .routes(routes!(healthz))
+        .routes(routes!(readyz))
+        .routes(routes!(metrics_text))
+}
+
+#[derive(Serialize, utoipa::ToSchema)]
+struct Health {
+    status: &'static str,
+}
+
+/// The process answers.
+#[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, body = Health)))]
+async fn healthz() -> Json<Health> {
+    Json(Health { status: "ok" })
+}
+
+/// The store answers and its migrations are applied.
+#[utoipa::path(get, path = "/readyz", tag = "operations", responses((status = 200, body = Health), (status = 503, description = "STORE_UNAVAILABLE", body = ApiErrorBody)))]
+async fn readyz(State(state): State<ApiState>) -> Result<Json<Health>, ApiError> {
+    state.store.ping().await?;
+    Ok(Json(Health { status: "ready" }))
+}
+
+/// Prometheus text exposition.
+#[utoipa::path(get, path = "/metrics", tag = "operations", responses((status = 200, description = "Prometheus text format", content_type = "text/plain")))]
+async fn metrics_text() -> impl IntoResponse {
+    let body = crate::metrics_layer::render();
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        body,
+    )
+}
+
+pub(crate) async fn openapi_document(openapi: Arc<utoipa::openapi::OpenApi>) -> impl IntoResponse {
+    Json(openapi.as_ref().clone())
+}

@@ -1,0 +1,567 @@
+//! The session endpoints of DESIGN §4: create, list, read, steer, stop, cancel, resume, archive,
+//! attach tickets, and usage.
+
+use std::path::{Component, Path, PathBuf};
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use serde::Deserialize;
+use sortie_protocol::api::{
+    AttachTicket, AttachTicketRequest, CreateSessionRequest, ModelUsage, Role, Session,
+    SessionList, SteerRequest, TicketAction, Turn, TurnList, UiMessage, UiRole, UsageReport,
+    UsageRow, rfc3339_from_epoch_ms,
+};
+use sortie_protocol::limits::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX, TICKET_TTL_SECONDS};
+use sortie_protocol::ticket::{TICKET_VERSION, TicketClaims};
+use sortie_protocol::validate::{self, RepoLocation};
+use sortie_protocol::{ApiErrorBody, ErrorCode, SessionId, SessionPhase, egress};
+use sortie_store::{NewSession, NewTurn, RepoAccess, SessionFilter, now_ms};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::ApiState;
+use crate::error::ApiError;
+use crate::extract::{ApiJson, ApiQuery, NoInput, Operator, OptionalJson, SessionPath, Viewer};
+use crate::{tokens, views};
+
+pub fn routes() -> OpenApiRouter<ApiState> {
+    OpenApiRouter::new()
+        .routes(routes!(create_session, list_sessions))
+        .routes(routes!(get_session))
+        .routes(routes!(list_turns))
+        .routes(routes!(get_messages))
+        .routes(routes!(steer))
+        .routes(routes!(stop))
+        .routes(routes!(cancel))
+        .routes(routes!(resume))
+        .routes(routes!(archive, unarchive))
+        .routes(routes!(attach_ticket))
+        .routes(routes!(usage))
+}
+
+/// Create a session: validates, writes the session and its first turn, answers at once.
+#[utoipa::path(
+    post, path = "/v1/sessions", tag = "sessions", request_body = CreateSessionRequest, security(("bearer" = [])),
+    responses(
+        (status = 202, description = "Accepted; turn 1 waits for a worker", body = Session),
+        (status = 400, description = "INVALID_REQUEST, EGRESS_ALLOWLIST_INVALID, AGENT_UNKNOWN, REPO_INVALID, BASE_INVALID, MODEL_INVALID, TITLE_TOO_LONG", body = ApiErrorBody),
+        (status = 401, description = "UNAUTHORIZED", body = ApiErrorBody),
+        (status = 403, description = "FORBIDDEN, REPO_NOT_ALLOWED", body = ApiErrorBody),
+        (status = 413, description = "PROMPT_TOO_LARGE, SETUP_TOO_LARGE, BODY_TOO_LARGE", body = ApiErrorBody),
+        (status = 415, description = "UNSUPPORTED_MEDIA_TYPE", body = ApiErrorBody),
+    )
+)]
+async fn create_session(
+    State(state): State<ApiState>,
+    Operator(caller): Operator,
+    ApiJson(request): ApiJson<CreateSessionRequest>,
+) -> Result<(StatusCode, Json<Session>), ApiError> {
+    validate::check_prompt("task", &request.task)?;
+    if let Some(title) = &request.title {
+        validate::check_title(title)?;
+    }
+    if let Some(setup) = &request.setup {
+        validate::check_setup(setup)?;
+    }
+    let egress_allow = request
+        .egress
+        .map(|egress| egress.allow)
+        .unwrap_or_default();
+    if let Err(violations) = egress::validate_allowlist(&egress_allow) {
+        let named: Vec<&str> = violations.iter().map(|v| v.entry.as_str()).collect();
+        return Err(ApiError::new(
+            ErrorCode::EgressAllowlistInvalid,
+            format!("egress.allow has invalid entries: {named:?}"),
+        )
+        .with_details(serde_json::json!({ "entries": violations })));
+    }
+    let agent = request
+        .agent
+        .unwrap_or_else(|| state.agents.default.clone());
+    if !state.agents.known.contains(&agent) {
+        return Err(ApiError::new(
+            ErrorCode::AgentUnknown,
+            format!(
+                "no agent profile {agent:?}; known: {}",
+                state.agents.known.join(", ")
+            ),
+        )
+        .with_details(serde_json::json!({ "known": state.agents.known })));
+    }
+    if let Some(base) = &request.base {
+        validate::check_base(base)?;
+    }
+    if let Some(model) = &request.model {
+        validate::check_model(model)?;
+    }
+    let workspace = state.store.workspace(&caller.workspace_id).await?;
+    let repo = match validate::check_repo(&request.repo)? {
+        RepoLocation::Https(url) => url,
+        RepoLocation::LocalPath(path) => resolve_local_repo(&path, &workspace.repo_access).await?,
+    };
+    let title = request
+        .title
+        .unwrap_or_else(|| validate::default_title(&request.task));
+    let new = NewSession {
+        id: SessionId::generate(),
+        workspace_id: caller.workspace_id,
+        repo,
+        base: request.base,
+        agent,
+        model: request.model,
+        title,
+        egress_allow,
+        setup: request.setup,
+        task: request.task,
+    };
+    let row = state.store.create_session(new).await?;
+    metrics::counter!("sortie_sessions_created_total").increment(1);
+    Ok((StatusCode::ACCEPTED, Json(views::session(&row))))
+}
+
+/// Resolves a local repository path: inside the workspace's roots (checked before and after symlinks
+/// are resolved, so that neither `..` nor a link leads out), existing, and a git repository.
+async fn resolve_local_repo(path: &str, access: &RepoAccess) -> Result<String, ApiError> {
+    let not_allowed = || {
+        ApiError::new(
+            ErrorCode::RepoNotAllowed,
+            format!("repo {path:?} is not under a local root this workspace may use"),
+        )
+    };
+    let requested = Path::new(path);
+    if requested
+        .components()
+        .any(|c| matches!(c, Component::ParentDir | Component::CurDir))
+    {
+        return Err(ApiError::new(
+            ErrorCode::RepoInvalid,
+            format!("repo {path:?} has '.' or '..' components: give the plain absolute path"),
+        ));
+    }
+    let within_roots = |candidate: &Path| {
+        access.any_local_path
+            || access
+                .allowed_roots
+                .iter()
+                .any(|root| candidate.starts_with(root))
+    };
+    // Checked before touching the file system, so a workspace learns nothing about paths outside its roots.
+    if !within_roots(requested) {
+        return Err(not_allowed());
+    }
+    let resolved: PathBuf = tokio::fs::canonicalize(requested).await.map_err(|_| {
+        ApiError::new(
+            ErrorCode::RepoInvalid,
+            format!("repo {path:?} does not exist or the server cannot read it"),
+        )
+    })?;
+    if !within_roots(&resolved) {
+        return Err(not_allowed());
+    }
+    let is_work_tree = tokio::fs::metadata(resolved.join(".git")).await.is_ok();
+    let is_bare = tokio::fs::metadata(resolved.join("HEAD"))
+        .await
+        .is_ok_and(|m| m.is_file())
+        && tokio::fs::metadata(resolved.join("objects"))
+            .await
+            .is_ok_and(|m| m.is_dir());
+    if !is_work_tree && !is_bare {
+        return Err(ApiError::new(
+            ErrorCode::RepoInvalid,
+            format!("repo {path:?} is not a git repository"),
+        ));
+    }
+    resolved.into_os_string().into_string().map_err(|_| {
+        ApiError::new(
+            ErrorCode::RepoInvalid,
+            format!("repo {path:?} is not valid UTF-8"),
+        )
+    })
+}
+
+/// The query of `GET /v1/sessions`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+struct ListQuery {
+    /// Only sessions in this phase.
+    phase: Option<String>,
+    /// Only sessions of this repository (as stored: the URL, or the resolved local path).
+    repo: Option<String>,
+    /// `true` lists archived sessions instead of the others.
+    archived: Option<bool>,
+    /// Page size, 1 to 200 (default 50).
+    limit: Option<u32>,
+    /// `next_cursor` of the previous page.
+    cursor: Option<String>,
+}
+
+/// List sessions, newest first.
+#[utoipa::path(
+    get, path = "/v1/sessions", tag = "sessions", params(ListQuery), security(("bearer" = [])),
+    responses(
+        (status = 200, body = SessionList),
+        (status = 400, description = "INVALID_REQUEST", body = ApiErrorBody),
+        (status = 401, description = "UNAUTHORIZED", body = ApiErrorBody),
+    )
+)]
+async fn list_sessions(
+    State(state): State<ApiState>,
+    Viewer(caller): Viewer,
+    ApiQuery(query): ApiQuery<ListQuery>,
+) -> Result<Json<SessionList>, ApiError> {
+    let phase = query
+        .phase
+        .map(|phase| {
+            phase
+                .parse::<SessionPhase>()
+                .map_err(|_| ApiError::invalid(format!("phase {phase:?} is not a session phase")))
+        })
+        .transpose()?;
+    let limit = query.limit.unwrap_or(LIST_LIMIT_DEFAULT);
+    if !(1..=LIST_LIMIT_MAX).contains(&limit) {
+        return Err(ApiError::invalid(format!(
+            "limit must be between 1 and {LIST_LIMIT_MAX}"
+        )));
+    }
+    let before = query
+        .cursor
+        .map(|cursor| {
+            SessionId::parse(&cursor)
+                .map_err(|_| ApiError::invalid("cursor is not a cursor this API returned"))
+        })
+        .transpose()?;
+    let filter = SessionFilter {
+        phase,
+        repo: query.repo,
+        archived: query.archived.unwrap_or(false),
+        limit: limit + 1,
+        before,
+    };
+    let mut rows = state
+        .store
+        .list_sessions(&caller.workspace_id, &filter)
+        .await?;
+    let next_cursor = if rows.len() > limit as usize {
+        rows.truncate(limit as usize);
+        rows.last().map(|row| row.id.to_string())
+    } else {
+        None
+    };
+    Ok(Json(SessionList {
+        sessions: rows.iter().map(views::session).collect(),
+        next_cursor,
+    }))
+}
+
+/// Read one session.
+#[utoipa::path(
+    get, path = "/v1/sessions/{id}", tag = "sessions", params(("id" = String, Path, description = "Session id")), security(("bearer" = [])),
+    responses((status = 200, body = Session), (status = 401, body = ApiErrorBody), (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody))
+)]
+async fn get_session(
+    State(state): State<ApiState>,
+    Viewer(caller): Viewer,
+    SessionPath(id): SessionPath,
+) -> Result<Json<Session>, ApiError> {
+    let row = state.store.session(&caller.workspace_id, &id).await?;
+    Ok(Json(views::session(&row)))
+}
+
+/// The session's turn ledger.
+#[utoipa::path(
+    get, path = "/v1/sessions/{id}/turns", tag = "sessions", params(("id" = String, Path, description = "Session id")), security(("bearer" = [])),
+    responses((status = 200, body = TurnList), (status = 401, body = ApiErrorBody), (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody))
+)]
+async fn list_turns(
+    State(state): State<ApiState>,
+    Viewer(caller): Viewer,
+    SessionPath(id): SessionPath,
+) -> Result<Json<TurnList>, ApiError> {
+    let rows = state.store.turns(&caller.workspace_id, &id).await?;
+    Ok(Json(TurnList {
+        turns: rows.iter().map(views::turn).collect(),
+    }))
+}
+
+/// The transcript as AI SDK `UIMessage`s: each turn's prompt, then the agent's answer to it.
+#[utoipa::path(
+    get, path = "/v1/sessions/{id}/messages", tag = "sessions", params(("id" = String, Path, description = "Session id")), security(("bearer" = [])),
+    responses((status = 200, body = Vec<UiMessage>), (status = 401, body = ApiErrorBody), (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody))
+)]
+async fn get_messages(
+    State(state): State<ApiState>,
+    Viewer(caller): Viewer,
+    SessionPath(id): SessionPath,
+) -> Result<Json<Vec<UiMessage>>, ApiError> {
+    let turns = state.store.turns(&caller.workspace_id, &id).await?;
+    let parts = state.store.parts(&id).await?;
+    let mut messages = Vec::with_capacity(turns.len() * 2);
+    for turn in &turns {
+        messages.push(UiMessage {
+            id: id.user_message_id(turn.n),
+            role: UiRole::User,
+            parts: vec![serde_json::json!({"type": "text", "text": turn.prompt})],
+        });
+        let chunks: Vec<serde_json::Value> = parts
+            .iter()
+            .filter(|part| part.turn == turn.n)
+            .filter_map(|part| serde_json::from_str(&part.payload).ok())
+            .collect();
+        let assembled = sortie_protocol::ui::assemble_parts(&chunks);
+        if !assembled.is_empty() {
+            messages.push(UiMessage {
+                id: id.assistant_message_id(turn.n),
+                role: UiRole::Assistant,
+                parts: assembled,
+            });
+        }
+    }
+    Ok(Json(messages))
+}
+
+/// Add a turn. `queue` waits for the running turn; `interrupt` stops it first.
+#[utoipa::path(
+    post, path = "/v1/sessions/{id}/steer", tag = "sessions", params(("id" = String, Path, description = "Session id")),
+    request_body = SteerRequest, security(("bearer" = [])),
+    responses(
+        (status = 202, body = Turn),
+        (status = 400, description = "INVALID_REQUEST", body = ApiErrorBody),
+        (status = 401, body = ApiErrorBody), (status = 403, description = "FORBIDDEN", body = ApiErrorBody),
+        (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody),
+        (status = 409, description = "TURN_QUEUE_FULL, SESSION_NOT_STEERABLE", body = ApiErrorBody),
+        (status = 413, description = "PROMPT_TOO_LARGE, SESSION_PROMPTS_TOO_LARGE", body = ApiErrorBody),
+    )
+)]
+async fn steer(
+    State(state): State<ApiState>,
+    Operator(caller): Operator,
+    SessionPath(id): SessionPath,
+    ApiJson(request): ApiJson<SteerRequest>,
+) -> Result<(StatusCode, Json<Turn>), ApiError> {
+    validate::check_prompt("prompt", &request.prompt)?;
+    let turn = state
+        .store
+        .steer(
+            &caller.workspace_id,
+            &id,
+            NewTurn {
+                prompt: request.prompt,
+                mode: request.mode.unwrap_or_default(),
+            },
+        )
+        .await?;
+    Ok((StatusCode::ACCEPTED, Json(views::turn(&turn))))
+}
+
+/// Stop the running turn; its work so far is delivered and the session goes idle.
+#[utoipa::path(
+    post, path = "/v1/sessions/{id}/stop", tag = "sessions", params(("id" = String, Path, description = "Session id")), security(("bearer" = [])),
+    responses(
+        (status = 202, description = "The turn being stopped", body = Turn),
+        (status = 401, body = ApiErrorBody), (status = 403, body = ApiErrorBody),
+        (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody),
+        (status = 409, description = "NO_TURN_RUNNING", body = ApiErrorBody),
+    )
+)]
+async fn stop(
+    State(state): State<ApiState>,
+    Operator(caller): Operator,
+    SessionPath(id): SessionPath,
+    OptionalJson(_no_input): OptionalJson<NoInput>,
+) -> Result<(StatusCode, Json<Turn>), ApiError> {
+    let turn = state.store.request_stop(&caller.workspace_id, &id).await?;
+    Ok((StatusCode::ACCEPTED, Json(views::turn(&turn))))
+}
+
+/// End the session: the running turn stops (its work is delivered), waiting turns are canceled,
+/// the sandbox is destroyed. Terminal; canceling again changes nothing.
+#[utoipa::path(
+    post, path = "/v1/sessions/{id}/cancel", tag = "sessions", params(("id" = String, Path, description = "Session id")), security(("bearer" = [])),
+    responses((status = 202, body = Session), (status = 401, body = ApiErrorBody), (status = 403, body = ApiErrorBody), (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody))
+)]
+async fn cancel(
+    State(state): State<ApiState>,
+    Operator(caller): Operator,
+    SessionPath(id): SessionPath,
+    OptionalJson(_no_input): OptionalJson<NoInput>,
+) -> Result<(StatusCode, Json<Session>), ApiError> {
+    let row = state.store.cancel(&caller.workspace_id, &id).await?;
+    Ok((StatusCode::ACCEPTED, Json(views::session(&row))))
+}
+
+/// Re-provision a hibernated session without a prompt; a session that is awake is left as it is.
+#[utoipa::path(
+    post, path = "/v1/sessions/{id}/resume", tag = "sessions", params(("id" = String, Path, description = "Session id")), security(("bearer" = [])),
+    responses(
+        (status = 202, body = Session), (status = 401, body = ApiErrorBody), (status = 403, body = ApiErrorBody),
+        (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody), (status = 409, description = "SESSION_NOT_STEERABLE", body = ApiErrorBody),
+    )
+)]
+async fn resume(
+    State(state): State<ApiState>,
+    Operator(caller): Operator,
+    SessionPath(id): SessionPath,
+    OptionalJson(_no_input): OptionalJson<NoInput>,
+) -> Result<(StatusCode, Json<Session>), ApiError> {
+    let row = state.store.resume(&caller.workspace_id, &id).await?;
+    Ok((StatusCode::ACCEPTED, Json(views::session(&row))))
+}
+
+/// Hide the session from the default list and release its sandbox. A session with a turn in flight
+/// is refused: stop or cancel it first.
+#[utoipa::path(
+    post, path = "/v1/sessions/{id}/archive", tag = "sessions", params(("id" = String, Path, description = "Session id")), security(("bearer" = [])),
+    responses(
+        (status = 200, body = Session), (status = 401, body = ApiErrorBody), (status = 403, body = ApiErrorBody),
+        (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody), (status = 409, description = "SESSION_ACTIVE", body = ApiErrorBody),
+    )
+)]
+async fn archive(
+    State(state): State<ApiState>,
+    Operator(caller): Operator,
+    SessionPath(id): SessionPath,
+    OptionalJson(_no_input): OptionalJson<NoInput>,
+) -> Result<Json<Session>, ApiError> {
+    let row = state
+        .store
+        .set_archived(&caller.workspace_id, &id, true)
+        .await?;
+    Ok(Json(views::session(&row)))
+}
+
+/// Show an archived session in the default list again.
+#[utoipa::path(
+    delete, path = "/v1/sessions/{id}/archive", tag = "sessions", params(("id" = String, Path, description = "Session id")), security(("bearer" = [])),
+    responses((status = 200, body = Session), (status = 401, body = ApiErrorBody), (status = 403, body = ApiErrorBody), (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody))
+)]
+async fn unarchive(
+    State(state): State<ApiState>,
+    Operator(caller): Operator,
+    SessionPath(id): SessionPath,
+) -> Result<Json<Session>, ApiError> {
+    let row = state
+        .store
+        .set_archived(&caller.workspace_id, &id, false)
+        .await?;
+    Ok(Json(views::session(&row)))
+}
+
+/// Mint a single-use ticket for the session's stream (valid 60 s). `turn` tickets need the operator role.
+#[utoipa::path(
+    post, path = "/v1/sessions/{id}/attach-ticket", tag = "sessions", params(("id" = String, Path, description = "Session id")),
+    request_body(content = AttachTicketRequest, description = "Optional; `{}` or no body mints an `attach` ticket"), security(("bearer" = [])),
+    responses(
+        (status = 201, body = AttachTicket), (status = 400, body = ApiErrorBody), (status = 401, body = ApiErrorBody),
+        (status = 403, description = "FORBIDDEN", body = ApiErrorBody), (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody),
+    )
+)]
+async fn attach_ticket(
+    State(state): State<ApiState>,
+    Viewer(caller): Viewer,
+    SessionPath(id): SessionPath,
+    OptionalJson(request): OptionalJson<AttachTicketRequest>,
+) -> Result<(StatusCode, Json<AttachTicket>), ApiError> {
+    let action = request.action.unwrap_or_default();
+    if action == TicketAction::Turn && caller.role < Role::Operator {
+        return Err(ApiError::new(
+            ErrorCode::Forbidden,
+            "a turn ticket submits a steer: it needs the operator role",
+        ));
+    }
+    let session = state.store.session(&caller.workspace_id, &id).await?;
+    let nonce = tokens::random_text(16).map_err(|error| {
+        tracing::error!(%error, "no randomness for a ticket nonce");
+        ApiError::new(
+            ErrorCode::Internal,
+            "the server failed; the log has the detail",
+        )
+    })?;
+    let expires_at_ms = now_ms() + TICKET_TTL_SECONDS * 1000;
+    let claims = TicketClaims {
+        v: TICKET_VERSION,
+        sub: caller.token_id,
+        ws: caller.workspace_id,
+        ses: session.id.to_string(),
+        act: action,
+        exp: expires_at_ms / 1000,
+        nonce,
+    };
+    let ticket = sortie_protocol::ticket::mint(state.ticket_secret.expose(), &claims);
+    Ok((
+        StatusCode::CREATED,
+        Json(AttachTicket {
+            ticket,
+            expires_at: rfc3339_from_epoch_ms(claims.exp * 1000),
+            stream_url: format!("/v1/sessions/{}/stream", session.id),
+        }),
+    ))
+}
+
+/// The query of `GET /v1/usage`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+struct UsageQuery {
+    /// Only this session.
+    session: Option<String>,
+}
+
+/// Usage by session and UTC day: compute seconds and tokens by model.
+#[utoipa::path(
+    get, path = "/v1/usage", tag = "usage", params(UsageQuery), security(("bearer" = [])),
+    responses((status = 200, body = UsageReport), (status = 400, body = ApiErrorBody), (status = 401, body = ApiErrorBody), (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody))
+)]
+async fn usage(
+    State(state): State<ApiState>,
+    Viewer(caller): Viewer,
+    ApiQuery(query): ApiQuery<UsageQuery>,
+) -> Result<Json<UsageReport>, ApiError> {
+    let session = match query.session {
+        Some(text) => {
+            let id = SessionId::parse(&text).map_err(|_| ApiError::session_not_found())?;
+            state.store.session(&caller.workspace_id, &id).await?;
+            Some(id)
+        }
+        None => None,
+    };
+    let records = state
+        .store
+        .usage(&caller.workspace_id, session.as_ref())
+        .await?;
+    let mut rows: Vec<UsageRow> = Vec::new();
+    let row_for = |rows: &mut Vec<UsageRow>, session_id: &SessionId, day: &str| -> usize {
+        if let Some(index) = rows
+            .iter()
+            .position(|row| &row.session_id == session_id && row.day == day)
+        {
+            return index;
+        }
+        rows.push(UsageRow {
+            session_id: session_id.clone(),
+            day: day.to_owned(),
+            compute_seconds: 0,
+            models: Vec::new(),
+        });
+        rows.len() - 1
+    };
+    for (session_id, day, compute_ms) in &records.compute {
+        let index = row_for(&mut rows, session_id, day);
+        rows[index].compute_seconds = compute_ms / 1000;
+    }
+    for (session_id, day, model, input_tokens, output_tokens) in &records.tokens {
+        let index = row_for(&mut rows, session_id, day);
+        rows[index].models.push(ModelUsage {
+            model: model.clone(),
+            input_tokens: *input_tokens,
+            output_tokens: *output_tokens,
+        });
+    }
+    rows.sort_by(|a, b| {
+        b.day
+            .cmp(&a.day)
+            .then_with(|| a.session_id.cmp(&b.session_id))
+    });
+    Ok(Json(UsageReport { rows }))
+}

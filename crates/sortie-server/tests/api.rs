@@ -1,0 +1,1496 @@
+//! The control plane, endpoint by endpoint: each happy path and each error code, in-process and over
+//! a real socket, on SQLite and on PostgreSQL.
+
+mod harness;
+
+use axum::http::{Method, StatusCode};
+use harness::{Harness, Payload, Reply, TICKET_SECRET, Transport};
+use serde_json::{Value, json};
+use sortie_protocol::api::TicketAction;
+use sortie_protocol::limits::{
+    PROMPT_MAX_BYTES, REQUEST_BODY_MAX_BYTES, SETUP_MAX_BYTES, TURN_QUEUE_MAX,
+};
+use sortie_protocol::{SessionId, SessionPhase, TurnStatus};
+use sortie_store::testing::TestBackend;
+use sortie_store::{NewPart, Store, TokenUsage, TurnOutcome};
+
+/// One test per (transport, database) for each story.
+macro_rules! on_every_server {
+    ($($name:ident),* $(,)?) => {
+        mod in_process_sqlite {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name(super::Harness::start(super::Transport::InProcess, super::TestBackend::Sqlite).await).await; })*
+        }
+        mod socket_sqlite {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name(super::Harness::start(super::Transport::Socket, super::TestBackend::Sqlite).await).await; })*
+        }
+        mod in_process_postgres {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name(super::Harness::start(super::Transport::InProcess, super::TestBackend::Postgres).await).await; })*
+        }
+        mod socket_postgres {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name(super::Harness::start(super::Transport::Socket, super::TestBackend::Postgres).await).await; })*
+        }
+    };
+}
+
+on_every_server!(
+    create_accepts_a_valid_session,
+    create_refuses_each_invalid_field_and_writes_nothing,
+    create_checks_repository_access,
+    list_pages_and_filters,
+    read_endpoints_answer_and_miss,
+    messages_assemble_stored_parts,
+    steer_adds_turns_and_refuses_with_codes,
+    steer_refuses_past_the_session_prompt_budget,
+    stop_needs_a_running_turn,
+    cancel_ends_the_session_once,
+    resume_wakes_hibernated_sessions_only,
+    archive_hides_resting_sessions,
+    attach_tickets_are_signed_for_one_session_and_action,
+    usage_sums_by_session_and_day,
+    another_workspace_sees_nothing,
+    roles_and_tokens_are_enforced_everywhere,
+    malformed_input_never_answers_500,
+    operations_endpoints_answer,
+    unknown_routes_and_methods_have_codes,
+    concurrent_steers_get_distinct_numbers,
+    cancel_racing_steers_keeps_the_ledger_consistent,
+);
+
+fn assert_error(reply: &Reply, status: StatusCode, code: &str) {
+    assert_eq!(
+        (reply.status, reply.code()),
+        (status, code),
+        "body: {}",
+        reply.body
+    );
+    assert!(
+        reply.body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "a sentence: {}",
+        reply.body
+    );
+    assert!(
+        reply.body["error"]["details"].is_object(),
+        "details object: {}",
+        reply.body
+    );
+}
+
+fn is_rfc3339_utc(text: &Value) -> bool {
+    text.as_str()
+        .is_some_and(|t| t.len() == 24 && t.ends_with('Z') && t.as_bytes()[10] == b'T')
+}
+
+async fn create_accepts_a_valid_session(h: Harness) {
+    let reply = h
+        .post(
+            "/v1/sessions",
+            &h.operator,
+            json!({
+                "repo": h.repo, "task": "Fix the flaky test\nIt fails on CI.", "base": "main", "model": "claude-sonnet-4-5",
+                "egress": {"allow": ["github.com", "pypi.org"]}, "setup": "make deps"
+            }),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", reply.body);
+    let session = &reply.body;
+    let id = session["id"].as_str().expect("id");
+    assert!(SessionId::parse(id).is_ok(), "{id}");
+    assert_eq!(session["workspace"], "default");
+    assert_eq!(session["repo"], json!(h.repo));
+    assert_eq!(session["branch"], json!(format!("sortie/{id}")));
+    assert_eq!(session["agent"], "claude-code", "the default agent");
+    assert_eq!(session["model"], "claude-sonnet-4-5");
+    assert_eq!(session["base"], "main");
+    assert_eq!(session["title"], "Fix the flaky test");
+    assert_eq!(session["phase"], "queued");
+    assert_eq!(session["turns"], 1);
+    assert_eq!(session["current_turn"], Value::Null);
+    assert_eq!(
+        session["egress"],
+        json!({"allow": ["github.com", "pypi.org"]})
+    );
+    assert_eq!(
+        session["usage"],
+        json!({"compute_seconds": 0, "input_tokens": 0, "output_tokens": 0})
+    );
+    assert_eq!(
+        (
+            session["pr"].clone(),
+            session["failure"].clone(),
+            session["archived"].clone()
+        ),
+        (Value::Null, Value::Null, json!(false))
+    );
+    assert!(
+        is_rfc3339_utc(&session["created_at"]) && is_rfc3339_utc(&session["updated_at"]),
+        "{session}"
+    );
+
+    let read = h.get(&format!("/v1/sessions/{id}"), &h.viewer).await;
+    assert_eq!(read.status, StatusCode::OK);
+    assert_eq!(&read.body, session);
+    let turns = h.get(&format!("/v1/sessions/{id}/turns"), &h.viewer).await;
+    assert_eq!(turns.body["turns"].as_array().map(Vec::len), Some(1));
+    assert_eq!(turns.body["turns"][0]["status"], "accepted");
+    assert_eq!(
+        turns.body["turns"][0]["prompt"],
+        "Fix the flaky test\nIt fails on CI."
+    );
+
+    // Exactly 100 KiB is accepted; the explicit title and a known agent are kept.
+    let full = h.post("/v1/sessions", &h.operator, json!({"repo": h.repo, "task": "a".repeat(PROMPT_MAX_BYTES), "title": "t", "agent": "codex"})).await;
+    assert_eq!(full.status, StatusCode::ACCEPTED, "{}", full.body);
+    assert_eq!(
+        (full.body["title"].clone(), full.body["agent"].clone()),
+        (json!("t"), json!("codex"))
+    );
+    // A bare repository is a repository too.
+    let bare = h.dir.path().join("bare.git");
+    let status = std::process::Command::new("git")
+        .args(["init", "-q", "--bare"])
+        .arg(&bare)
+        .status()
+        .expect("git");
+    assert!(status.success());
+    let bare_reply = h
+        .post(
+            "/v1/sessions",
+            &h.operator,
+            json!({"repo": bare, "task": "t"}),
+        )
+        .await;
+    assert_eq!(
+        bare_reply.status,
+        StatusCode::ACCEPTED,
+        "{}",
+        bare_reply.body
+    );
+    // An https URL is accepted as it stands.
+    let remote = h
+        .post(
+            "/v1/sessions",
+            &h.admin,
+            json!({"repo": "https://github.com/o/r.git", "task": "t"}),
+        )
+        .await;
+    assert_eq!(remote.status, StatusCode::ACCEPTED, "{}", remote.body);
+    assert_eq!(h.session_count().await, 4);
+}
+
+async fn create_refuses_each_invalid_field_and_writes_nothing(h: Harness) {
+    let repo = h.repo.clone();
+    let base = json!({"repo": repo, "task": "t"});
+    let with = |key: &str, value: Value| {
+        let mut body = base.clone();
+        body[key] = value;
+        body
+    };
+    let cases: Vec<(Value, StatusCode, &str)> = vec![
+        (
+            json!({"repo": repo}),
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+        ),
+        (
+            json!({"task": "t"}),
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+        ),
+        (
+            with("surprise", json!(1)),
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+        ),
+        (
+            with("task", json!(42)),
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+        ),
+        (
+            with("task", json!("   ")),
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+        ),
+        (
+            with("egress", json!({"allow": "github.com"})),
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+        ),
+        (
+            with("egress", json!({"allow": [], "deny": []})),
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+        ),
+        (
+            with("task", json!("a".repeat(PROMPT_MAX_BYTES + 1))),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "PROMPT_TOO_LARGE",
+        ),
+        (
+            with("title", json!("t".repeat(201))),
+            StatusCode::BAD_REQUEST,
+            "TITLE_TOO_LONG",
+        ),
+        (
+            with("setup", json!("s".repeat(SETUP_MAX_BYTES + 1))),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "SETUP_TOO_LARGE",
+        ),
+        (
+            with("egress", json!({"allow": ["*.github.com"]})),
+            StatusCode::BAD_REQUEST,
+            "EGRESS_ALLOWLIST_INVALID",
+        ),
+        (
+            with("agent", json!("nonexistent-agent")),
+            StatusCode::BAD_REQUEST,
+            "AGENT_UNKNOWN",
+        ),
+        (
+            with("base", json!("a..b")),
+            StatusCode::BAD_REQUEST,
+            "BASE_INVALID",
+        ),
+        (
+            with("model", json!("bad model")),
+            StatusCode::BAD_REQUEST,
+            "MODEL_INVALID",
+        ),
+        (
+            with("repo", json!("relative/path")),
+            StatusCode::BAD_REQUEST,
+            "REPO_INVALID",
+        ),
+        (
+            with("repo", json!("https://user:secret@github.com/o/r")),
+            StatusCode::BAD_REQUEST,
+            "REPO_INVALID",
+        ),
+        (
+            with("repo", json!("ssh://git@github.com/o/r")),
+            StatusCode::BAD_REQUEST,
+            "REPO_INVALID",
+        ),
+        (
+            with("repo", json!("/nonexistent/repo")),
+            StatusCode::BAD_REQUEST,
+            "REPO_INVALID",
+        ),
+        (
+            with("repo", json!(h.dir.path())),
+            StatusCode::BAD_REQUEST,
+            "REPO_INVALID",
+        ),
+        (
+            with("repo", json!(format!("{repo}/../repo"))),
+            StatusCode::BAD_REQUEST,
+            "REPO_INVALID",
+        ),
+    ];
+    for (body, status, code) in cases {
+        let reply = h.post("/v1/sessions", &h.operator, body.clone()).await;
+        assert_error(&reply, status, code);
+        let _ = body;
+    }
+    let egress = h
+        .post(
+            "/v1/sessions",
+            &h.operator,
+            with(
+                "egress",
+                json!({"allow": ["ok.com", "localhost", "10.0.0.1", "ok.com"]}),
+            ),
+        )
+        .await;
+    assert_error(&egress, StatusCode::BAD_REQUEST, "EGRESS_ALLOWLIST_INVALID");
+    let entries = egress.body["error"]["details"]["entries"]
+        .as_array()
+        .expect("entries");
+    let named: Vec<(&str, u64)> = entries
+        .iter()
+        .map(|e| {
+            (
+                e["entry"].as_str().unwrap_or_default(),
+                e["index"].as_u64().unwrap_or(99),
+            )
+        })
+        .collect();
+    assert_eq!(
+        named,
+        vec![("localhost", 1), ("10.0.0.1", 2), ("ok.com", 3)]
+    );
+    let too_many: Vec<String> = (0..33).map(|i| format!("h{i}.example.com")).collect();
+    let over = h
+        .post(
+            "/v1/sessions",
+            &h.operator,
+            with("egress", json!({"allow": too_many})),
+        )
+        .await;
+    assert_error(&over, StatusCode::BAD_REQUEST, "EGRESS_ALLOWLIST_INVALID");
+    assert_eq!(
+        over.body["error"]["details"]["entries"][0]["entry"],
+        "h32.example.com"
+    );
+
+    let unknown_agent = h
+        .post("/v1/sessions", &h.operator, with("agent", json!("nope")))
+        .await;
+    assert!(
+        unknown_agent.body["error"]["details"]["known"]
+            .as_array()
+            .is_some_and(|k| k.contains(&json!("scripted")))
+    );
+
+    let not_json = h
+        .send(
+            Method::POST,
+            "/v1/sessions",
+            Some(&h.operator),
+            Payload::Raw {
+                content_type: Some("text/plain"),
+                bytes: b"{}".to_vec(),
+            },
+        )
+        .await;
+    assert_error(
+        &not_json,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "UNSUPPORTED_MEDIA_TYPE",
+    );
+    let huge = h
+        .send(
+            Method::POST,
+            "/v1/sessions",
+            Some(&h.operator),
+            Payload::Raw {
+                content_type: Some("application/json"),
+                bytes: vec![b' '; REQUEST_BODY_MAX_BYTES + 1],
+            },
+        )
+        .await;
+    assert_error(&huge, StatusCode::PAYLOAD_TOO_LARGE, "BODY_TOO_LARGE");
+    assert_eq!(h.session_count().await, 0, "no refusal writes anything");
+}
+
+async fn create_checks_repository_access(h: Harness) {
+    // Workspace `other` may use only /nonexistent-root: the real repo is outside it, and the answer
+    // does not reveal whether a path exists.
+    let outside = h
+        .post(
+            "/v1/sessions",
+            &h.other_operator,
+            json!({"repo": h.repo, "task": "t"}),
+        )
+        .await;
+    assert_error(&outside, StatusCode::FORBIDDEN, "REPO_NOT_ALLOWED");
+    let missing = h
+        .post(
+            "/v1/sessions",
+            &h.other_operator,
+            json!({"repo": "/etc/no-such-dir", "task": "t"}),
+        )
+        .await;
+    assert_error(&missing, StatusCode::FORBIDDEN, "REPO_NOT_ALLOWED");
+    // A symlink inside an allowed root that points outside it is refused after resolution.
+    let root = h.dir.path().join("root");
+    std::fs::create_dir(&root).expect("root");
+    let root = std::fs::canonicalize(&root).expect("canonical root");
+    let scoped = h
+        .store
+        .create_workspace(
+            "scoped",
+            sortie_store::RepoAccess {
+                any_local_path: false,
+                allowed_roots: vec![root.to_string_lossy().into_owned()],
+            },
+        )
+        .await
+        .expect("scoped");
+    let (token, hash) = sortie_server::tokens::generate_token().expect("token");
+    h.store
+        .create_token(
+            &scoped.id,
+            sortie_protocol::api::Role::Operator,
+            &hash,
+            None,
+        )
+        .await
+        .expect("token");
+    std::os::unix::fs::symlink(&h.repo, root.join("escape")).expect("symlink");
+    let escape = h
+        .post(
+            "/v1/sessions",
+            &token,
+            json!({"repo": root.join("escape"), "task": "t"}),
+        )
+        .await;
+    assert_error(&escape, StatusCode::FORBIDDEN, "REPO_NOT_ALLOWED");
+    harness::git_init(&root.join("inside"));
+    let inside = h
+        .post(
+            "/v1/sessions",
+            &token,
+            json!({"repo": root.join("inside"), "task": "t"}),
+        )
+        .await;
+    assert_eq!(inside.status, StatusCode::ACCEPTED, "{}", inside.body);
+    assert_eq!(inside.body["workspace"], "scoped");
+}
+
+async fn list_pages_and_filters(h: Harness) {
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        ids.push(h.create(&format!("task {i}")).await);
+    }
+    let all = h.get("/v1/sessions", &h.viewer).await;
+    assert_eq!(all.status, StatusCode::OK);
+    let listed: Vec<&str> = all.body["sessions"]
+        .as_array()
+        .expect("sessions")
+        .iter()
+        .filter_map(|s| s["id"].as_str())
+        .collect();
+    let mut newest_first: Vec<&str> = ids.iter().map(String::as_str).collect();
+    newest_first.sort_unstable_by(|a, b| b.cmp(a));
+    assert_eq!(listed, newest_first);
+    assert_eq!(all.body["next_cursor"], Value::Null);
+
+    let mut seen = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let path = match &cursor {
+            Some(c) => format!("/v1/sessions?limit=2&cursor={c}"),
+            None => "/v1/sessions?limit=2".to_owned(),
+        };
+        let page = h.get(&path, &h.viewer).await;
+        assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+        seen.extend(
+            page.body["sessions"]
+                .as_array()
+                .expect("page")
+                .iter()
+                .filter_map(|s| s["id"].as_str().map(str::to_owned)),
+        );
+        match page.body["next_cursor"].as_str() {
+            Some(next) => cursor = Some(next.to_owned()),
+            None => break,
+        }
+    }
+    assert_eq!(
+        seen, newest_first,
+        "pages cover every session once, in order"
+    );
+
+    h.post(
+        &format!("/v1/sessions/{}/cancel", ids[1]),
+        &h.operator,
+        json!({}),
+    )
+    .await;
+    let canceled = h.get("/v1/sessions?phase=canceled", &h.viewer).await;
+    assert_eq!(canceled.body["sessions"].as_array().map(Vec::len), Some(1));
+    let by_repo = h
+        .get(&format!("/v1/sessions?repo={}", h.repo), &h.viewer)
+        .await;
+    assert_eq!(by_repo.body["sessions"].as_array().map(Vec::len), Some(5));
+    let other_repo = h.get("/v1/sessions?repo=/elsewhere", &h.viewer).await;
+    assert_eq!(
+        other_repo.body["sessions"].as_array().map(Vec::len),
+        Some(0)
+    );
+    h.post(
+        &format!("/v1/sessions/{}/archive", ids[1]),
+        &h.operator,
+        json!({}),
+    )
+    .await;
+    let archived = h.get("/v1/sessions?archived=true", &h.viewer).await;
+    assert_eq!(archived.body["sessions"][0]["id"], json!(ids[1]));
+    assert_eq!(
+        h.get("/v1/sessions", &h.viewer).await.body["sessions"]
+            .as_array()
+            .map(Vec::len),
+        Some(4)
+    );
+
+    for bad in [
+        "phase=sleeping",
+        "limit=0",
+        "limit=201",
+        "limit=x",
+        "archived=maybe",
+        "cursor=nope",
+        "color=red",
+    ] {
+        let reply = h.get(&format!("/v1/sessions?{bad}"), &h.viewer).await;
+        assert_error(&reply, StatusCode::BAD_REQUEST, "INVALID_REQUEST");
+    }
+}
+
+async fn read_endpoints_answer_and_miss(h: Harness) {
+    let id = h.create("t").await;
+    for suffix in ["", "/turns", "/messages"] {
+        let ok = h
+            .get(&format!("/v1/sessions/{id}{suffix}"), &h.viewer)
+            .await;
+        assert_eq!(ok.status, StatusCode::OK, "{suffix}: {}", ok.body);
+        let unknown = h
+            .get(
+                &format!("/v1/sessions/{}{suffix}", SessionId::generate()),
+                &h.viewer,
+            )
+            .await;
+        assert_error(&unknown, StatusCode::NOT_FOUND, "SESSION_NOT_FOUND");
+        let malformed = h
+            .get(&format!("/v1/sessions/not-an-id{suffix}"), &h.viewer)
+            .await;
+        assert_error(&malformed, StatusCode::NOT_FOUND, "SESSION_NOT_FOUND");
+    }
+    let messages = h
+        .get(&format!("/v1/sessions/{id}/messages"), &h.viewer)
+        .await;
+    assert_eq!(
+        messages.body,
+        json!([{"id": format!("{id}-u1"), "role": "user", "parts": [{"type": "text", "text": "t"}]}])
+    );
+}
+
+async fn messages_assemble_stored_parts(h: Harness) {
+    let id = h.create("write a file").await;
+    let session_id = SessionId::parse(&id).expect("id");
+    let chunks = [
+        json!({"type": "start", "messageId": format!("{id}-t1")}),
+        json!({"type": "start-step"}),
+        json!({"type": "text-start", "id": "t"}),
+        json!({"type": "text-delta", "id": "t", "delta": "Done"}),
+        json!({"type": "text-end", "id": "t"}),
+        json!({"type": "data-sortie-delivery", "data": {"branch": format!("sortie/{id}"), "pushed": true}}),
+        json!({"type": "finish-step"}),
+        json!({"type": "finish"}),
+    ];
+    let parts: Vec<NewPart> = chunks
+        .iter()
+        .enumerate()
+        .map(|(i, c)| NewPart {
+            part_index: i as u32,
+            payload: c.to_string(),
+        })
+        .collect();
+    h.store
+        .append_parts(&session_id, 1, &parts)
+        .await
+        .expect("parts");
+    let messages = h
+        .get(&format!("/v1/sessions/{id}/messages"), &h.viewer)
+        .await;
+    assert_eq!(messages.status, StatusCode::OK);
+    assert_eq!(messages.body[1]["id"], json!(format!("{id}-t1")));
+    assert_eq!(messages.body[1]["role"], "assistant");
+    assert_eq!(
+        messages.body[1]["parts"],
+        json!([
+            {"type": "step-start"},
+            {"type": "text", "text": "Done", "state": "done"},
+            {"type": "data-sortie-delivery", "data": {"branch": format!("sortie/{id}"), "pushed": true}},
+        ])
+    );
+}
+
+async fn steer_adds_turns_and_refuses_with_codes(h: Harness) {
+    let id = h.create("t").await;
+    let path = format!("/v1/sessions/{id}/steer");
+    let steer = h
+        .post(&path, &h.operator, json!({"prompt": "also add tests"}))
+        .await;
+    assert_eq!(steer.status, StatusCode::ACCEPTED, "{}", steer.body);
+    assert_eq!(
+        (
+            steer.body["n"].clone(),
+            steer.body["status"].clone(),
+            steer.body["mode"].clone()
+        ),
+        (json!(2), json!("accepted"), json!("queue"))
+    );
+    let interrupt = h
+        .post(
+            &path,
+            &h.operator,
+            json!({"prompt": "now", "mode": "interrupt"}),
+        )
+        .await;
+    assert_eq!(
+        (interrupt.body["n"].clone(), interrupt.body["mode"].clone()),
+        (json!(3), json!("interrupt"))
+    );
+    let exactly = h
+        .post(
+            &path,
+            &h.operator,
+            json!({"prompt": "p".repeat(PROMPT_MAX_BYTES)}),
+        )
+        .await;
+    assert_eq!(exactly.status, StatusCode::ACCEPTED);
+
+    assert_error(
+        &h.post(
+            &path,
+            &h.operator,
+            json!({"prompt": "p".repeat(PROMPT_MAX_BYTES + 1)}),
+        )
+        .await,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "PROMPT_TOO_LARGE",
+    );
+    assert_error(
+        &h.post(&path, &h.operator, json!({"prompt": ""})).await,
+        StatusCode::BAD_REQUEST,
+        "INVALID_REQUEST",
+    );
+    assert_error(
+        &h.post(&path, &h.operator, json!({"prompt": "x", "mode": "later"}))
+            .await,
+        StatusCode::BAD_REQUEST,
+        "INVALID_REQUEST",
+    );
+    assert_error(
+        &h.post(&path, &h.operator, json!({"text": "x"})).await,
+        StatusCode::BAD_REQUEST,
+        "INVALID_REQUEST",
+    );
+    for n in 5..=TURN_QUEUE_MAX {
+        assert_eq!(
+            h.post(&path, &h.operator, json!({"prompt": format!("s{n}")}))
+                .await
+                .status,
+            StatusCode::ACCEPTED
+        );
+    }
+    assert_error(
+        &h.post(&path, &h.operator, json!({"prompt": "full"})).await,
+        StatusCode::CONFLICT,
+        "TURN_QUEUE_FULL",
+    );
+    let missing = h
+        .post(
+            &format!("/v1/sessions/{}/steer", SessionId::generate()),
+            &h.operator,
+            json!({"prompt": "x"}),
+        )
+        .await;
+    assert_error(&missing, StatusCode::NOT_FOUND, "SESSION_NOT_FOUND");
+
+    h.post(&format!("/v1/sessions/{id}/cancel"), &h.operator, json!({}))
+        .await;
+    assert_error(
+        &h.post(&path, &h.operator, json!({"prompt": "late"})).await,
+        StatusCode::CONFLICT,
+        "SESSION_NOT_STEERABLE",
+    );
+    let turns = h.get(&format!("/v1/sessions/{id}/turns"), &h.viewer).await;
+    assert_eq!(
+        turns.body["turns"].as_array().map(Vec::len),
+        Some(TURN_QUEUE_MAX as usize),
+        "refusals add no turn"
+    );
+
+    // An archived session takes no turns either.
+    let archived = h.create("t").await;
+    h.post(
+        &format!("/v1/sessions/{archived}/cancel"),
+        &h.operator,
+        json!({}),
+    )
+    .await;
+    h.post(
+        &format!("/v1/sessions/{archived}/archive"),
+        &h.operator,
+        json!({}),
+    )
+    .await;
+    h.send(
+        Method::DELETE,
+        &format!("/v1/sessions/{archived}/archive"),
+        Some(&h.operator),
+        Payload::Empty,
+    )
+    .await;
+    assert_error(
+        &h.post(
+            &format!("/v1/sessions/{archived}/steer"),
+            &h.operator,
+            json!({"prompt": "x"}),
+        )
+        .await,
+        StatusCode::CONFLICT,
+        "SESSION_NOT_STEERABLE",
+    );
+}
+
+/// Plays the worker: claims the waiting turn, completes it and rests the session.
+async fn run_one_turn(h: &Harness, id: &SessionId) {
+    let turn = h
+        .store
+        .claim_turn(id, true, "test-worker")
+        .await
+        .expect("claim")
+        .expect("a turn");
+    let done = TurnOutcome {
+        status: TurnStatus::Completed,
+        head_sha: None,
+        failure: None,
+    };
+    assert!(h.store.finish_turn(id, turn.n, done).await.expect("finish"));
+    assert!(
+        h.store
+            .transition_session(id, SessionPhase::Running, SessionPhase::Delivering)
+            .await
+            .expect("deliver")
+    );
+    assert!(
+        h.store
+            .transition_session(id, SessionPhase::Delivering, SessionPhase::Idle)
+            .await
+            .expect("idle")
+    );
+}
+
+async fn steer_refuses_past_the_session_prompt_budget(h: Harness) {
+    let big = "b".repeat(PROMPT_MAX_BYTES);
+    let reply = h
+        .post(
+            "/v1/sessions",
+            &h.operator,
+            json!({"repo": h.repo, "task": big}),
+        )
+        .await;
+    let id = reply.body["id"].as_str().expect("id").to_owned();
+    let session_id = SessionId::parse(&id).expect("id");
+    let path = format!("/v1/sessions/{id}/steer");
+    let mut accepted = 1;
+    loop {
+        run_one_turn(&h, &session_id).await;
+        let steer = h.post(&path, &h.operator, json!({"prompt": big})).await;
+        if steer.status == StatusCode::ACCEPTED {
+            accepted += 1;
+            continue;
+        }
+        assert_error(
+            &steer,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "SESSION_PROMPTS_TOO_LARGE",
+        );
+        break;
+    }
+    assert_eq!(
+        accepted, 81,
+        "81 prompts of 100 KiB fit in 8 MiB, the 82nd does not"
+    );
+    let session = h.get(&format!("/v1/sessions/{id}"), &h.viewer).await;
+    assert_eq!(
+        (session.body["turns"].clone(), session.body["phase"].clone()),
+        (json!(81), json!("idle")),
+        "the refusal wrote nothing"
+    );
+}
+
+async fn stop_needs_a_running_turn(h: Harness) {
+    let id = h.create("t").await;
+    let path = format!("/v1/sessions/{id}/stop");
+    assert_error(
+        &h.post(&path, &h.operator, json!({})).await,
+        StatusCode::CONFLICT,
+        "NO_TURN_RUNNING",
+    );
+    let session_id = SessionId::parse(&id).expect("id");
+    h.store
+        .claim_turn(&session_id, true, "test-worker")
+        .await
+        .expect("claim")
+        .expect("turn");
+    let stop = h
+        .send(Method::POST, &path, Some(&h.operator), Payload::Empty)
+        .await;
+    assert_eq!(stop.status, StatusCode::ACCEPTED, "{}", stop.body);
+    assert_eq!(
+        (stop.body["n"].clone(), stop.body["status"].clone()),
+        (json!(1), json!("running"))
+    );
+    let again = h.post(&path, &h.operator, json!({})).await;
+    assert_eq!(
+        again.status,
+        StatusCode::ACCEPTED,
+        "stop is idempotent while the turn winds down"
+    );
+    assert_error(
+        &h.post(
+            &format!("/v1/sessions/{}/stop", SessionId::generate()),
+            &h.operator,
+            json!({}),
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+        "SESSION_NOT_FOUND",
+    );
+    assert_error(
+        &h.post(&path, &h.operator, json!({"force": true})).await,
+        StatusCode::BAD_REQUEST,
+        "INVALID_REQUEST",
+    );
+}
+
+async fn cancel_ends_the_session_once(h: Harness) {
+    let id = h.create("t").await;
+    h.post(
+        &format!("/v1/sessions/{id}/steer"),
+        &h.operator,
+        json!({"prompt": "more"}),
+    )
+    .await;
+    let path = format!("/v1/sessions/{id}/cancel");
+    let cancel = h
+        .send(Method::POST, &path, Some(&h.operator), Payload::Empty)
+        .await;
+    assert_eq!(cancel.status, StatusCode::ACCEPTED, "{}", cancel.body);
+    assert_eq!(cancel.body["phase"], "canceled");
+    let turns = h.get(&format!("/v1/sessions/{id}/turns"), &h.viewer).await;
+    let statuses: Vec<&Value> = turns.body["turns"]
+        .as_array()
+        .expect("turns")
+        .iter()
+        .map(|t| &t["status"])
+        .collect();
+    assert_eq!(statuses, vec![&json!("canceled"), &json!("canceled")]);
+    let again = h.post(&path, &h.operator, json!({})).await;
+    assert_eq!(
+        (again.status, again.body["phase"].clone()),
+        (StatusCode::ACCEPTED, json!("canceled"))
+    );
+    assert_error(
+        &h.post(
+            &format!("/v1/sessions/{}/cancel", SessionId::generate()),
+            &h.operator,
+            json!({}),
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+        "SESSION_NOT_FOUND",
+    );
+}
+
+async fn resume_wakes_hibernated_sessions_only(h: Harness) {
+    let id = h.create("t").await;
+    let session_id = SessionId::parse(&id).expect("id");
+    let path = format!("/v1/sessions/{id}/resume");
+    let awake = h.post(&path, &h.operator, json!({})).await;
+    assert_eq!(
+        (awake.status, awake.body["phase"].clone()),
+        (StatusCode::ACCEPTED, json!("queued"))
+    );
+    run_one_turn(&h, &session_id).await;
+    assert!(
+        h.store
+            .transition_session(&session_id, SessionPhase::Idle, SessionPhase::Hibernated)
+            .await
+            .expect("hibernate")
+    );
+    let resumed = h.post(&path, &h.operator, json!({})).await;
+    assert_eq!(
+        (resumed.status, resumed.body["phase"].clone()),
+        (StatusCode::ACCEPTED, json!("queued"))
+    );
+    h.post(&format!("/v1/sessions/{id}/cancel"), &h.operator, json!({}))
+        .await;
+    assert_error(
+        &h.post(&path, &h.operator, json!({})).await,
+        StatusCode::CONFLICT,
+        "SESSION_NOT_STEERABLE",
+    );
+    assert_error(
+        &h.post(
+            &format!("/v1/sessions/{}/resume", SessionId::generate()),
+            &h.operator,
+            json!({}),
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+        "SESSION_NOT_FOUND",
+    );
+}
+
+async fn archive_hides_resting_sessions(h: Harness) {
+    let id = h.create("t").await;
+    let path = format!("/v1/sessions/{id}/archive");
+    assert_error(
+        &h.post(&path, &h.operator, json!({})).await,
+        StatusCode::CONFLICT,
+        "SESSION_ACTIVE",
+    );
+    run_one_turn(&h, &SessionId::parse(&id).expect("id")).await;
+    let archived = h.post(&path, &h.operator, json!({})).await;
+    assert_eq!(
+        (archived.status, archived.body["archived"].clone()),
+        (StatusCode::OK, json!(true))
+    );
+    assert_eq!(
+        h.get("/v1/sessions", &h.viewer).await.body["sessions"]
+            .as_array()
+            .map(Vec::len),
+        Some(0)
+    );
+    let unarchived = h
+        .send(Method::DELETE, &path, Some(&h.operator), Payload::Empty)
+        .await;
+    assert_eq!(
+        (unarchived.status, unarchived.body["archived"].clone()),
+        (StatusCode::OK, json!(false))
+    );
+    assert_eq!(
+        h.get("/v1/sessions", &h.viewer).await.body["sessions"]
+            .as_array()
+            .map(Vec::len),
+        Some(1)
+    );
+    let missing = format!("/v1/sessions/{}/archive", SessionId::generate());
+    assert_error(
+        &h.post(&missing, &h.operator, json!({})).await,
+        StatusCode::NOT_FOUND,
+        "SESSION_NOT_FOUND",
+    );
+    assert_error(
+        &h.send(Method::DELETE, &missing, Some(&h.operator), Payload::Empty)
+            .await,
+        StatusCode::NOT_FOUND,
+        "SESSION_NOT_FOUND",
+    );
+}
+
+async fn attach_tickets_are_signed_for_one_session_and_action(h: Harness) {
+    let id = h.create("t").await;
+    let path = format!("/v1/sessions/{id}/attach-ticket");
+    let minted = h
+        .send(Method::POST, &path, Some(&h.viewer), Payload::Empty)
+        .await;
+    assert_eq!(minted.status, StatusCode::CREATED, "{}", minted.body);
+    assert_eq!(
+        minted.body["stream_url"],
+        json!(format!("/v1/sessions/{id}/stream"))
+    );
+    assert!(is_rfc3339_utc(&minted.body["expires_at"]));
+    let ticket = minted.body["ticket"].as_str().expect("ticket");
+    let now = sortie_store::now_ms() / 1000;
+    let claims =
+        sortie_protocol::ticket::verify(TICKET_SECRET, ticket, now, &id, TicketAction::Attach)
+            .expect("verifies");
+    assert_eq!(
+        (claims.ws, claims.ses.clone()),
+        (h.workspace.id.clone(), id.clone())
+    );
+    assert!(
+        claims.exp > now && claims.exp <= now + 90,
+        "at most 90 s: {}",
+        claims.exp - now
+    );
+    assert!(
+        sortie_protocol::ticket::verify(TICKET_SECRET, ticket, now, &id, TicketAction::Turn)
+            .is_err(),
+        "bound to its action"
+    );
+    assert!(
+        sortie_protocol::ticket::verify(b"another secret", ticket, now, &id, TicketAction::Attach)
+            .is_err()
+    );
+    let second = h.post(&path, &h.viewer, json!({"action": "attach"})).await;
+    assert_ne!(
+        second.body["ticket"], minted.body["ticket"],
+        "every ticket has its own nonce"
+    );
+
+    assert_error(
+        &h.post(&path, &h.viewer, json!({"action": "turn"})).await,
+        StatusCode::FORBIDDEN,
+        "FORBIDDEN",
+    );
+    let turn = h.post(&path, &h.operator, json!({"action": "turn"})).await;
+    assert_eq!(turn.status, StatusCode::CREATED);
+    assert!(
+        sortie_protocol::ticket::verify(
+            TICKET_SECRET,
+            turn.body["ticket"].as_str().expect("t"),
+            now,
+            &id,
+            TicketAction::Turn
+        )
+        .is_ok()
+    );
+    assert_error(
+        &h.post(&path, &h.viewer, json!({"action": "watch"})).await,
+        StatusCode::BAD_REQUEST,
+        "INVALID_REQUEST",
+    );
+    assert_error(
+        &h.post(
+            &format!("/v1/sessions/{}/attach-ticket", SessionId::generate()),
+            &h.viewer,
+            json!({}),
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+        "SESSION_NOT_FOUND",
+    );
+}
+
+async fn usage_sums_by_session_and_day(h: Harness) {
+    let empty = h.get("/v1/usage", &h.viewer).await;
+    assert_eq!(
+        (empty.status, empty.body.clone()),
+        (StatusCode::OK, json!({"rows": []}))
+    );
+    let id = h.create("t").await;
+    let session_id = SessionId::parse(&id).expect("id");
+    let at = 1_796_219_431_000; // 2026-12-02
+    for (model, input, output) in [("m-a", 10, 1), ("m-a", 5, 1), ("m-b", 3, 2)] {
+        let usage = TokenUsage {
+            session_id: session_id.clone(),
+            turn: 1,
+            model: model.into(),
+            epoch_ms: at,
+            input_tokens: input,
+            output_tokens: output,
+        };
+        h.store.record_token_usage(&usage).await.expect("usage");
+    }
+    h.store
+        .record_compute(&session_id, 1, at, 12_345)
+        .await
+        .expect("compute");
+    let report = h.get(&format!("/v1/usage?session={id}"), &h.viewer).await;
+    assert_eq!(
+        report.body,
+        json!({"rows": [{"session_id": id, "day": "2026-12-02", "compute_seconds": 12, "models": [
+            {"model": "m-a", "input_tokens": 15, "output_tokens": 2},
+            {"model": "m-b", "input_tokens": 3, "output_tokens": 2},
+        ]}]})
+    );
+    let session = h.get(&format!("/v1/sessions/{id}"), &h.viewer).await;
+    assert_eq!(
+        session.body["usage"],
+        json!({"compute_seconds": 12, "input_tokens": 18, "output_tokens": 4})
+    );
+    assert_error(
+        &h.get(
+            &format!("/v1/usage?session={}", SessionId::generate()),
+            &h.viewer,
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+        "SESSION_NOT_FOUND",
+    );
+    assert_error(
+        &h.get("/v1/usage?since=yesterday", &h.viewer).await,
+        StatusCode::BAD_REQUEST,
+        "INVALID_REQUEST",
+    );
+    let other = h.get("/v1/usage", &h.other_operator).await;
+    assert_eq!(
+        other.body,
+        json!({"rows": []}),
+        "another workspace sees none of it"
+    );
+}
+
+/// Every session endpoint with a body that would succeed for the owner.
+fn session_endpoints(id: &str) -> Vec<(Method, String, Payload)> {
+    vec![
+        (Method::GET, format!("/v1/sessions/{id}"), Payload::Empty),
+        (
+            Method::GET,
+            format!("/v1/sessions/{id}/turns"),
+            Payload::Empty,
+        ),
+        (
+            Method::GET,
+            format!("/v1/sessions/{id}/messages"),
+            Payload::Empty,
+        ),
+        (
+            Method::POST,
+            format!("/v1/sessions/{id}/steer"),
+            Payload::Json(json!({"prompt": "x"})),
+        ),
+        (
+            Method::POST,
+            format!("/v1/sessions/{id}/stop"),
+            Payload::Json(json!({})),
+        ),
+        (
+            Method::POST,
+            format!("/v1/sessions/{id}/resume"),
+            Payload::Json(json!({})),
+        ),
+        (
+            Method::POST,
+            format!("/v1/sessions/{id}/archive"),
+            Payload::Json(json!({})),
+        ),
+        (
+            Method::DELETE,
+            format!("/v1/sessions/{id}/archive"),
+            Payload::Empty,
+        ),
+        (
+            Method::POST,
+            format!("/v1/sessions/{id}/attach-ticket"),
+            Payload::Json(json!({})),
+        ),
+        (
+            Method::GET,
+            format!("/v1/usage?session={id}"),
+            Payload::Empty,
+        ),
+        (
+            Method::POST,
+            format!("/v1/sessions/{id}/cancel"),
+            Payload::Json(json!({})),
+        ),
+    ]
+}
+
+async fn another_workspace_sees_nothing(h: Harness) {
+    let id = h.create("t").await;
+    for (method, path, payload) in session_endpoints(&id) {
+        let reply = h
+            .send(method.clone(), &path, Some(&h.other_operator), payload)
+            .await;
+        assert_error(&reply, StatusCode::NOT_FOUND, "SESSION_NOT_FOUND");
+    }
+    let listed = h.get("/v1/sessions", &h.other_operator).await;
+    assert_eq!(listed.body["sessions"], json!([]));
+    let unchanged = h.get(&format!("/v1/sessions/{id}"), &h.viewer).await;
+    assert_eq!(
+        (
+            unchanged.body["phase"].clone(),
+            unchanged.body["turns"].clone()
+        ),
+        (json!("queued"), json!(1))
+    );
+}
+
+async fn roles_and_tokens_are_enforced_everywhere(h: Harness) {
+    let id = h.create("t").await;
+    let mut endpoints = session_endpoints(&id);
+    endpoints.push((Method::GET, "/v1/sessions".into(), Payload::Empty));
+    endpoints.push((
+        Method::POST,
+        "/v1/sessions".into(),
+        Payload::Json(json!({"repo": h.repo, "task": "t"})),
+    ));
+    endpoints.push((Method::GET, "/v1/usage".into(), Payload::Empty));
+    for (method, path, payload) in endpoints {
+        let bytes = match &payload {
+            Payload::Json(value) => Some(value.clone()),
+            _ => None,
+        };
+        let again = || bytes.clone().map_or(Payload::Empty, Payload::Json);
+        for authorization in [
+            None,
+            Some("Bearer sortie_not-a-real-token".to_owned()),
+            Some("Basic dXNlcjpwdw==".to_owned()),
+            Some("Bearer ".to_owned()),
+        ] {
+            let reply = h
+                .send_with(method.clone(), &path, authorization, again())
+                .await;
+            assert_error(&reply, StatusCode::UNAUTHORIZED, "UNAUTHORIZED");
+            assert_eq!(
+                reply
+                    .headers
+                    .get("www-authenticate")
+                    .and_then(|v| v.to_str().ok()),
+                Some("Bearer")
+            );
+        }
+        let writes = method != Method::GET && !path.ends_with("/attach-ticket");
+        let as_viewer = h
+            .send(method.clone(), &path, Some(&h.viewer), again())
+            .await;
+        if writes {
+            assert_error(&as_viewer, StatusCode::FORBIDDEN, "FORBIDDEN");
+        } else {
+            assert!(
+                as_viewer.status.is_success(),
+                "{method} {path}: {}",
+                as_viewer.body
+            );
+        }
+    }
+    let session = h.get(&format!("/v1/sessions/{id}"), &h.viewer).await;
+    assert_eq!(
+        (session.body["phase"].clone(), session.body["turns"].clone()),
+        (json!("queued"), json!(1)),
+        "no refused write changed anything"
+    );
+}
+
+async fn malformed_input_never_answers_500(h: Harness) {
+    let id = h.create("t").await;
+    let bodies: Vec<(Option<&'static str>, Vec<u8>)> = vec![
+        (Some("application/json"), b"{".to_vec()),
+        (Some("application/json"), b"[]".to_vec()),
+        (Some("application/json"), b"null".to_vec()),
+        (Some("application/json"), b"\"text\"".to_vec()),
+        (
+            Some("application/json"),
+            br#"{"repo": 1, "task": [], "prompt": {}, "mode": 7, "action": false}"#.to_vec(),
+        ),
+        (
+            Some("application/json"),
+            br#"{"unknown": "field"}"#.to_vec(),
+        ),
+        (Some("application/json"), vec![0xff, 0xfe, 0x7b, 0x7d]),
+        (
+            Some("application/json"),
+            b"{\"task\": \"\xc3\x28\"}".to_vec(),
+        ),
+        (
+            Some("application/json"),
+            br#"{"prompt": "\ud800"}"#.to_vec(),
+        ),
+        (
+            Some("application/json"),
+            format!("{{\"prompt\": \"{}\"}}", "x".repeat(REQUEST_BODY_MAX_BYTES)).into_bytes(),
+        ),
+        (Some("text/plain"), br#"{"prompt": "x"}"#.to_vec()),
+        (
+            Some("application/x-www-form-urlencoded"),
+            b"prompt=x".to_vec(),
+        ),
+        (None, br#"{"prompt": "x"}"#.to_vec()),
+        (Some("application/json"), b"{\"a\":".repeat(10_000)),
+        (Some("application/json"), vec![b'['; 100_000]),
+    ];
+    let paths = [
+        (Method::POST, "/v1/sessions".to_owned()),
+        (Method::POST, format!("/v1/sessions/{id}/steer")),
+        (Method::POST, format!("/v1/sessions/{id}/stop")),
+        (Method::POST, format!("/v1/sessions/{id}/resume")),
+        (Method::POST, format!("/v1/sessions/{id}/archive")),
+        (Method::POST, format!("/v1/sessions/{id}/attach-ticket")),
+        (Method::POST, format!("/v1/sessions/{id}/cancel")),
+        (
+            Method::GET,
+            "/v1/sessions?limit=99999999999999999999".to_owned(),
+        ),
+        (Method::GET, "/v1/sessions?phase=%FF".to_owned()),
+        (Method::GET, format!("/v1/sessions/{id}%00")),
+        (Method::GET, "/v1/sessions/%E2%82".to_owned()),
+        (Method::GET, "/v1/usage?session=%00".to_owned()),
+    ];
+    for (method, path) in &paths {
+        for (content_type, bytes) in &bodies {
+            // A GET handler does not read its body; a client that streams megabytes at it sees the
+            // connection close after the answer, which says nothing about the server.
+            if *method == Method::GET && bytes.len() > 64 * 1024 {
+                continue;
+            }
+            let reply = h
+                .send(
+                    method.clone(),
+                    path,
+                    Some(&h.operator),
+                    Payload::Raw {
+                        content_type: *content_type,
+                        bytes: bytes.clone(),
+                    },
+                )
+                .await;
+            assert!(
+                reply.status.is_client_error(),
+                "{method} {path} {content_type:?}: {} {}",
+                reply.status,
+                reply.body
+            );
+            assert!(
+                !reply.code().is_empty(),
+                "{method} {path}: an error code, got {}",
+                String::from_utf8_lossy(&reply.raw)
+            );
+        }
+    }
+    let session = h.get(&format!("/v1/sessions/{id}"), &h.viewer).await;
+    assert_eq!(
+        (session.body["phase"].clone(), session.body["turns"].clone()),
+        (json!("queued"), json!(1)),
+        "nothing malformed was written"
+    );
+    assert_eq!(h.session_count().await, 1);
+}
+
+async fn operations_endpoints_answer(h: Harness) {
+    let health = h.send(Method::GET, "/healthz", None, Payload::Empty).await;
+    assert_eq!(
+        (health.status, health.body.clone()),
+        (StatusCode::OK, json!({"status": "ok"}))
+    );
+    let ready = h.send(Method::GET, "/readyz", None, Payload::Empty).await;
+    assert_eq!(
+        (ready.status, ready.body.clone()),
+        (StatusCode::OK, json!({"status": "ready"}))
+    );
+    h.create("t").await;
+    let metrics = h.send(Method::GET, "/metrics", None, Payload::Empty).await;
+    assert_eq!(metrics.status, StatusCode::OK);
+    let text = String::from_utf8_lossy(&metrics.raw);
+    if h.socket_address().is_some() {
+        // Only `run` installs the process-wide recorder, so only a served router has counted requests.
+        assert!(text.contains("sortie_http_requests_total"), "{text}");
+        assert!(
+            text.contains(r#"route="/v1/sessions""#),
+            "requests are labelled by route template: {text}"
+        );
+    }
+    let openapi = h
+        .send(Method::GET, "/v1/openapi.json", None, Payload::Empty)
+        .await;
+    assert_eq!(openapi.status, StatusCode::OK);
+    assert_eq!(openapi.body["openapi"], "3.1.0");
+    let paths = openapi.body["paths"].as_object().expect("paths");
+    for (path, method) in [
+        ("/v1/sessions", "post"),
+        ("/v1/sessions", "get"),
+        ("/v1/sessions/{id}", "get"),
+        ("/v1/sessions/{id}/turns", "get"),
+        ("/v1/sessions/{id}/messages", "get"),
+        ("/v1/sessions/{id}/steer", "post"),
+        ("/v1/sessions/{id}/stop", "post"),
+        ("/v1/sessions/{id}/cancel", "post"),
+        ("/v1/sessions/{id}/resume", "post"),
+        ("/v1/sessions/{id}/archive", "post"),
+        ("/v1/sessions/{id}/archive", "delete"),
+        ("/v1/sessions/{id}/attach-ticket", "post"),
+        ("/v1/usage", "get"),
+        ("/healthz", "get"),
+        ("/readyz", "get"),
+        ("/metrics", "get"),
+    ] {
+        assert!(
+            paths.get(path).and_then(|p| p.get(method)).is_some(),
+            "{method} {path} is documented"
+        );
+    }
+    let codes = &openapi.body["components"]["schemas"]["ErrorCode"]["enum"];
+    for code in sortie_protocol::ErrorCode::ALL {
+        assert!(
+            codes
+                .as_array()
+                .is_some_and(|c| c.contains(&json!(code.as_str()))),
+            "{code} documented: {codes}"
+        );
+    }
+    assert!(openapi.body["components"]["securitySchemes"]["bearer"].is_object());
+}
+
+async fn unknown_routes_and_methods_have_codes(h: Harness) {
+    assert_error(
+        &h.get("/v1/nothing-here", &h.viewer).await,
+        StatusCode::NOT_FOUND,
+        "NOT_FOUND",
+    );
+    assert_error(
+        &h.send(
+            Method::PUT,
+            "/v1/sessions",
+            Some(&h.operator),
+            Payload::Empty,
+        )
+        .await,
+        StatusCode::METHOD_NOT_ALLOWED,
+        "METHOD_NOT_ALLOWED",
+    );
+    assert_error(
+        &h.send(
+            Method::DELETE,
+            "/v1/sessions/x",
+            Some(&h.operator),
+            Payload::Empty,
+        )
+        .await,
+        StatusCode::METHOD_NOT_ALLOWED,
+        "METHOD_NOT_ALLOWED",
+    );
+}
+
+async fn concurrent_steers_get_distinct_numbers(h: Harness) {
+    let id = h.create("t").await;
+    let h = std::sync::Arc::new(h);
+    let mut tasks = Vec::new();
+    for i in 0..50 {
+        let h = h.clone();
+        let path = format!("/v1/sessions/{id}/steer");
+        tasks.push(tokio::spawn(async move {
+            h.post(&path, &h.operator, json!({"prompt": format!("steer {i}")}))
+                .await
+        }));
+    }
+    let mut numbers = Vec::new();
+    let mut full = 0;
+    for task in tasks {
+        let reply = task.await.expect("join");
+        match reply.status {
+            StatusCode::ACCEPTED => numbers.push(reply.body["n"].as_u64().expect("n")),
+            StatusCode::CONFLICT if reply.code() == "TURN_QUEUE_FULL" => full += 1,
+            other => panic!("unexpected {other}: {}", reply.body),
+        }
+    }
+    numbers.sort_unstable();
+    assert_eq!(
+        numbers,
+        (2..=u64::from(TURN_QUEUE_MAX)).collect::<Vec<_>>(),
+        "distinct numbers, at most the queue limit"
+    );
+    assert_eq!(full, 50 - numbers.len());
+}
+
+async fn cancel_racing_steers_keeps_the_ledger_consistent(h: Harness) {
+    let id = h.create("t").await;
+    let h = std::sync::Arc::new(h);
+    let mut tasks = Vec::new();
+    for i in 0..30 {
+        let h = h.clone();
+        let (path, body) = if i == 10 {
+            (format!("/v1/sessions/{id}/cancel"), json!({}))
+        } else {
+            (format!("/v1/sessions/{id}/steer"), json!({"prompt": "s"}))
+        };
+        tasks.push(tokio::spawn(async move {
+            h.post(&path, &h.operator, body).await
+        }));
+    }
+    for task in tasks {
+        let reply = task.await.expect("join");
+        assert!(
+            reply.status == StatusCode::ACCEPTED
+                || ["TURN_QUEUE_FULL", "SESSION_NOT_STEERABLE"].contains(&reply.code()),
+            "{} {}",
+            reply.status,
+            reply.body
+        );
+    }
+    let session = h.get(&format!("/v1/sessions/{id}"), &h.viewer).await;
+    let turns = h.get(&format!("/v1/sessions/{id}/turns"), &h.viewer).await;
+    let turns = turns.body["turns"].as_array().expect("turns");
+    assert_eq!(session.body["phase"], "canceled");
+    assert_eq!(session.body["turns"].as_u64(), Some(turns.len() as u64));
+    let numbers: Vec<u64> = turns.iter().filter_map(|t| t["n"].as_u64()).collect();
+    assert_eq!(numbers, (1..=turns.len() as u64).collect::<Vec<_>>());
+    assert!(
+        turns.iter().all(|t| t["status"] == "canceled"),
+        "no turn waits in a canceled session: {turns:?}"
+    );
+}

@@ -1,0 +1,303 @@
+//! A server under test: the api router on SQLite or PostgreSQL, reached in-process (`oneshot`) or over
+//! a real socket with a real HTTP client, with tokens of every role and a second workspace.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{HeaderMap, Method, Request, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::Value;
+use sortie_protocol::api::Role;
+use sortie_server::{AgentCatalog, ApiState, Secret, tokens};
+use sortie_store::testing::{TestBackend, TestDatabase};
+use sortie_store::{RepoAccess, SqlStore, Store, WorkspaceRow};
+use tower::ServiceExt;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    InProcess,
+    Socket,
+}
+
+pub const TICKET_SECRET: &[u8] = b"test-ticket-secret";
+
+pub struct Harness {
+    pub store: Arc<SqlStore>,
+    pub workspace: WorkspaceRow,
+    pub admin: String,
+    pub operator: String,
+    pub viewer: String,
+    /// An operator of workspace `other`, which may use no local repository.
+    pub other_operator: String,
+    /// A real git repository (made by `git init`) the default workspace may use.
+    pub repo: String,
+    router: Router,
+    socket: Option<(String, reqwest::Client, tokio::sync::oneshot::Sender<()>)>,
+    _database: TestDatabase,
+    pub dir: tempfile::TempDir,
+}
+
+/// What the server answered.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Value,
+    pub raw: Vec<u8>,
+}
+
+impl Reply {
+    /// The error code of an error answer, or "" if there is none.
+    pub fn code(&self) -> &str {
+        self.body["error"]["code"].as_str().unwrap_or_default()
+    }
+}
+
+/// A request body.
+pub enum Payload {
+    Empty,
+    Json(Value),
+    Raw {
+        content_type: Option<&'static str>,
+        bytes: Vec<u8>,
+    },
+}
+
+pub fn git_init(path: &std::path::Path) {
+    let status = std::process::Command::new("git")
+        .args(["init", "-q"])
+        .arg(path)
+        .status()
+        .expect("run git");
+    assert!(status.success(), "git init failed");
+}
+
+impl Harness {
+    pub async fn start(transport: Transport, backend: TestBackend) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let database = TestDatabase::new(backend, dir.path())
+            .await
+            .expect("database");
+        let store = Arc::new(SqlStore::connect(&database.url).await.expect("store"));
+        let workspace = store
+            .create_workspace(
+                "default",
+                RepoAccess {
+                    any_local_path: true,
+                    allowed_roots: vec![],
+                },
+            )
+            .await
+            .expect("workspace");
+        let other = store
+            .create_workspace(
+                "other",
+                RepoAccess {
+                    any_local_path: false,
+                    allowed_roots: vec!["/nonexistent-root".into()],
+                },
+            )
+            .await
+            .expect("other");
+        let token = async |workspace_id: &str, role: Role| {
+            let (token, hash) = tokens::generate_token().expect("token");
+            store
+                .create_token(workspace_id, role, &hash, None)
+                .await
+                .expect("store token");
+            token
+        };
+        let admin = token(&workspace.id, Role::Admin).await;
+        let operator = token(&workspace.id, Role::Operator).await;
+        let viewer = token(&workspace.id, Role::Viewer).await;
+        let other_operator = token(&other.id, Role::Operator).await;
+        let repo_path = dir.path().join("repo");
+        git_init(&repo_path);
+        let repo = std::fs::canonicalize(&repo_path)
+            .expect("canonical")
+            .to_string_lossy()
+            .into_owned();
+
+        let state = ApiState {
+            store: store.clone(),
+            agents: Arc::new(AgentCatalog::default()),
+            ticket_secret: Secret::new(TICKET_SECRET.to_vec()),
+        };
+        let router = sortie_server::router(state.clone());
+        let socket = match transport {
+            Transport::InProcess => None,
+            Transport::Socket => {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .expect("bind");
+                let address = listener.local_addr().expect("address");
+                let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+                tokio::spawn(sortie_server::run(listener, state, async move {
+                    let _ = stopped.await;
+                }));
+                Some((format!("http://{address}"), reqwest::Client::new(), stop))
+            }
+        };
+        Self {
+            store,
+            workspace,
+            admin,
+            operator,
+            viewer,
+            other_operator,
+            repo,
+            router,
+            socket,
+            _database: database,
+            dir,
+        }
+    }
+
+    pub async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        token: Option<&str>,
+        payload: Payload,
+    ) -> Reply {
+        self.send_with(method, path, token.map(|t| format!("Bearer {t}")), payload)
+            .await
+    }
+
+    /// Sends with a raw `Authorization` header value (or none).
+    pub async fn send_with(
+        &self,
+        method: Method,
+        path: &str,
+        authorization: Option<String>,
+        payload: Payload,
+    ) -> Reply {
+        let (content_type, bytes) = match payload {
+            Payload::Empty => (None, Vec::new()),
+            Payload::Json(value) => (
+                Some("application/json"),
+                serde_json::to_vec(&value).expect("json"),
+            ),
+            Payload::Raw {
+                content_type,
+                bytes,
+            } => (content_type, bytes),
+        };
+        let (status, headers, raw) = match &self.socket {
+            None => {
+                let mut request = Request::builder().method(method).uri(path);
+                if let Some(auth) = &authorization {
+                    request = request.header("authorization", auth);
+                }
+                if let Some(content_type) = content_type {
+                    request = request.header("content-type", content_type);
+                }
+                let response = self
+                    .router
+                    .clone()
+                    .oneshot(request.body(Body::from(bytes)).expect("request"))
+                    .await
+                    .expect("infallible");
+                let status = response.status();
+                let headers = response.headers().clone();
+                let raw = response
+                    .into_body()
+                    .collect()
+                    .await
+                    .expect("body")
+                    .to_bytes()
+                    .to_vec();
+                (status, headers, raw)
+            }
+            Some((base, client, _)) => {
+                let method =
+                    reqwest::Method::from_bytes(method.as_str().as_bytes()).expect("method");
+                let mut request = client.request(method, format!("{base}{path}")).body(bytes);
+                if let Some(auth) = &authorization {
+                    request = request.header("authorization", auth);
+                }
+                if let Some(content_type) = content_type {
+                    request = request.header("content-type", content_type);
+                }
+                let response = request.send().await.expect("send");
+                let status = StatusCode::from_u16(response.status().as_u16()).expect("status");
+                let mut headers = HeaderMap::new();
+                for (name, value) in response.headers() {
+                    if let (Ok(name), Ok(value)) = (
+                        axum::http::HeaderName::from_bytes(name.as_str().as_bytes()),
+                        axum::http::HeaderValue::from_bytes(value.as_bytes()),
+                    ) {
+                        headers.append(name, value);
+                    }
+                }
+                let raw = response.bytes().await.expect("body").to_vec();
+                (status, headers, raw)
+            }
+        };
+        let body = serde_json::from_slice(&raw).unwrap_or(Value::Null);
+        Reply {
+            status,
+            headers,
+            body,
+            raw,
+        }
+    }
+
+    /// The base URL when the server listens on a socket.
+    pub fn socket_address(&self) -> Option<&str> {
+        self.socket.as_ref().map(|(base, _, _)| base.as_str())
+    }
+
+    pub async fn get(&self, path: &str, token: &str) -> Reply {
+        self.send(Method::GET, path, Some(token), Payload::Empty)
+            .await
+    }
+
+    pub async fn post(&self, path: &str, token: &str, body: Value) -> Reply {
+        self.send(Method::POST, path, Some(token), Payload::Json(body))
+            .await
+    }
+
+    /// Creates a session on the test repository and returns its id.
+    pub async fn create(&self, task: &str) -> String {
+        let reply = self
+            .post(
+                "/v1/sessions",
+                &self.operator,
+                serde_json::json!({"repo": self.repo, "task": task, "agent": "scripted"}),
+            )
+            .await;
+        assert_eq!(reply.status, StatusCode::ACCEPTED, "{:?}", reply.body);
+        reply.body["id"].as_str().expect("id").to_owned()
+    }
+
+    /// How many sessions the default workspace has (archived or not).
+    pub async fn session_count(&self) -> usize {
+        let mut count = 0;
+        for archived in [false, true] {
+            let filter = sortie_store::SessionFilter {
+                archived,
+                limit: 1000,
+                ..Default::default()
+            };
+            count += self
+                .store
+                .list_sessions(&self.workspace.id, &filter)
+                .await
+                .expect("list")
+                .len();
+        }
+        count
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if let Some((_, _, stop)) = self.socket.take() {
+            let _ = stop.send(());
+        }
+    }
+}
