@@ -1,0 +1,98 @@
+//! Running the real `sortie` binary: a `serve` process on a free port and client commands against it.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+pub const BINARY: &str = env!("CARGO_BIN_EXE_sortie");
+
+/// A command of the binary with a clean environment: no inherited SORTIE_* settings, a private HOME.
+pub fn sortie(home: &Path) -> Command {
+    let mut command = Command::new(BINARY);
+    for (key, _) in std::env::vars() {
+        if key.starts_with("SORTIE_") || key == "XDG_DATA_HOME" {
+            command.env_remove(key);
+        }
+    }
+    command.env("HOME", home).env("SORTIE_LOG", "warn").stdin(Stdio::null());
+    command
+}
+
+/// A running `sortie serve`; killed (SIGKILL) when dropped.
+pub struct Server {
+    pub child: Child,
+    pub url: String,
+    /// Everything it printed on stdout before it listened.
+    pub banner: Vec<String>,
+}
+
+impl Server {
+    pub fn start(home: &Path, data_dir: &Path, database_url: Option<&str>) -> Server {
+        let mut command = sortie(home);
+        command.args(["serve", "--listen", "127.0.0.1:0", "--data-dir"]).arg(data_dir);
+        if let Some(url) = database_url {
+            command.args(["--database-url", url]);
+        }
+        let mut child = command.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("spawn sortie serve");
+        let stdout = child.stdout.take().expect("stdout");
+        let (lines_tx, lines_rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if lines_tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut banner = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let Ok(line) = lines_rx.recv_timeout(left) else {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("sortie serve did not report its address in time; printed {banner:?}");
+            };
+            if let Some(url) = line.strip_prefix("sortie listening on ") {
+                return Server { child, url: url.to_owned(), banner };
+            }
+            banner.push(line);
+        }
+    }
+
+    /// SIGKILL, no chance to flush anything, and wait for it to be gone.
+    pub fn kill_hard(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// A client command against this server, with the given data dir (its admin token is the credential).
+    pub fn client(&self, home: &Path, data_dir: &Path, args: &[&str]) -> Output {
+        sortie(home).arg("--server").arg(&self.url).arg("--data-dir").arg(data_dir).args(args).output().expect("run client")
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+pub fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+pub fn git_repo(parent: &Path, name: &str) -> PathBuf {
+    let path = parent.join(name);
+    let status = Command::new("git").args(["init", "-q"]).arg(&path).status().expect("git");
+    assert!(status.success());
+    std::fs::canonicalize(path).expect("canonical")
+}
