@@ -315,8 +315,7 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
     let day_of_era = z.rem_euclid(146_097);
-    let year_of_era =
-        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let year_of_era = (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
     let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
     let month_index = (5 * day_of_year + 2) / 153;
     let day = (day_of_year - (153 * month_index + 2) / 5 + 1) as u32;
@@ -335,11 +334,9 @@ mod tests {
 
     #[test]
     fn create_request_rejects_unknown_fields() {
-        let ok: Result<CreateSessionRequest, _> =
-            serde_json::from_str(r#"{"repo":"/r","task":"t"}"#);
+        let ok: Result<CreateSessionRequest, _> = serde_json::from_str(r#"{"repo":"/r","task":"t"}"#);
         assert!(ok.is_ok());
-        let unknown: Result<CreateSessionRequest, _> =
-            serde_json::from_str(r#"{"repo":"/r","task":"t","x":1}"#);
+        let unknown: Result<CreateSessionRequest, _> = serde_json::from_str(r#"{"repo":"/r","task":"t","x":1}"#);
         assert!(unknown.is_err());
         let nested: Result<CreateSessionRequest, _> =
             serde_json::from_str(r#"{"repo":"/r","task":"t","egress":{"allow":[],"deny":[]}}"#);
@@ -349,14 +346,8 @@ mod tests {
     #[test]
     fn times_format_as_rfc3339_utc() {
         assert_eq!(rfc3339_from_epoch_ms(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(
-            rfc3339_from_epoch_ms(951_782_400_000),
-            "2000-02-29T00:00:00.000Z"
-        );
-        assert_eq!(
-            rfc3339_from_epoch_ms(1_796_219_431_123),
-            "2026-12-02T13:50:31.123Z"
-        );
+        assert_eq!(rfc3339_from_epoch_ms(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(rfc3339_from_epoch_ms(1_796_219_431_123), "2026-12-02T13:50:31.123Z");
         assert_eq!(rfc3339_from_epoch_ms(-1), "1969-12-31T23:59:59.999Z");
         assert_eq!(utc_day_from_epoch_ms(1_796_219_431_123), "2026-12-02");
     }

@@ -67,11 +67,7 @@ pub fn validate_allowlist(entries: &[String]) -> Result<(), Vec<AllowlistViolati
             });
         }
     }
-    if violations.is_empty() {
-        Ok(())
-    } else {
-        Err(violations)
-    }
+    if violations.is_empty() { Ok(()) } else { Err(violations) }
 }
 
 /// Checks one entry: an exact, lowercase, public DNS name of at least two labels.
@@ -123,9 +119,7 @@ pub fn check_host_name(entry: &str) -> Result<(), String> {
     }
     for label in &labels {
         if label.len() > MAX_LABEL_LEN {
-            return Err(format!(
-                "label {label:?} is longer than {MAX_LABEL_LEN} characters"
-            ));
+            return Err(format!("label {label:?} is longer than {MAX_LABEL_LEN} characters"));
         }
         if label.starts_with('-') || label.ends_with('-') {
             return Err(format!("label {label:?} starts or ends with a hyphen"));
@@ -222,17 +216,10 @@ mod tests {
 
     #[test]
     fn duplicates_name_the_second_occurrence() {
-        let list = vec![
-            "github.com".to_owned(),
-            "pypi.org".to_owned(),
-            "github.com".to_owned(),
-        ];
+        let list = vec!["github.com".to_owned(), "pypi.org".to_owned(), "github.com".to_owned()];
         let violations = validate_allowlist(&list).expect_err("duplicate");
         assert_eq!(violations.len(), 1);
-        assert_eq!(
-            (violations[0].entry.as_str(), violations[0].index),
-            ("github.com", 2)
-        );
+        assert_eq!((violations[0].entry.as_str(), violations[0].index), ("github.com", 2));
         assert!(violations[0].reason.contains("duplicate"));
     }
 

@@ -123,11 +123,7 @@ impl ApiErrorBody {
         Self::with_details(code, message, serde_json::json!({}))
     }
 
-    pub fn with_details(
-        code: ErrorCode,
-        message: impl Into<String>,
-        details: serde_json::Value,
-    ) -> Self {
+    pub fn with_details(code: ErrorCode, message: impl Into<String>, details: serde_json::Value) -> Self {
         Self {
             error: ErrorDetail {
                 code,
@@ -178,18 +174,11 @@ mod tests {
     #[test]
     fn codes_are_screaming_snake_case_on_the_wire() {
         assert_eq!(ErrorCode::SessionNotFound.as_str(), "SESSION_NOT_FOUND");
-        assert_eq!(
-            ErrorCode::EgressAllowlistInvalid.as_str(),
-            "EGRESS_ALLOWLIST_INVALID"
-        );
+        assert_eq!(ErrorCode::EgressAllowlistInvalid.as_str(), "EGRESS_ALLOWLIST_INVALID");
         for code in ErrorCode::ALL {
             let text = code.as_str();
-            assert!(
-                text.bytes().all(|b| b.is_ascii_uppercase() || b == b'_'),
-                "{text}"
-            );
-            let back: ErrorCode =
-                serde_json::from_value(serde_json::json!(text)).expect("round trip");
+            assert!(text.bytes().all(|b| b.is_ascii_uppercase() || b == b'_'), "{text}");
+            let back: ErrorCode = serde_json::from_value(serde_json::json!(text)).expect("round trip");
             assert_eq!(back, *code);
         }
     }

@@ -34,10 +34,7 @@ impl SessionId {
 
     /// The id for a given ULID (tests and imports use it to make ids deterministic).
     pub fn from_ulid(ulid: ulid::Ulid) -> Self {
-        Self(format!(
-            "{SESSION_ID_PREFIX}{}",
-            ulid.to_string().to_ascii_lowercase()
-        ))
+        Self(format!("{SESSION_ID_PREFIX}{}", ulid.to_string().to_ascii_lowercase()))
     }
 
     /// Parses and validates an id; uppercase is refused so that one session has exactly one spelling.
@@ -45,7 +42,8 @@ impl SessionId {
         let Some(body) = text.strip_prefix(SESSION_ID_PREFIX) else {
             return Err(IdError::MissingPrefix(text.to_owned()));
         };
-        let valid_char = |c: u8| matches!(c, b'0'..=b'9' | b'a'..=b'h' | b'j' | b'k' | b'm' | b'n' | b'p'..=b't' | b'v'..=b'z');
+        let valid_char =
+            |c: u8| matches!(c, b'0'..=b'9' | b'a'..=b'h' | b'j' | b'k' | b'm' | b'n' | b'p'..=b't' | b'v'..=b'z');
         // The first character carries the top 3 bits of a 128-bit value, so it is at most '7'.
         if body.len() != ULID_LEN || !body.bytes().all(valid_char) || body.as_bytes()[0] > b'7' {
             return Err(IdError::Malformed(text.to_owned()));

@@ -281,10 +281,7 @@ mod tests {
     fn expected_session(from: P, to: P) -> bool {
         match from {
             P::Queued => matches!(to, P::Provisioning | P::Running | P::Canceled),
-            P::Provisioning => matches!(
-                to,
-                P::Running | P::Idle | P::Queued | P::Failed | P::Canceled
-            ),
+            P::Provisioning => matches!(to, P::Running | P::Idle | P::Queued | P::Failed | P::Canceled),
             P::Running => matches!(to, P::Delivering | P::Failed | P::Canceled),
             P::Delivering => matches!(to, P::Idle | P::Queued | P::Failed | P::Canceled),
             P::Idle => matches!(to, P::Queued | P::Hibernated | P::Canceled),
@@ -298,11 +295,7 @@ mod tests {
     fn every_session_pair_is_decided_by_the_table() {
         for from in P::ALL {
             for to in P::ALL {
-                assert_eq!(
-                    from.can_become(to),
-                    expected_session(from, to),
-                    "{from} -> {to}"
-                );
+                assert_eq!(from.can_become(to), expected_session(from, to), "{from} -> {to}");
             }
         }
     }
@@ -311,10 +304,7 @@ mod tests {
     fn session_table_has_no_duplicates_or_self_loops() {
         for (i, pair) in SESSION_TRANSITIONS.iter().enumerate() {
             assert_ne!(pair.0, pair.1, "self loop {pair:?}");
-            assert!(
-                !SESSION_TRANSITIONS[i + 1..].contains(pair),
-                "duplicate {pair:?}"
-            );
+            assert!(!SESSION_TRANSITIONS[i + 1..].contains(pair), "duplicate {pair:?}");
         }
     }
 

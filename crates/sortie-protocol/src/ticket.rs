@@ -79,16 +79,11 @@ pub fn verify(
         return Err(TicketError::Invalid);
     }
     let (payload, tag) = ticket.split_once('.').ok_or(TicketError::Invalid)?;
-    let tag = URL_SAFE_NO_PAD
-        .decode(tag)
-        .map_err(|_| TicketError::Invalid)?;
-    let mut mac =
-        <HmacSha256 as KeyInit>::new_from_slice(secret).map_err(|_| TicketError::Invalid)?;
+    let tag = URL_SAFE_NO_PAD.decode(tag).map_err(|_| TicketError::Invalid)?;
+    let mut mac = <HmacSha256 as KeyInit>::new_from_slice(secret).map_err(|_| TicketError::Invalid)?;
     mac.update(payload.as_bytes());
     mac.verify_slice(&tag).map_err(|_| TicketError::Invalid)?;
-    let json = URL_SAFE_NO_PAD
-        .decode(payload)
-        .map_err(|_| TicketError::Invalid)?;
+    let json = URL_SAFE_NO_PAD.decode(payload).map_err(|_| TicketError::Invalid)?;
     let claims: TicketClaims = serde_json::from_slice(&json).map_err(|_| TicketError::Invalid)?;
     if claims.v != TICKET_VERSION {
         return Err(TicketError::Invalid);
@@ -148,8 +143,7 @@ mod tests {
     fn tampering_and_garbage_are_invalid() {
         let ticket = mint(b"secret", &claims(1_060));
         let (payload, tag) = ticket.split_once('.').expect("two parts");
-        let forged_payload =
-            URL_SAFE_NO_PAD.encode(serde_json::to_vec(&claims(9_999)).expect("json"));
+        let forged_payload = URL_SAFE_NO_PAD.encode(serde_json::to_vec(&claims(9_999)).expect("json"));
         let ses = "ses_01jd8x3k4m5n6p7q8r9s0t1v2w";
         for bad in [
             String::new(),

@@ -10,9 +10,7 @@ pub fn assemble_parts<'a>(chunks: impl IntoIterator<Item = &'a Value>) -> Vec<Va
     let mut parts: Vec<Value> = Vec::new();
     let mut open_text: Map<String, Value> = Map::new();
     let find = |parts: &[Value], kind: &str, key: &str, id: &str| {
-        parts
-            .iter()
-            .rposition(|p| p["type"] == kind && p[key] == id)
+        parts.iter().rposition(|p| p["type"] == kind && p[key] == id)
     };
     for chunk in chunks {
         let Some(kind) = chunk["type"].as_str() else {
@@ -21,11 +19,7 @@ pub fn assemble_parts<'a>(chunks: impl IntoIterator<Item = &'a Value>) -> Vec<Va
         match kind {
             "start-step" => parts.push(json!({"type": "step-start"})),
             "text-start" | "reasoning-start" => {
-                let part_kind = if kind == "text-start" {
-                    "text"
-                } else {
-                    "reasoning"
-                };
+                let part_kind = if kind == "text-start" { "text" } else { "reasoning" };
                 let Some(id) = chunk["id"].as_str() else {
                     continue;
                 };
@@ -35,11 +29,7 @@ pub fn assemble_parts<'a>(chunks: impl IntoIterator<Item = &'a Value>) -> Vec<Va
                 parts.push(part);
             }
             "text-delta" | "reasoning-delta" | "text-end" | "reasoning-end" => {
-                let part_kind = if kind.starts_with("text") {
-                    "text"
-                } else {
-                    "reasoning"
-                };
+                let part_kind = if kind.starts_with("text") { "text" } else { "reasoning" };
                 let Some(id) = chunk["id"].as_str() else {
                     continue;
                 };
@@ -113,9 +103,7 @@ pub fn assemble_parts<'a>(chunks: impl IntoIterator<Item = &'a Value>) -> Vec<Va
                 }
                 let mut part = json!({"type": data, "data": chunk["data"]});
                 copy_optional(chunk, &mut part, "id");
-                let existing = chunk["id"]
-                    .as_str()
-                    .and_then(|id| find(&parts, data, "id", id));
+                let existing = chunk["id"].as_str().and_then(|id| find(&parts, data, "id", id));
                 match existing {
                     Some(index) => parts[index]["data"] = chunk["data"].clone(),
                     None => parts.push(part),

@@ -3,8 +3,7 @@
 
 use crate::error::ErrorCode;
 use crate::limits::{
-    BASE_MAX_BYTES, MODEL_MAX_BYTES, PROMPT_MAX_BYTES, REPO_MAX_BYTES, SETUP_MAX_BYTES,
-    TITLE_MAX_CHARS,
+    BASE_MAX_BYTES, MODEL_MAX_BYTES, PROMPT_MAX_BYTES, REPO_MAX_BYTES, SETUP_MAX_BYTES, TITLE_MAX_CHARS,
 };
 
 /// A refused field: the code to answer with and a sentence for people.
@@ -33,10 +32,7 @@ pub fn check_prompt(field: &str, prompt: &str) -> Result<(), Refusal> {
         ));
     }
     if prompt.trim().is_empty() {
-        return Err(refuse(
-            ErrorCode::InvalidRequest,
-            format!("{field} is empty"),
-        ));
+        return Err(refuse(ErrorCode::InvalidRequest, format!("{field} is empty")));
     }
     Ok(())
 }
@@ -50,10 +46,7 @@ pub fn check_title(title: &str) -> Result<(), Refusal> {
         ));
     }
     if title.chars().any(char::is_control) {
-        return Err(refuse(
-            ErrorCode::InvalidRequest,
-            "title has control characters",
-        ));
+        return Err(refuse(ErrorCode::InvalidRequest, "title has control characters"));
     }
     Ok(())
 }
@@ -62,10 +55,7 @@ pub fn check_setup(setup: &str) -> Result<(), Refusal> {
     if setup.len() > SETUP_MAX_BYTES {
         return Err(refuse(
             ErrorCode::SetupTooLarge,
-            format!(
-                "setup is {} bytes; the limit is {SETUP_MAX_BYTES} bytes",
-                setup.len()
-            ),
+            format!("setup is {} bytes; the limit is {SETUP_MAX_BYTES} bytes", setup.len()),
         ));
     }
     Ok(())
@@ -107,10 +97,7 @@ pub fn check_base(base: &str) -> Result<(), Refusal> {
     if base.starts_with('-') {
         return bad("it starts with a hyphen");
     }
-    if base
-        .bytes()
-        .any(|b| b.is_ascii_control() || b" ~^:?*[\\".contains(&b))
-    {
+    if base.bytes().any(|b| b.is_ascii_control() || b" ~^:?*[\\".contains(&b)) {
         return bad("it has a space, a control character or one of ~^:?*[\\");
     }
     if base.contains("..") || base.contains("@{") || base.contains("//") {
@@ -139,12 +126,7 @@ pub enum RepoLocation {
 
 /// Sorts a `repo` field into a URL or a path and refuses anything else.
 pub fn check_repo(repo: &str) -> Result<RepoLocation, Refusal> {
-    let bad = |why: &str| {
-        Err(refuse(
-            ErrorCode::RepoInvalid,
-            format!("repo {repo:?} {why}"),
-        ))
-    };
+    let bad = |why: &str| Err(refuse(ErrorCode::RepoInvalid, format!("repo {repo:?} {why}")));
     if repo.is_empty() {
         return bad("is empty");
     }
@@ -161,19 +143,14 @@ pub fn check_repo(repo: &str) -> Result<RepoLocation, Refusal> {
                 "carries credentials: give the plain URL; credentials come from the workspace's forge connection",
             );
         }
-        let host = authority
-            .rsplit_once(':')
-            .map_or(authority, |(host, _port)| host);
-        if host.is_empty() || rest.len() == authority.len() || repo.chars().any(char::is_whitespace)
-        {
+        let host = authority.rsplit_once(':').map_or(authority, |(host, _port)| host);
+        if host.is_empty() || rest.len() == authority.len() || repo.chars().any(char::is_whitespace) {
             return bad("is not a repository URL (https://host/owner/name)");
         }
         return Ok(RepoLocation::Https(repo.to_owned()));
     }
     if repo.contains("://") || repo.starts_with("git@") {
-        return bad(
-            "uses a scheme sortie does not clone from: give an https:// URL or an absolute local path",
-        );
+        return bad("uses a scheme sortie does not clone from: give an https:// URL or an absolute local path");
     }
     if !repo.starts_with('/') {
         return bad("is not absolute: give an https:// URL or an absolute local path");
@@ -238,8 +215,8 @@ mod tests {
             assert_eq!(check_base(good), Ok(()), "{good}");
         }
         for bad in [
-            "", "-main", "a..b", "a b", "a~1", "a^", "a:b", "a?", "a*", "a[", "a\\b", "/a", "a/",
-            "a.", "a//b", ".hidden", "a/.b", "x.lock", "@", "a@{1}", "a\u{1}",
+            "", "-main", "a..b", "a b", "a~1", "a^", "a:b", "a?", "a*", "a[", "a\\b", "/a", "a/", "a.", "a//b",
+            ".hidden", "a/.b", "x.lock", "@", "a@{1}", "a\u{1}",
         ] {
             assert_eq!(
                 check_base(bad).map_err(|r| r.code),
@@ -277,9 +254,7 @@ mod tests {
         );
         assert_eq!(
             check_repo("https://git.example.com:8443/o/r"),
-            Ok(RepoLocation::Https(
-                "https://git.example.com:8443/o/r".into()
-            ))
+            Ok(RepoLocation::Https("https://git.example.com:8443/o/r".into()))
         );
         assert_eq!(
             check_repo("/srv/git/r"),
@@ -309,10 +284,7 @@ mod tests {
 
     #[test]
     fn default_titles_take_the_first_line() {
-        assert_eq!(
-            default_title("\n  Fix the login bug  \nmore"),
-            "Fix the login bug"
-        );
+        assert_eq!(default_title("\n  Fix the login bug  \nmore"), "Fix the login bug");
         assert_eq!(default_title("   "), "untitled");
         let long = default_title(&"x".repeat(200));
         assert_eq!(long.chars().count(), 80);

@@ -21,8 +21,16 @@ struct Figures {
 
 fn figures(mut samples: Vec<Duration>) -> Figures {
     samples.sort_unstable();
-    let at = |q: f64| samples[((samples.len() as f64 * q).ceil() as usize).saturating_sub(1).min(samples.len() - 1)];
-    Figures { p50: at(0.50), p99: at(0.99), max: samples[samples.len() - 1] }
+    let at = |q: f64| {
+        samples[((samples.len() as f64 * q).ceil() as usize)
+            .saturating_sub(1)
+            .min(samples.len() - 1)]
+    };
+    Figures {
+        p50: at(0.50),
+        p99: at(0.99),
+        max: samples[samples.len() - 1],
+    }
 }
 
 fn ms(duration: Duration) -> String {
@@ -33,15 +41,38 @@ async fn measure(backend: TestBackend, requests: usize) -> (Figures, Figures) {
     let dir = tempfile::tempdir().expect("temp dir");
     let database = TestDatabase::new(backend, dir.path()).await.expect("database");
     let store = Arc::new(SqlStore::connect(&database.url).await.expect("store"));
-    let workspace = store.create_workspace("default", RepoAccess { any_local_path: true, allowed_roots: vec![] }).await.expect("workspace");
+    let workspace = store
+        .create_workspace(
+            "default",
+            RepoAccess {
+                any_local_path: true,
+                allowed_roots: vec![],
+            },
+        )
+        .await
+        .expect("workspace");
     let (token, hash) = tokens::generate_token().expect("token");
-    store.create_token(&workspace.id, Role::Operator, &hash, None).await.expect("token");
+    store
+        .create_token(&workspace.id, Role::Operator, &hash, None)
+        .await
+        .expect("token");
     let repo = dir.path().join("repo");
-    assert!(std::process::Command::new("git").args(["init", "-q"]).arg(&repo).status().expect("git").success());
+    assert!(
+        std::process::Command::new("git")
+            .args(["init", "-q"])
+            .arg(&repo)
+            .status()
+            .expect("git")
+            .success()
+    );
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("address"));
-    let state = ApiState { store: store.clone(), agents: Arc::new(AgentCatalog::default()), ticket_secret: Secret::new(b"bench".to_vec()) };
+    let state = ApiState {
+        store: store.clone(),
+        agents: Arc::new(AgentCatalog::default()),
+        ticket_secret: Secret::new(b"bench".to_vec()),
+    };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(sortie_server::run(listener, state, async move {
         let _ = stopped.await;
@@ -50,7 +81,13 @@ async fn measure(backend: TestBackend, requests: usize) -> (Figures, Figures) {
     let client = reqwest::Client::new();
     let body = json!({"repo": repo, "task": "Fix the flaky test in the parser and add a regression test.", "egress": {"allow": ["github.com"]}});
     let create = || async {
-        let reply = client.post(format!("{base}/v1/sessions")).bearer_auth(&token).json(&body).send().await.expect("create");
+        let reply = client
+            .post(format!("{base}/v1/sessions"))
+            .bearer_auth(&token)
+            .json(&body)
+            .send()
+            .await
+            .expect("create");
         assert_eq!(reply.status().as_u16(), 202);
         reply.bytes().await.expect("body");
     };
@@ -79,16 +116,44 @@ async fn measure(backend: TestBackend, requests: usize) -> (Figures, Figures) {
 }
 
 fn main() {
-    let requests: usize = std::env::var("SORTIE_BENCH_REQUESTS").ok().and_then(|n| n.parse().ok()).unwrap_or(2000);
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let requests: usize = std::env::var("SORTIE_BENCH_REQUESTS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(2000);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
     println!("create-accept over a real socket, {requests} sequential requests after 100 warm-up");
-    println!("{:<12} {:<22} {:>10} {:>10} {:>10}", "store", "request", "p50", "p99", "max");
+    println!(
+        "{:<12} {:<22} {:>10} {:>10} {:>10}",
+        "store", "request", "p50", "p99", "max"
+    );
     for (name, backend) in [("sqlite", TestBackend::Sqlite), ("postgres", TestBackend::Postgres)] {
         let (create, baseline) = runtime.block_on(measure(backend, requests));
-        println!("{:<12} {:<22} {:>10} {:>10} {:>10}", name, "POST /v1/sessions", ms(create.p50), ms(create.p99), ms(create.max));
-        println!("{:<12} {:<22} {:>10} {:>10} {:>10}", name, "GET /healthz (base)", ms(baseline.p50), ms(baseline.p99), ms(baseline.max));
+        println!(
+            "{:<12} {:<22} {:>10} {:>10} {:>10}",
+            name,
+            "POST /v1/sessions",
+            ms(create.p50),
+            ms(create.p99),
+            ms(create.max)
+        );
+        println!(
+            "{:<12} {:<22} {:>10} {:>10} {:>10}",
+            name,
+            "GET /healthz (base)",
+            ms(baseline.p50),
+            ms(baseline.p99),
+            ms(baseline.max)
+        );
         if backend == TestBackend::Sqlite {
-            let verdict = if create.p99 < Duration::from_millis(10) { "met" } else { "MISSED" };
+            let verdict = if create.p99 < Duration::from_millis(10) {
+                "met"
+            } else {
+                "MISSED"
+            };
             println!("target: create-accept p99 < 10 ms on SQLite: {verdict}");
         }
     }

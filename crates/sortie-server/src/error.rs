@@ -34,10 +34,7 @@ impl ApiError {
     }
 
     pub fn session_not_found() -> Self {
-        Self::new(
-            ErrorCode::SessionNotFound,
-            "no session with this id in your workspace",
-        )
+        Self::new(ErrorCode::SessionNotFound, "no session with this id in your workspace")
     }
 }
 
@@ -68,29 +65,20 @@ impl From<StoreError> for ApiError {
                     "the session's prompts would add up to {would_be} bytes, over the limit of {limit} bytes (8 MiB); start a new session"
                 ),
             ),
-            StoreError::NoTurnRunning => Self::new(
-                ErrorCode::NoTurnRunning,
-                "no turn of this session is running",
-            ),
+            StoreError::NoTurnRunning => Self::new(ErrorCode::NoTurnRunning, "no turn of this session is running"),
             StoreError::SessionActive(phase) => Self::new(
                 ErrorCode::SessionActive,
                 format!("the session is {phase} with a turn in flight; stop or cancel it first"),
             ),
             StoreError::Unavailable(detail) => {
                 tracing::warn!(%detail, "store unavailable");
-                Self::new(
-                    ErrorCode::StoreUnavailable,
-                    "the store did not answer; try again",
-                )
+                Self::new(ErrorCode::StoreUnavailable, "the store did not answer; try again")
             }
             StoreError::Conflict(detail)
             | StoreError::IllegalTransition { from: detail, .. }
             | StoreError::Internal(detail) => {
                 tracing::error!(%detail, "store fault");
-                Self::new(
-                    ErrorCode::Internal,
-                    "the server failed; the log has the detail",
-                )
+                Self::new(ErrorCode::Internal, "the server failed; the log has the detail")
             }
         }
     }
@@ -98,15 +86,10 @@ impl From<StoreError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.code.http_status())
-            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let status = StatusCode::from_u16(self.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let mut response = (
             status,
-            Json(ApiErrorBody::with_details(
-                self.code,
-                self.message,
-                self.details,
-            )),
+            Json(ApiErrorBody::with_details(self.code, self.message, self.details)),
         )
             .into_response();
         if status == StatusCode::UNAUTHORIZED {
@@ -119,10 +102,7 @@ impl IntoResponse for ApiError {
 }
 
 pub(crate) async fn not_found() -> ApiError {
-    ApiError::new(
-        ErrorCode::NotFound,
-        "no such endpoint; see /v1/openapi.json",
-    )
+    ApiError::new(ErrorCode::NotFound, "no such endpoint; see /v1/openapi.json")
 }
 
 pub(crate) async fn method_not_allowed() -> ApiError {

@@ -15,17 +15,11 @@ use crate::error::ApiError;
 use crate::tokens::hash_token;
 
 /// Looks up the bearer token and checks that its role is at least `needed`.
-async fn authenticate(
-    parts: &Parts,
-    state: &ApiState,
-    needed: Role,
-) -> Result<Principal, ApiError> {
-    let header = parts.headers.get(AUTHORIZATION).ok_or_else(|| {
-        ApiError::new(
-            ErrorCode::Unauthorized,
-            "missing Authorization: Bearer <token>",
-        )
-    })?;
+async fn authenticate(parts: &Parts, state: &ApiState, needed: Role) -> Result<Principal, ApiError> {
+    let header = parts
+        .headers
+        .get(AUTHORIZATION)
+        .ok_or_else(|| ApiError::new(ErrorCode::Unauthorized, "missing Authorization: Bearer <token>"))?;
     let token = header
         .to_str()
         .ok()
@@ -38,17 +32,10 @@ async fn authenticate(
                 "the Authorization header is not `Bearer <token>`",
             )
         })?;
-    let principal = match state
-        .store
-        .principal_by_token_hash(&hash_token(token))
-        .await
-    {
+    let principal = match state.store.principal_by_token_hash(&hash_token(token)).await {
         Ok(principal) => principal,
         Err(StoreError::NotFound) => {
-            return Err(ApiError::new(
-                ErrorCode::Unauthorized,
-                "unknown or revoked token",
-            ));
+            return Err(ApiError::new(ErrorCode::Unauthorized, "unknown or revoked token"));
         }
         Err(other) => return Err(other.into()),
     };
@@ -95,10 +82,7 @@ pub struct SessionPath(pub SessionId);
 
 impl FromRequestParts<ApiState> for SessionPath {
     type Rejection = ApiError;
-    async fn from_request_parts(
-        parts: &mut Parts,
-        state: &ApiState,
-    ) -> Result<Self, Self::Rejection> {
+    async fn from_request_parts(parts: &mut Parts, state: &ApiState) -> Result<Self, Self::Rejection> {
         let Path(id) = Path::<String>::from_request_parts(parts, state)
             .await
             .map_err(|_| ApiError::session_not_found())?;
@@ -113,10 +97,7 @@ pub struct ApiQuery<T>(pub T);
 
 impl<T: DeserializeOwned + Send> FromRequestParts<ApiState> for ApiQuery<T> {
     type Rejection = ApiError;
-    async fn from_request_parts(
-        parts: &mut Parts,
-        _state: &ApiState,
-    ) -> Result<Self, Self::Rejection> {
+    async fn from_request_parts(parts: &mut Parts, _state: &ApiState) -> Result<Self, Self::Rejection> {
         Query::<T>::try_from_uri(&parts.uri)
             .map(|Query(value)| ApiQuery(value))
             .map_err(|rejection| ApiError::invalid(rejection.body_text()))
@@ -130,24 +111,19 @@ pub struct ApiJson<T>(pub T);
 pub struct OptionalJson<T>(pub T);
 
 async fn read_body(request: Request, state: &ApiState) -> Result<Bytes, ApiError> {
-    Bytes::from_request(request, state)
-        .await
-        .map_err(|rejection| {
-            if rejection.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::new(
-                    ErrorCode::BodyTooLarge,
-                    format!(
-                        "the request body is over {} bytes",
-                        sortie_protocol::limits::REQUEST_BODY_MAX_BYTES
-                    ),
-                )
-            } else {
-                ApiError::invalid(format!(
-                    "the request body could not be read: {}",
-                    rejection.body_text()
-                ))
-            }
-        })
+    Bytes::from_request(request, state).await.map_err(|rejection| {
+        if rejection.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                ErrorCode::BodyTooLarge,
+                format!(
+                    "the request body is over {} bytes",
+                    sortie_protocol::limits::REQUEST_BODY_MAX_BYTES
+                ),
+            )
+        } else {
+            ApiError::invalid(format!("the request body could not be read: {}", rejection.body_text()))
+        }
+    })
 }
 
 fn require_json_content_type(headers: &axum::http::HeaderMap) -> Result<(), ApiError> {
@@ -171,8 +147,7 @@ fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(ApiError::invalid("the request body must be a JSON object"));
     }
-    serde_json::from_slice(bytes)
-        .map_err(|error| ApiError::invalid(format!("the request body is not valid: {error}")))
+    serde_json::from_slice(bytes).map_err(|error| ApiError::invalid(format!("the request body is not valid: {error}")))
 }
 
 impl<T: DeserializeOwned> FromRequest<ApiState> for ApiJson<T> {

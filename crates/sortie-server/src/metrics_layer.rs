@@ -41,6 +41,7 @@ pub async fn track(request: Request, next: Next) -> Response {
     let response = next.run(request).await;
     let status = response.status().as_u16().to_string();
     metrics::counter!("sortie_http_requests_total", "method" => method.clone(), "route" => route.clone(), "status" => status).increment(1);
-    metrics::histogram!("sortie_http_request_duration_seconds", "method" => method, "route" => route).record(started.elapsed().as_secs_f64());
+    metrics::histogram!("sortie_http_request_duration_seconds", "method" => method, "route" => route)
+        .record(started.elapsed().as_secs_f64());
     response
 }

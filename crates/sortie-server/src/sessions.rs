@@ -8,9 +8,8 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use serde::Deserialize;
 use sortie_protocol::api::{
-    AttachTicket, AttachTicketRequest, CreateSessionRequest, ModelUsage, Role, Session,
-    SessionList, SteerRequest, TicketAction, Turn, TurnList, UiMessage, UiRole, UsageReport,
-    UsageRow, rfc3339_from_epoch_ms,
+    AttachTicket, AttachTicketRequest, CreateSessionRequest, ModelUsage, Role, Session, SessionList, SteerRequest,
+    TicketAction, Turn, TurnList, UiMessage, UiRole, UsageReport, UsageRow, rfc3339_from_epoch_ms,
 };
 use sortie_protocol::limits::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX, TICKET_TTL_SECONDS};
 use sortie_protocol::ticket::{TICKET_VERSION, TicketClaims};
@@ -64,10 +63,7 @@ async fn create_session(
     if let Some(setup) = &request.setup {
         validate::check_setup(setup)?;
     }
-    let egress_allow = request
-        .egress
-        .map(|egress| egress.allow)
-        .unwrap_or_default();
+    let egress_allow = request.egress.map(|egress| egress.allow).unwrap_or_default();
     if let Err(violations) = egress::validate_allowlist(&egress_allow) {
         let named: Vec<&str> = violations.iter().map(|v| v.entry.as_str()).collect();
         return Err(ApiError::new(
@@ -76,16 +72,11 @@ async fn create_session(
         )
         .with_details(serde_json::json!({ "entries": violations })));
     }
-    let agent = request
-        .agent
-        .unwrap_or_else(|| state.agents.default.clone());
+    let agent = request.agent.unwrap_or_else(|| state.agents.default.clone());
     if !state.agents.known.contains(&agent) {
         return Err(ApiError::new(
             ErrorCode::AgentUnknown,
-            format!(
-                "no agent profile {agent:?}; known: {}",
-                state.agents.known.join(", ")
-            ),
+            format!("no agent profile {agent:?}; known: {}", state.agents.known.join(", ")),
         )
         .with_details(serde_json::json!({ "known": state.agents.known })));
     }
@@ -100,9 +91,7 @@ async fn create_session(
         RepoLocation::Https(url) => url,
         RepoLocation::LocalPath(path) => resolve_local_repo(&path, &workspace.repo_access).await?,
     };
-    let title = request
-        .title
-        .unwrap_or_else(|| validate::default_title(&request.task));
+    let title = request.title.unwrap_or_else(|| validate::default_title(&request.task));
     let new = NewSession {
         id: SessionId::generate(),
         workspace_id: caller.workspace_id,
@@ -139,13 +128,8 @@ async fn resolve_local_repo(path: &str, access: &RepoAccess) -> Result<String, A
             format!("repo {path:?} has '.' or '..' components: give the plain absolute path"),
         ));
     }
-    let within_roots = |candidate: &Path| {
-        access.any_local_path
-            || access
-                .allowed_roots
-                .iter()
-                .any(|root| candidate.starts_with(root))
-    };
+    let within_roots =
+        |candidate: &Path| access.any_local_path || access.allowed_roots.iter().any(|root| candidate.starts_with(root));
     // Checked before touching the file system, so a workspace learns nothing about paths outside its roots.
     if !within_roots(requested) {
         return Err(not_allowed());
@@ -172,12 +156,10 @@ async fn resolve_local_repo(path: &str, access: &RepoAccess) -> Result<String, A
             format!("repo {path:?} is not a git repository"),
         ));
     }
-    resolved.into_os_string().into_string().map_err(|_| {
-        ApiError::new(
-            ErrorCode::RepoInvalid,
-            format!("repo {path:?} is not valid UTF-8"),
-        )
-    })
+    resolved
+        .into_os_string()
+        .into_string()
+        .map_err(|_| ApiError::new(ErrorCode::RepoInvalid, format!("repo {path:?} is not valid UTF-8")))
 }
 
 /// The query of `GET /v1/sessions`.
@@ -228,8 +210,7 @@ async fn list_sessions(
     let before = query
         .cursor
         .map(|cursor| {
-            SessionId::parse(&cursor)
-                .map_err(|_| ApiError::invalid("cursor is not a cursor this API returned"))
+            SessionId::parse(&cursor).map_err(|_| ApiError::invalid("cursor is not a cursor this API returned"))
         })
         .transpose()?;
     let filter = SessionFilter {
@@ -239,10 +220,7 @@ async fn list_sessions(
         limit: limit + 1,
         before,
     };
-    let mut rows = state
-        .store
-        .list_sessions(&caller.workspace_id, &filter)
-        .await?;
+    let mut rows = state.store.list_sessions(&caller.workspace_id, &filter).await?;
     let next_cursor = if rows.len() > limit as usize {
         rows.truncate(limit as usize);
         rows.last().map(|row| row.id.to_string())
@@ -424,10 +402,7 @@ async fn archive(
     SessionPath(id): SessionPath,
     OptionalJson(_no_input): OptionalJson<NoInput>,
 ) -> Result<Json<Session>, ApiError> {
-    let row = state
-        .store
-        .set_archived(&caller.workspace_id, &id, true)
-        .await?;
+    let row = state.store.set_archived(&caller.workspace_id, &id, true).await?;
     Ok(Json(views::session(&row)))
 }
 
@@ -441,10 +416,7 @@ async fn unarchive(
     Operator(caller): Operator,
     SessionPath(id): SessionPath,
 ) -> Result<Json<Session>, ApiError> {
-    let row = state
-        .store
-        .set_archived(&caller.workspace_id, &id, false)
-        .await?;
+    let row = state.store.set_archived(&caller.workspace_id, &id, false).await?;
     Ok(Json(views::session(&row)))
 }
 
@@ -473,10 +445,7 @@ async fn attach_ticket(
     let session = state.store.session(&caller.workspace_id, &id).await?;
     let nonce = tokens::random_text(16).map_err(|error| {
         tracing::error!(%error, "no randomness for a ticket nonce");
-        ApiError::new(
-            ErrorCode::Internal,
-            "the server failed; the log has the detail",
-        )
+        ApiError::new(ErrorCode::Internal, "the server failed; the log has the detail")
     })?;
     let expires_at_ms = now_ms() + TICKET_TTL_SECONDS * 1000;
     let claims = TicketClaims {
@@ -526,10 +495,7 @@ async fn usage(
         }
         None => None,
     };
-    let records = state
-        .store
-        .usage(&caller.workspace_id, session.as_ref())
-        .await?;
+    let records = state.store.usage(&caller.workspace_id, session.as_ref()).await?;
     let mut rows: Vec<UsageRow> = Vec::new();
     let row_for = |rows: &mut Vec<UsageRow>, session_id: &SessionId, day: &str| -> usize {
         if let Some(index) = rows
@@ -558,10 +524,6 @@ async fn usage(
             output_tokens: *output_tokens,
         });
     }
-    rows.sort_by(|a, b| {
-        b.day
-            .cmp(&a.day)
-            .then_with(|| a.session_id.cmp(&b.session_id))
-    });
+    rows.sort_by(|a, b| b.day.cmp(&a.day).then_with(|| a.session_id.cmp(&b.session_id)));
     Ok(Json(UsageReport { rows }))
 }

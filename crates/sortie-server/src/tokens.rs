@@ -77,10 +77,7 @@ mod tests {
     #[test]
     fn secrets_never_print() {
         let secret = Secret::new(b"hunter2".to_vec());
-        assert_eq!(
-            format!("{secret:?} {secret}"),
-            "Secret([redacted]) [redacted]"
-        );
+        assert_eq!(format!("{secret:?} {secret}"), "Secret([redacted]) [redacted]");
         assert_eq!(secret.expose(), b"hunter2");
     }
 }

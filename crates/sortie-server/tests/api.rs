@@ -7,9 +7,7 @@ use axum::http::{Method, StatusCode};
 use harness::{Harness, Payload, Reply, TICKET_SECRET, Transport};
 use serde_json::{Value, json};
 use sortie_protocol::api::TicketAction;
-use sortie_protocol::limits::{
-    PROMPT_MAX_BYTES, REQUEST_BODY_MAX_BYTES, SETUP_MAX_BYTES, TURN_QUEUE_MAX,
-};
+use sortie_protocol::limits::{PROMPT_MAX_BYTES, REQUEST_BODY_MAX_BYTES, SETUP_MAX_BYTES, TURN_QUEUE_MAX};
 use sortie_protocol::{SessionId, SessionPhase, TurnStatus};
 use sortie_store::testing::TestBackend;
 use sortie_store::{NewPart, Store, TokenUsage, TurnOutcome};
@@ -61,16 +59,9 @@ on_every_server!(
 );
 
 fn assert_error(reply: &Reply, status: StatusCode, code: &str) {
-    assert_eq!(
-        (reply.status, reply.code()),
-        (status, code),
-        "body: {}",
-        reply.body
-    );
+    assert_eq!((reply.status, reply.code()), (status, code), "body: {}", reply.body);
     assert!(
-        reply.body["error"]["message"]
-            .as_str()
-            .is_some_and(|m| !m.is_empty()),
+        reply.body["error"]["message"].as_str().is_some_and(|m| !m.is_empty()),
         "a sentence: {}",
         reply.body
     );
@@ -111,10 +102,7 @@ async fn create_accepts_a_valid_session(h: Harness) {
     assert_eq!(session["phase"], "queued");
     assert_eq!(session["turns"], 1);
     assert_eq!(session["current_turn"], Value::Null);
-    assert_eq!(
-        session["egress"],
-        json!({"allow": ["github.com", "pypi.org"]})
-    );
+    assert_eq!(session["egress"], json!({"allow": ["github.com", "pypi.org"]}));
     assert_eq!(
         session["usage"],
         json!({"compute_seconds": 0, "input_tokens": 0, "output_tokens": 0})
@@ -138,13 +126,16 @@ async fn create_accepts_a_valid_session(h: Harness) {
     let turns = h.get(&format!("/v1/sessions/{id}/turns"), &h.viewer).await;
     assert_eq!(turns.body["turns"].as_array().map(Vec::len), Some(1));
     assert_eq!(turns.body["turns"][0]["status"], "accepted");
-    assert_eq!(
-        turns.body["turns"][0]["prompt"],
-        "Fix the flaky test\nIt fails on CI."
-    );
+    assert_eq!(turns.body["turns"][0]["prompt"], "Fix the flaky test\nIt fails on CI.");
 
     // Exactly 100 KiB is accepted; the explicit title and a known agent are kept.
-    let full = h.post("/v1/sessions", &h.operator, json!({"repo": h.repo, "task": "a".repeat(PROMPT_MAX_BYTES), "title": "t", "agent": "codex"})).await;
+    let full = h
+        .post(
+            "/v1/sessions",
+            &h.operator,
+            json!({"repo": h.repo, "task": "a".repeat(PROMPT_MAX_BYTES), "title": "t", "agent": "codex"}),
+        )
+        .await;
     assert_eq!(full.status, StatusCode::ACCEPTED, "{}", full.body);
     assert_eq!(
         (full.body["title"].clone(), full.body["agent"].clone()),
@@ -159,18 +150,9 @@ async fn create_accepts_a_valid_session(h: Harness) {
         .expect("git");
     assert!(status.success());
     let bare_reply = h
-        .post(
-            "/v1/sessions",
-            &h.operator,
-            json!({"repo": bare, "task": "t"}),
-        )
+        .post("/v1/sessions", &h.operator, json!({"repo": bare, "task": "t"}))
         .await;
-    assert_eq!(
-        bare_reply.status,
-        StatusCode::ACCEPTED,
-        "{}",
-        bare_reply.body
-    );
+    assert_eq!(bare_reply.status, StatusCode::ACCEPTED, "{}", bare_reply.body);
     // An https URL is accepted as it stands.
     let remote = h
         .post(
@@ -192,31 +174,11 @@ async fn create_refuses_each_invalid_field_and_writes_nothing(h: Harness) {
         body
     };
     let cases: Vec<(Value, StatusCode, &str)> = vec![
-        (
-            json!({"repo": repo}),
-            StatusCode::BAD_REQUEST,
-            "INVALID_REQUEST",
-        ),
-        (
-            json!({"task": "t"}),
-            StatusCode::BAD_REQUEST,
-            "INVALID_REQUEST",
-        ),
-        (
-            with("surprise", json!(1)),
-            StatusCode::BAD_REQUEST,
-            "INVALID_REQUEST",
-        ),
-        (
-            with("task", json!(42)),
-            StatusCode::BAD_REQUEST,
-            "INVALID_REQUEST",
-        ),
-        (
-            with("task", json!("   ")),
-            StatusCode::BAD_REQUEST,
-            "INVALID_REQUEST",
-        ),
+        (json!({"repo": repo}), StatusCode::BAD_REQUEST, "INVALID_REQUEST"),
+        (json!({"task": "t"}), StatusCode::BAD_REQUEST, "INVALID_REQUEST"),
+        (with("surprise", json!(1)), StatusCode::BAD_REQUEST, "INVALID_REQUEST"),
+        (with("task", json!(42)), StatusCode::BAD_REQUEST, "INVALID_REQUEST"),
+        (with("task", json!("   ")), StatusCode::BAD_REQUEST, "INVALID_REQUEST"),
         (
             with("egress", json!({"allow": "github.com"})),
             StatusCode::BAD_REQUEST,
@@ -252,11 +214,7 @@ async fn create_refuses_each_invalid_field_and_writes_nothing(h: Harness) {
             StatusCode::BAD_REQUEST,
             "AGENT_UNKNOWN",
         ),
-        (
-            with("base", json!("a..b")),
-            StatusCode::BAD_REQUEST,
-            "BASE_INVALID",
-        ),
+        (with("base", json!("a..b")), StatusCode::BAD_REQUEST, "BASE_INVALID"),
         (
             with("model", json!("bad model")),
             StatusCode::BAD_REQUEST,
@@ -309,9 +267,7 @@ async fn create_refuses_each_invalid_field_and_writes_nothing(h: Harness) {
         )
         .await;
     assert_error(&egress, StatusCode::BAD_REQUEST, "EGRESS_ALLOWLIST_INVALID");
-    let entries = egress.body["error"]["details"]["entries"]
-        .as_array()
-        .expect("entries");
+    let entries = egress.body["error"]["details"]["entries"].as_array().expect("entries");
     let named: Vec<(&str, u64)> = entries
         .iter()
         .map(|e| {
@@ -321,27 +277,15 @@ async fn create_refuses_each_invalid_field_and_writes_nothing(h: Harness) {
             )
         })
         .collect();
-    assert_eq!(
-        named,
-        vec![("localhost", 1), ("10.0.0.1", 2), ("ok.com", 3)]
-    );
+    assert_eq!(named, vec![("localhost", 1), ("10.0.0.1", 2), ("ok.com", 3)]);
     let too_many: Vec<String> = (0..33).map(|i| format!("h{i}.example.com")).collect();
     let over = h
-        .post(
-            "/v1/sessions",
-            &h.operator,
-            with("egress", json!({"allow": too_many})),
-        )
+        .post("/v1/sessions", &h.operator, with("egress", json!({"allow": too_many})))
         .await;
     assert_error(&over, StatusCode::BAD_REQUEST, "EGRESS_ALLOWLIST_INVALID");
-    assert_eq!(
-        over.body["error"]["details"]["entries"][0]["entry"],
-        "h32.example.com"
-    );
+    assert_eq!(over.body["error"]["details"]["entries"][0]["entry"], "h32.example.com");
 
-    let unknown_agent = h
-        .post("/v1/sessions", &h.operator, with("agent", json!("nope")))
-        .await;
+    let unknown_agent = h.post("/v1/sessions", &h.operator, with("agent", json!("nope"))).await;
     assert!(
         unknown_agent.body["error"]["details"]["known"]
             .as_array()
@@ -359,11 +303,7 @@ async fn create_refuses_each_invalid_field_and_writes_nothing(h: Harness) {
             },
         )
         .await;
-    assert_error(
-        &not_json,
-        StatusCode::UNSUPPORTED_MEDIA_TYPE,
-        "UNSUPPORTED_MEDIA_TYPE",
-    );
+    assert_error(&not_json, StatusCode::UNSUPPORTED_MEDIA_TYPE, "UNSUPPORTED_MEDIA_TYPE");
     let huge = h
         .send(
             Method::POST,
@@ -383,11 +323,7 @@ async fn create_checks_repository_access(h: Harness) {
     // Workspace `other` may use only /nonexistent-root: the real repo is outside it, and the answer
     // does not reveal whether a path exists.
     let outside = h
-        .post(
-            "/v1/sessions",
-            &h.other_operator,
-            json!({"repo": h.repo, "task": "t"}),
-        )
+        .post("/v1/sessions", &h.other_operator, json!({"repo": h.repo, "task": "t"}))
         .await;
     assert_error(&outside, StatusCode::FORBIDDEN, "REPO_NOT_ALLOWED");
     let missing = h
@@ -415,12 +351,7 @@ async fn create_checks_repository_access(h: Harness) {
         .expect("scoped");
     let (token, hash) = sortie_server::tokens::generate_token().expect("token");
     h.store
-        .create_token(
-            &scoped.id,
-            sortie_protocol::api::Role::Operator,
-            &hash,
-            None,
-        )
+        .create_token(&scoped.id, sortie_protocol::api::Role::Operator, &hash, None)
         .await
         .expect("token");
     std::os::unix::fs::symlink(&h.repo, root.join("escape")).expect("symlink");
@@ -483,34 +414,18 @@ async fn list_pages_and_filters(h: Harness) {
             None => break,
         }
     }
-    assert_eq!(
-        seen, newest_first,
-        "pages cover every session once, in order"
-    );
+    assert_eq!(seen, newest_first, "pages cover every session once, in order");
 
-    h.post(
-        &format!("/v1/sessions/{}/cancel", ids[1]),
-        &h.operator,
-        json!({}),
-    )
-    .await;
+    h.post(&format!("/v1/sessions/{}/cancel", ids[1]), &h.operator, json!({}))
+        .await;
     let canceled = h.get("/v1/sessions?phase=canceled", &h.viewer).await;
     assert_eq!(canceled.body["sessions"].as_array().map(Vec::len), Some(1));
-    let by_repo = h
-        .get(&format!("/v1/sessions?repo={}", h.repo), &h.viewer)
-        .await;
+    let by_repo = h.get(&format!("/v1/sessions?repo={}", h.repo), &h.viewer).await;
     assert_eq!(by_repo.body["sessions"].as_array().map(Vec::len), Some(5));
     let other_repo = h.get("/v1/sessions?repo=/elsewhere", &h.viewer).await;
-    assert_eq!(
-        other_repo.body["sessions"].as_array().map(Vec::len),
-        Some(0)
-    );
-    h.post(
-        &format!("/v1/sessions/{}/archive", ids[1]),
-        &h.operator,
-        json!({}),
-    )
-    .await;
+    assert_eq!(other_repo.body["sessions"].as_array().map(Vec::len), Some(0));
+    h.post(&format!("/v1/sessions/{}/archive", ids[1]), &h.operator, json!({}))
+        .await;
     let archived = h.get("/v1/sessions?archived=true", &h.viewer).await;
     assert_eq!(archived.body["sessions"][0]["id"], json!(ids[1]));
     assert_eq!(
@@ -537,25 +452,16 @@ async fn list_pages_and_filters(h: Harness) {
 async fn read_endpoints_answer_and_miss(h: Harness) {
     let id = h.create("t").await;
     for suffix in ["", "/turns", "/messages"] {
-        let ok = h
-            .get(&format!("/v1/sessions/{id}{suffix}"), &h.viewer)
-            .await;
+        let ok = h.get(&format!("/v1/sessions/{id}{suffix}"), &h.viewer).await;
         assert_eq!(ok.status, StatusCode::OK, "{suffix}: {}", ok.body);
         let unknown = h
-            .get(
-                &format!("/v1/sessions/{}{suffix}", SessionId::generate()),
-                &h.viewer,
-            )
+            .get(&format!("/v1/sessions/{}{suffix}", SessionId::generate()), &h.viewer)
             .await;
         assert_error(&unknown, StatusCode::NOT_FOUND, "SESSION_NOT_FOUND");
-        let malformed = h
-            .get(&format!("/v1/sessions/not-an-id{suffix}"), &h.viewer)
-            .await;
+        let malformed = h.get(&format!("/v1/sessions/not-an-id{suffix}"), &h.viewer).await;
         assert_error(&malformed, StatusCode::NOT_FOUND, "SESSION_NOT_FOUND");
     }
-    let messages = h
-        .get(&format!("/v1/sessions/{id}/messages"), &h.viewer)
-        .await;
+    let messages = h.get(&format!("/v1/sessions/{id}/messages"), &h.viewer).await;
     assert_eq!(
         messages.body,
         json!([{"id": format!("{id}-u1"), "role": "user", "parts": [{"type": "text", "text": "t"}]}])
@@ -583,13 +489,8 @@ async fn messages_assemble_stored_parts(h: Harness) {
             payload: c.to_string(),
         })
         .collect();
-    h.store
-        .append_parts(&session_id, 1, &parts)
-        .await
-        .expect("parts");
-    let messages = h
-        .get(&format!("/v1/sessions/{id}/messages"), &h.viewer)
-        .await;
+    h.store.append_parts(&session_id, 1, &parts).await.expect("parts");
+    let messages = h.get(&format!("/v1/sessions/{id}/messages"), &h.viewer).await;
     assert_eq!(messages.status, StatusCode::OK);
     assert_eq!(messages.body[1]["id"], json!(format!("{id}-t1")));
     assert_eq!(messages.body[1]["role"], "assistant");
@@ -606,9 +507,7 @@ async fn messages_assemble_stored_parts(h: Harness) {
 async fn steer_adds_turns_and_refuses_with_codes(h: Harness) {
     let id = h.create("t").await;
     let path = format!("/v1/sessions/{id}/steer");
-    let steer = h
-        .post(&path, &h.operator, json!({"prompt": "also add tests"}))
-        .await;
+    let steer = h.post(&path, &h.operator, json!({"prompt": "also add tests"})).await;
     assert_eq!(steer.status, StatusCode::ACCEPTED, "{}", steer.body);
     assert_eq!(
         (
@@ -619,32 +518,20 @@ async fn steer_adds_turns_and_refuses_with_codes(h: Harness) {
         (json!(2), json!("accepted"), json!("queue"))
     );
     let interrupt = h
-        .post(
-            &path,
-            &h.operator,
-            json!({"prompt": "now", "mode": "interrupt"}),
-        )
+        .post(&path, &h.operator, json!({"prompt": "now", "mode": "interrupt"}))
         .await;
     assert_eq!(
         (interrupt.body["n"].clone(), interrupt.body["mode"].clone()),
         (json!(3), json!("interrupt"))
     );
     let exactly = h
-        .post(
-            &path,
-            &h.operator,
-            json!({"prompt": "p".repeat(PROMPT_MAX_BYTES)}),
-        )
+        .post(&path, &h.operator, json!({"prompt": "p".repeat(PROMPT_MAX_BYTES)}))
         .await;
     assert_eq!(exactly.status, StatusCode::ACCEPTED);
 
     assert_error(
-        &h.post(
-            &path,
-            &h.operator,
-            json!({"prompt": "p".repeat(PROMPT_MAX_BYTES + 1)}),
-        )
-        .await,
+        &h.post(&path, &h.operator, json!({"prompt": "p".repeat(PROMPT_MAX_BYTES + 1)}))
+            .await,
         StatusCode::PAYLOAD_TOO_LARGE,
         "PROMPT_TOO_LARGE",
     );
@@ -702,18 +589,10 @@ async fn steer_adds_turns_and_refuses_with_codes(h: Harness) {
 
     // An archived session takes no turns either.
     let archived = h.create("t").await;
-    h.post(
-        &format!("/v1/sessions/{archived}/cancel"),
-        &h.operator,
-        json!({}),
-    )
-    .await;
-    h.post(
-        &format!("/v1/sessions/{archived}/archive"),
-        &h.operator,
-        json!({}),
-    )
-    .await;
+    h.post(&format!("/v1/sessions/{archived}/cancel"), &h.operator, json!({}))
+        .await;
+    h.post(&format!("/v1/sessions/{archived}/archive"), &h.operator, json!({}))
+        .await;
     h.send(
         Method::DELETE,
         &format!("/v1/sessions/{archived}/archive"),
@@ -764,11 +643,7 @@ async fn run_one_turn(h: &Harness, id: &SessionId) {
 async fn steer_refuses_past_the_session_prompt_budget(h: Harness) {
     let big = "b".repeat(PROMPT_MAX_BYTES);
     let reply = h
-        .post(
-            "/v1/sessions",
-            &h.operator,
-            json!({"repo": h.repo, "task": big}),
-        )
+        .post("/v1/sessions", &h.operator, json!({"repo": h.repo, "task": big}))
         .await;
     let id = reply.body["id"].as_str().expect("id").to_owned();
     let session_id = SessionId::parse(&id).expect("id");
@@ -781,17 +656,10 @@ async fn steer_refuses_past_the_session_prompt_budget(h: Harness) {
             accepted += 1;
             continue;
         }
-        assert_error(
-            &steer,
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "SESSION_PROMPTS_TOO_LARGE",
-        );
+        assert_error(&steer, StatusCode::PAYLOAD_TOO_LARGE, "SESSION_PROMPTS_TOO_LARGE");
         break;
     }
-    assert_eq!(
-        accepted, 81,
-        "81 prompts of 100 KiB fit in 8 MiB, the 82nd does not"
-    );
+    assert_eq!(accepted, 81, "81 prompts of 100 KiB fit in 8 MiB, the 82nd does not");
     let session = h.get(&format!("/v1/sessions/{id}"), &h.viewer).await;
     assert_eq!(
         (session.body["turns"].clone(), session.body["phase"].clone()),
@@ -814,9 +682,7 @@ async fn stop_needs_a_running_turn(h: Harness) {
         .await
         .expect("claim")
         .expect("turn");
-    let stop = h
-        .send(Method::POST, &path, Some(&h.operator), Payload::Empty)
-        .await;
+    let stop = h.send(Method::POST, &path, Some(&h.operator), Payload::Empty).await;
     assert_eq!(stop.status, StatusCode::ACCEPTED, "{}", stop.body);
     assert_eq!(
         (stop.body["n"].clone(), stop.body["status"].clone()),
@@ -854,9 +720,7 @@ async fn cancel_ends_the_session_once(h: Harness) {
     )
     .await;
     let path = format!("/v1/sessions/{id}/cancel");
-    let cancel = h
-        .send(Method::POST, &path, Some(&h.operator), Payload::Empty)
-        .await;
+    let cancel = h.send(Method::POST, &path, Some(&h.operator), Payload::Empty).await;
     assert_eq!(cancel.status, StatusCode::ACCEPTED, "{}", cancel.body);
     assert_eq!(cancel.body["phase"], "canceled");
     let turns = h.get(&format!("/v1/sessions/{id}/turns"), &h.viewer).await;
@@ -944,9 +808,7 @@ async fn archive_hides_resting_sessions(h: Harness) {
             .map(Vec::len),
         Some(0)
     );
-    let unarchived = h
-        .send(Method::DELETE, &path, Some(&h.operator), Payload::Empty)
-        .await;
+    let unarchived = h.send(Method::DELETE, &path, Some(&h.operator), Payload::Empty).await;
     assert_eq!(
         (unarchived.status, unarchived.body["archived"].clone()),
         (StatusCode::OK, json!(false))
@@ -974,38 +836,25 @@ async fn archive_hides_resting_sessions(h: Harness) {
 async fn attach_tickets_are_signed_for_one_session_and_action(h: Harness) {
     let id = h.create("t").await;
     let path = format!("/v1/sessions/{id}/attach-ticket");
-    let minted = h
-        .send(Method::POST, &path, Some(&h.viewer), Payload::Empty)
-        .await;
+    let minted = h.send(Method::POST, &path, Some(&h.viewer), Payload::Empty).await;
     assert_eq!(minted.status, StatusCode::CREATED, "{}", minted.body);
-    assert_eq!(
-        minted.body["stream_url"],
-        json!(format!("/v1/sessions/{id}/stream"))
-    );
+    assert_eq!(minted.body["stream_url"], json!(format!("/v1/sessions/{id}/stream")));
     assert!(is_rfc3339_utc(&minted.body["expires_at"]));
     let ticket = minted.body["ticket"].as_str().expect("ticket");
     let now = sortie_store::now_ms() / 1000;
     let claims =
-        sortie_protocol::ticket::verify(TICKET_SECRET, ticket, now, &id, TicketAction::Attach)
-            .expect("verifies");
-    assert_eq!(
-        (claims.ws, claims.ses.clone()),
-        (h.workspace.id.clone(), id.clone())
-    );
+        sortie_protocol::ticket::verify(TICKET_SECRET, ticket, now, &id, TicketAction::Attach).expect("verifies");
+    assert_eq!((claims.ws, claims.ses.clone()), (h.workspace.id.clone(), id.clone()));
     assert!(
         claims.exp > now && claims.exp <= now + 90,
         "at most 90 s: {}",
         claims.exp - now
     );
     assert!(
-        sortie_protocol::ticket::verify(TICKET_SECRET, ticket, now, &id, TicketAction::Turn)
-            .is_err(),
+        sortie_protocol::ticket::verify(TICKET_SECRET, ticket, now, &id, TicketAction::Turn).is_err(),
         "bound to its action"
     );
-    assert!(
-        sortie_protocol::ticket::verify(b"another secret", ticket, now, &id, TicketAction::Attach)
-            .is_err()
-    );
+    assert!(sortie_protocol::ticket::verify(b"another secret", ticket, now, &id, TicketAction::Attach).is_err());
     let second = h.post(&path, &h.viewer, json!({"action": "attach"})).await;
     assert_ne!(
         second.body["ticket"], minted.body["ticket"],
@@ -1084,11 +933,8 @@ async fn usage_sums_by_session_and_day(h: Harness) {
         json!({"compute_seconds": 12, "input_tokens": 18, "output_tokens": 4})
     );
     assert_error(
-        &h.get(
-            &format!("/v1/usage?session={}", SessionId::generate()),
-            &h.viewer,
-        )
-        .await,
+        &h.get(&format!("/v1/usage?session={}", SessionId::generate()), &h.viewer)
+            .await,
         StatusCode::NOT_FOUND,
         "SESSION_NOT_FOUND",
     );
@@ -1098,27 +944,15 @@ async fn usage_sums_by_session_and_day(h: Harness) {
         "INVALID_REQUEST",
     );
     let other = h.get("/v1/usage", &h.other_operator).await;
-    assert_eq!(
-        other.body,
-        json!({"rows": []}),
-        "another workspace sees none of it"
-    );
+    assert_eq!(other.body, json!({"rows": []}), "another workspace sees none of it");
 }
 
 /// Every session endpoint with a body that would succeed for the owner.
 fn session_endpoints(id: &str) -> Vec<(Method, String, Payload)> {
     vec![
         (Method::GET, format!("/v1/sessions/{id}"), Payload::Empty),
-        (
-            Method::GET,
-            format!("/v1/sessions/{id}/turns"),
-            Payload::Empty,
-        ),
-        (
-            Method::GET,
-            format!("/v1/sessions/{id}/messages"),
-            Payload::Empty,
-        ),
+        (Method::GET, format!("/v1/sessions/{id}/turns"), Payload::Empty),
+        (Method::GET, format!("/v1/sessions/{id}/messages"), Payload::Empty),
         (
             Method::POST,
             format!("/v1/sessions/{id}/steer"),
@@ -1139,21 +973,13 @@ fn session_endpoints(id: &str) -> Vec<(Method, String, Payload)> {
             format!("/v1/sessions/{id}/archive"),
             Payload::Json(json!({})),
         ),
-        (
-            Method::DELETE,
-            format!("/v1/sessions/{id}/archive"),
-            Payload::Empty,
-        ),
+        (Method::DELETE, format!("/v1/sessions/{id}/archive"), Payload::Empty),
         (
             Method::POST,
             format!("/v1/sessions/{id}/attach-ticket"),
             Payload::Json(json!({})),
         ),
-        (
-            Method::GET,
-            format!("/v1/usage?session={id}"),
-            Payload::Empty,
-        ),
+        (Method::GET, format!("/v1/usage?session={id}"), Payload::Empty),
         (
             Method::POST,
             format!("/v1/sessions/{id}/cancel"),
@@ -1165,19 +991,14 @@ fn session_endpoints(id: &str) -> Vec<(Method, String, Payload)> {
 async fn another_workspace_sees_nothing(h: Harness) {
     let id = h.create("t").await;
     for (method, path, payload) in session_endpoints(&id) {
-        let reply = h
-            .send(method.clone(), &path, Some(&h.other_operator), payload)
-            .await;
+        let reply = h.send(method.clone(), &path, Some(&h.other_operator), payload).await;
         assert_error(&reply, StatusCode::NOT_FOUND, "SESSION_NOT_FOUND");
     }
     let listed = h.get("/v1/sessions", &h.other_operator).await;
     assert_eq!(listed.body["sessions"], json!([]));
     let unchanged = h.get(&format!("/v1/sessions/{id}"), &h.viewer).await;
     assert_eq!(
-        (
-            unchanged.body["phase"].clone(),
-            unchanged.body["turns"].clone()
-        ),
+        (unchanged.body["phase"].clone(), unchanged.body["turns"].clone()),
         (json!("queued"), json!(1))
     );
 }
@@ -1204,30 +1025,19 @@ async fn roles_and_tokens_are_enforced_everywhere(h: Harness) {
             Some("Basic dXNlcjpwdw==".to_owned()),
             Some("Bearer ".to_owned()),
         ] {
-            let reply = h
-                .send_with(method.clone(), &path, authorization, again())
-                .await;
+            let reply = h.send_with(method.clone(), &path, authorization, again()).await;
             assert_error(&reply, StatusCode::UNAUTHORIZED, "UNAUTHORIZED");
             assert_eq!(
-                reply
-                    .headers
-                    .get("www-authenticate")
-                    .and_then(|v| v.to_str().ok()),
+                reply.headers.get("www-authenticate").and_then(|v| v.to_str().ok()),
                 Some("Bearer")
             );
         }
         let writes = method != Method::GET && !path.ends_with("/attach-ticket");
-        let as_viewer = h
-            .send(method.clone(), &path, Some(&h.viewer), again())
-            .await;
+        let as_viewer = h.send(method.clone(), &path, Some(&h.viewer), again()).await;
         if writes {
             assert_error(&as_viewer, StatusCode::FORBIDDEN, "FORBIDDEN");
         } else {
-            assert!(
-                as_viewer.status.is_success(),
-                "{method} {path}: {}",
-                as_viewer.body
-            );
+            assert!(as_viewer.status.is_success(), "{method} {path}: {}", as_viewer.body);
         }
     }
     let session = h.get(&format!("/v1/sessions/{id}"), &h.viewer).await;
@@ -1249,28 +1059,16 @@ async fn malformed_input_never_answers_500(h: Harness) {
             Some("application/json"),
             br#"{"repo": 1, "task": [], "prompt": {}, "mode": 7, "action": false}"#.to_vec(),
         ),
-        (
-            Some("application/json"),
-            br#"{"unknown": "field"}"#.to_vec(),
-        ),
+        (Some("application/json"), br#"{"unknown": "field"}"#.to_vec()),
         (Some("application/json"), vec![0xff, 0xfe, 0x7b, 0x7d]),
-        (
-            Some("application/json"),
-            b"{\"task\": \"\xc3\x28\"}".to_vec(),
-        ),
-        (
-            Some("application/json"),
-            br#"{"prompt": "\ud800"}"#.to_vec(),
-        ),
+        (Some("application/json"), b"{\"task\": \"\xc3\x28\"}".to_vec()),
+        (Some("application/json"), br#"{"prompt": "\ud800"}"#.to_vec()),
         (
             Some("application/json"),
             format!("{{\"prompt\": \"{}\"}}", "x".repeat(REQUEST_BODY_MAX_BYTES)).into_bytes(),
         ),
         (Some("text/plain"), br#"{"prompt": "x"}"#.to_vec()),
-        (
-            Some("application/x-www-form-urlencoded"),
-            b"prompt=x".to_vec(),
-        ),
+        (Some("application/x-www-form-urlencoded"), b"prompt=x".to_vec()),
         (None, br#"{"prompt": "x"}"#.to_vec()),
         (Some("application/json"), b"{\"a\":".repeat(10_000)),
         (Some("application/json"), vec![b'['; 100_000]),
@@ -1283,10 +1081,7 @@ async fn malformed_input_never_answers_500(h: Harness) {
         (Method::POST, format!("/v1/sessions/{id}/archive")),
         (Method::POST, format!("/v1/sessions/{id}/attach-ticket")),
         (Method::POST, format!("/v1/sessions/{id}/cancel")),
-        (
-            Method::GET,
-            "/v1/sessions?limit=99999999999999999999".to_owned(),
-        ),
+        (Method::GET, "/v1/sessions?limit=99999999999999999999".to_owned()),
         (Method::GET, "/v1/sessions?phase=%FF".to_owned()),
         (Method::GET, format!("/v1/sessions/{id}%00")),
         (Method::GET, "/v1/sessions/%E2%82".to_owned()),
@@ -1355,9 +1150,7 @@ async fn operations_endpoints_answer(h: Harness) {
             "requests are labelled by route template: {text}"
         );
     }
-    let openapi = h
-        .send(Method::GET, "/v1/openapi.json", None, Payload::Empty)
-        .await;
+    let openapi = h.send(Method::GET, "/v1/openapi.json", None, Payload::Empty).await;
     assert_eq!(openapi.status, StatusCode::OK);
     assert_eq!(openapi.body["openapi"], "3.1.0");
     let paths = openapi.body["paths"].as_object().expect("paths");
@@ -1387,9 +1180,7 @@ async fn operations_endpoints_answer(h: Harness) {
     let codes = &openapi.body["components"]["schemas"]["ErrorCode"]["enum"];
     for code in sortie_protocol::ErrorCode::ALL {
         assert!(
-            codes
-                .as_array()
-                .is_some_and(|c| c.contains(&json!(code.as_str()))),
+            codes.as_array().is_some_and(|c| c.contains(&json!(code.as_str()))),
             "{code} documented: {codes}"
         );
     }
@@ -1403,24 +1194,14 @@ async fn unknown_routes_and_methods_have_codes(h: Harness) {
         "NOT_FOUND",
     );
     assert_error(
-        &h.send(
-            Method::PUT,
-            "/v1/sessions",
-            Some(&h.operator),
-            Payload::Empty,
-        )
-        .await,
+        &h.send(Method::PUT, "/v1/sessions", Some(&h.operator), Payload::Empty)
+            .await,
         StatusCode::METHOD_NOT_ALLOWED,
         "METHOD_NOT_ALLOWED",
     );
     assert_error(
-        &h.send(
-            Method::DELETE,
-            "/v1/sessions/x",
-            Some(&h.operator),
-            Payload::Empty,
-        )
-        .await,
+        &h.send(Method::DELETE, "/v1/sessions/x", Some(&h.operator), Payload::Empty)
+            .await,
         StatusCode::METHOD_NOT_ALLOWED,
         "METHOD_NOT_ALLOWED",
     );
@@ -1468,9 +1249,7 @@ async fn cancel_racing_steers_keeps_the_ledger_consistent(h: Harness) {
         } else {
             (format!("/v1/sessions/{id}/steer"), json!({"prompt": "s"}))
         };
-        tasks.push(tokio::spawn(async move {
-            h.post(&path, &h.operator, body).await
-        }));
+        tasks.push(tokio::spawn(async move { h.post(&path, &h.operator, body).await }));
     }
     for task in tasks {
         let reply = task.await.expect("join");

@@ -33,11 +33,7 @@ pub trait Store: Send + Sync + 'static {
     // Workspaces and tokens.
 
     /// Creates a workspace; [`StoreError::Conflict`] if the name is taken.
-    async fn create_workspace(
-        &self,
-        name: &str,
-        repo_access: RepoAccess,
-    ) -> StoreResult<WorkspaceRow>;
+    async fn create_workspace(&self, name: &str, repo_access: RepoAccess) -> StoreResult<WorkspaceRow>;
     async fn workspace_by_name(&self, name: &str) -> StoreResult<WorkspaceRow>;
     async fn workspace(&self, workspace_id: &str) -> StoreResult<WorkspaceRow>;
     /// Stores a token's hash (never the token) with its role; returns the token's public id.
@@ -57,49 +53,27 @@ pub trait Store: Send + Sync + 'static {
     async fn create_session(&self, new: NewSession) -> StoreResult<SessionRow>;
     async fn session(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow>;
     /// Newest first; pages with [`SessionFilter::before`].
-    async fn list_sessions(
-        &self,
-        workspace_id: &str,
-        filter: &SessionFilter,
-    ) -> StoreResult<Vec<SessionRow>>;
+    async fn list_sessions(&self, workspace_id: &str, filter: &SessionFilter) -> StoreResult<Vec<SessionRow>>;
     async fn turns(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<Vec<TurnRow>>;
     /// Adds a turn. Refusals: [`StoreError::NotSteerable`], [`StoreError::TurnQueueFull`],
     /// [`StoreError::PromptsTooLarge`]; nothing is written on a refusal.
-    async fn steer(
-        &self,
-        workspace_id: &str,
-        session_id: &SessionId,
-        steer: NewTurn,
-    ) -> StoreResult<TurnRow>;
+    async fn steer(&self, workspace_id: &str, session_id: &SessionId, steer: NewTurn) -> StoreResult<TurnRow>;
     /// Asks the worker to stop the running turn; [`StoreError::NoTurnRunning`] if none runs.
-    async fn request_stop(
-        &self,
-        workspace_id: &str,
-        session_id: &SessionId,
-    ) -> StoreResult<TurnRow>;
+    async fn request_stop(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<TurnRow>;
     /// Ends the session: phase `canceled`, waiting turns canceled, the running turn asked to stop.
     /// Canceling a canceled session changes nothing.
     async fn cancel(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow>;
     /// Queues a hibernated session for re-provisioning; other live phases are left as they are.
     async fn resume(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow>;
     /// Hides or shows a session in the default list. Archiving refuses a session with a turn in flight.
-    async fn set_archived(
-        &self,
-        workspace_id: &str,
-        session_id: &SessionId,
-        archived: bool,
-    ) -> StoreResult<SessionRow>;
+    async fn set_archived(&self, workspace_id: &str, session_id: &SessionId, archived: bool)
+    -> StoreResult<SessionRow>;
 
     // The ledger as the worker changes it.
 
     /// Claims the oldest waiting turn of a queued session: turn `accepted → running`, session
     /// `queued → provisioning` (or `running` when the sandbox is warm). `None` if another claim won.
-    async fn claim_turn(
-        &self,
-        session_id: &SessionId,
-        warm: bool,
-        worker_id: &str,
-    ) -> StoreResult<Option<TurnRow>>;
+    async fn claim_turn(&self, session_id: &SessionId, warm: bool, worker_id: &str) -> StoreResult<Option<TurnRow>>;
     /// A compare-and-set of the session's phase; `false` if the phase was not `from` any more.
     async fn transition_session(
         &self,
@@ -108,22 +82,12 @@ pub trait Store: Send + Sync + 'static {
         to: SessionPhase,
     ) -> StoreResult<bool>;
     /// Ends a running turn; `false` if it was not running any more.
-    async fn finish_turn(
-        &self,
-        session_id: &SessionId,
-        n: u32,
-        outcome: TurnOutcome,
-    ) -> StoreResult<bool>;
+    async fn finish_turn(&self, session_id: &SessionId, n: u32, outcome: TurnOutcome) -> StoreResult<bool>;
 
     // Transcript parts.
 
     /// Stores parts of one turn, ignoring any `part_index` already stored; returns how many were new.
-    async fn append_parts(
-        &self,
-        session_id: &SessionId,
-        turn: u32,
-        parts: &[NewPart],
-    ) -> StoreResult<u64>;
+    async fn append_parts(&self, session_id: &SessionId, turn: u32, parts: &[NewPart]) -> StoreResult<u64>;
     /// Every stored part of a session, in turn and part order.
     async fn parts(&self, session_id: &SessionId) -> StoreResult<Vec<StoredPart>>;
 
@@ -138,11 +102,7 @@ pub trait Store: Send + Sync + 'static {
         compute_ms: u64,
     ) -> StoreResult<()>;
     /// Usage of the workspace's sessions, by session and UTC day.
-    async fn usage(
-        &self,
-        workspace_id: &str,
-        session_id: Option<&SessionId>,
-    ) -> StoreResult<UsageRecords>;
+    async fn usage(&self, workspace_id: &str, session_id: Option<&SessionId>) -> StoreResult<UsageRecords>;
 
     // Tickets and instance secrets.
 

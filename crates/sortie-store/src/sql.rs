@@ -87,16 +87,8 @@ impl SqlStore {
 
     async fn migrate(&self) -> StoreResult<()> {
         match self.backend {
-            Backend::Sqlite => {
-                sqlx::migrate!("./migrations/sqlite")
-                    .run(&self.pool)
-                    .await?
-            }
-            Backend::Postgres => {
-                sqlx::migrate!("./migrations/postgres")
-                    .run(&self.pool)
-                    .await?
-            }
+            Backend::Sqlite => sqlx::migrate!("./migrations/sqlite").run(&self.pool).await?,
+            Backend::Postgres => sqlx::migrate!("./migrations/postgres").run(&self.pool).await?,
         }
         Ok(())
     }
@@ -119,11 +111,7 @@ impl SqlStore {
         })
     }
 
-    async fn fetch_session(
-        &self,
-        workspace_id: &str,
-        session_id: &SessionId,
-    ) -> StoreResult<SessionRow> {
+    async fn fetch_session(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow> {
         let row = sqlx::query(session_select!("WHERE s.id = $1 AND s.workspace_id = $2"))
             .bind(session_id.as_str())
             .bind(workspace_id)
@@ -199,16 +187,12 @@ fn get_opt_u32(row: &AnyRow, column: &str) -> StoreResult<Option<u32>> {
         .transpose()
 }
 
-fn parse_failure(
-    code: Option<String>,
-    reason: Option<String>,
-) -> StoreResult<Option<(FailureCode, String)>> {
+fn parse_failure(code: Option<String>, reason: Option<String>) -> StoreResult<Option<(FailureCode, String)>> {
     match code {
         None => Ok(None),
         Some(code) => {
-            let parsed: FailureCode =
-                serde_json::from_value(serde_json::Value::String(code.clone()))
-                    .map_err(|_| internal(format!("unknown failure code {code}")))?;
+            let parsed: FailureCode = serde_json::from_value(serde_json::Value::String(code.clone()))
+                .map_err(|_| internal(format!("unknown failure code {code}")))?;
             Ok(Some((parsed, reason.unwrap_or_default())))
         }
     }
@@ -295,10 +279,7 @@ fn workspace_from_row(row: &AnyRow) -> StoreResult<WorkspaceRow> {
 }
 
 fn prefixed_ulid(prefix: &str) -> String {
-    format!(
-        "{prefix}{}",
-        ulid::Ulid::generate().to_string().to_ascii_lowercase()
-    )
+    format!("{prefix}{}", ulid::Ulid::generate().to_string().to_ascii_lowercase())
 }
 
 #[async_trait]
@@ -310,11 +291,7 @@ impl Store for SqlStore {
         Ok(())
     }
 
-    async fn create_workspace(
-        &self,
-        name: &str,
-        repo_access: RepoAccess,
-    ) -> StoreResult<WorkspaceRow> {
+    async fn create_workspace(&self, name: &str, repo_access: RepoAccess) -> StoreResult<WorkspaceRow> {
         let id = prefixed_ulid("ws_");
         let roots = serde_json::to_string(&repo_access.allowed_roots).map_err(internal)?;
         let row = sqlx::query(
@@ -333,20 +310,22 @@ impl Store for SqlStore {
     }
 
     async fn workspace_by_name(&self, name: &str) -> StoreResult<WorkspaceRow> {
-        let row = sqlx::query("SELECT id, name, allow_any_local, allowed_roots, created_at FROM workspaces WHERE name = $1")
-            .bind(name)
-            .fetch_optional(&self.pool)
-            .await?
-            .ok_or(StoreError::NotFound)?;
+        let row =
+            sqlx::query("SELECT id, name, allow_any_local, allowed_roots, created_at FROM workspaces WHERE name = $1")
+                .bind(name)
+                .fetch_optional(&self.pool)
+                .await?
+                .ok_or(StoreError::NotFound)?;
         workspace_from_row(&row)
     }
 
     async fn workspace(&self, workspace_id: &str) -> StoreResult<WorkspaceRow> {
-        let row = sqlx::query("SELECT id, name, allow_any_local, allowed_roots, created_at FROM workspaces WHERE id = $1")
-            .bind(workspace_id)
-            .fetch_optional(&self.pool)
-            .await?
-            .ok_or(StoreError::NotFound)?;
+        let row =
+            sqlx::query("SELECT id, name, allow_any_local, allowed_roots, created_at FROM workspaces WHERE id = $1")
+                .bind(workspace_id)
+                .fetch_optional(&self.pool)
+                .await?
+                .ok_or(StoreError::NotFound)?;
         workspace_from_row(&row)
     }
 
@@ -425,11 +404,7 @@ impl Store for SqlStore {
         self.fetch_session(workspace_id, session_id).await
     }
 
-    async fn list_sessions(
-        &self,
-        workspace_id: &str,
-        filter: &SessionFilter,
-    ) -> StoreResult<Vec<SessionRow>> {
+    async fn list_sessions(&self, workspace_id: &str, filter: &SessionFilter) -> StoreResult<Vec<SessionRow>> {
         let rows = sqlx::query(session_select!(
             "WHERE s.workspace_id = $1 AND s.archived = $2 AND ($3 IS NULL OR s.phase = $3) \
              AND ($4 IS NULL OR s.repo = $4) AND ($5 IS NULL OR s.id < $5) ORDER BY s.id DESC LIMIT $6"
@@ -461,12 +436,7 @@ impl Store for SqlStore {
         rows.iter().map(turn_from_row).collect()
     }
 
-    async fn steer(
-        &self,
-        workspace_id: &str,
-        session_id: &SessionId,
-        steer: NewTurn,
-    ) -> StoreResult<TurnRow> {
+    async fn steer(&self, workspace_id: &str, session_id: &SessionId, steer: NewTurn) -> StoreResult<TurnRow> {
         let prompt_bytes = u64::try_from(steer.prompt.len()).map_err(internal)?;
         for _ in 0..CAS_ATTEMPTS {
             let session = self.fetch_session(workspace_id, session_id).await?;
@@ -528,20 +498,14 @@ impl Store for SqlStore {
                     .await?;
             }
             tx.commit().await?;
-            return self
-                .fetch_turn(session_id, u32::try_from(n).map_err(internal)?)
-                .await;
+            return self.fetch_turn(session_id, u32::try_from(n).map_err(internal)?).await;
         }
         Err(StoreError::Conflict(
             "the session changed too often while steering; try again".into(),
         ))
     }
 
-    async fn request_stop(
-        &self,
-        workspace_id: &str,
-        session_id: &SessionId,
-    ) -> StoreResult<TurnRow> {
+    async fn request_stop(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<TurnRow> {
         let session = self.fetch_session(workspace_id, session_id).await?;
         let row = sqlx::query(
             "UPDATE turns SET stop_requested = 'stop' WHERE session_id = $1 AND status = 'running' \
@@ -554,11 +518,10 @@ impl Store for SqlStore {
             Some(row) => self.fetch_turn(session_id, get_u32(&row, "n")?).await,
             None => {
                 // Already asked to stop (or cancel): answer with the running turn so the call is idempotent.
-                let running =
-                    sqlx::query(turn_select!("WHERE session_id = $1 AND status = 'running'"))
-                        .bind(session.id.as_str())
-                        .fetch_optional(&self.pool)
-                        .await?;
+                let running = sqlx::query(turn_select!("WHERE session_id = $1 AND status = 'running'"))
+                    .bind(session.id.as_str())
+                    .fetch_optional(&self.pool)
+                    .await?;
                 match running {
                     Some(row) => turn_from_row(&row),
                     None => Err(StoreError::NoTurnRunning),
@@ -589,11 +552,13 @@ impl Store for SqlStore {
                 tx.rollback().await?;
                 continue;
             }
-            sqlx::query("UPDATE turns SET status = 'canceled', completed_at = $2 WHERE session_id = $1 AND status = 'accepted'")
-                .bind(session_id.as_str())
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
+            sqlx::query(
+                "UPDATE turns SET status = 'canceled', completed_at = $2 WHERE session_id = $1 AND status = 'accepted'",
+            )
+            .bind(session_id.as_str())
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
             sqlx::query("UPDATE turns SET stop_requested = 'cancel' WHERE session_id = $1 AND status = 'running'")
                 .bind(session_id.as_str())
                 .execute(&mut *tx)
@@ -650,15 +615,17 @@ impl Store for SqlStore {
             if archived && session.phase.has_active_turn() {
                 return Err(StoreError::SessionActive(session.phase));
             }
-            let changed = sqlx::query("UPDATE sessions SET archived = $2, updated_at = $3 WHERE id = $1 AND phase = $4 AND archived = $5")
-                .bind(session_id.as_str())
-                .bind(i64::from(archived))
-                .bind(now_ms())
-                .bind(session.phase.as_str())
-                .bind(i64::from(session.archived))
-                .execute(&self.pool)
-                .await?
-                .rows_affected();
+            let changed = sqlx::query(
+                "UPDATE sessions SET archived = $2, updated_at = $3 WHERE id = $1 AND phase = $4 AND archived = $5",
+            )
+            .bind(session_id.as_str())
+            .bind(i64::from(archived))
+            .bind(now_ms())
+            .bind(session.phase.as_str())
+            .bind(i64::from(session.archived))
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
             if changed == 1 {
                 return self.fetch_session(workspace_id, session_id).await;
             }
@@ -668,12 +635,7 @@ impl Store for SqlStore {
         ))
     }
 
-    async fn claim_turn(
-        &self,
-        session_id: &SessionId,
-        warm: bool,
-        worker_id: &str,
-    ) -> StoreResult<Option<TurnRow>> {
+    async fn claim_turn(&self, session_id: &SessionId, warm: bool, worker_id: &str) -> StoreResult<Option<TurnRow>> {
         let to = if warm {
             SessionPhase::Running
         } else {
@@ -683,12 +645,10 @@ impl Store for SqlStore {
         if session.phase != SessionPhase::Queued || session.n_waiting == 0 {
             return Ok(None);
         }
-        let next = sqlx::query(
-            "SELECT MIN(n) AS n FROM turns WHERE session_id = $1 AND status = 'accepted'",
-        )
-        .bind(session_id.as_str())
-        .fetch_one(&self.pool)
-        .await?;
+        let next = sqlx::query("SELECT MIN(n) AS n FROM turns WHERE session_id = $1 AND status = 'accepted'")
+            .bind(session_id.as_str())
+            .fetch_one(&self.pool)
+            .await?;
         let Some(n) = next.try_get::<Option<i64>, _>("n")? else {
             return Ok(None);
         };
@@ -724,8 +684,7 @@ impl Store for SqlStore {
         }
         tx.commit().await?;
         Ok(Some(
-            self.fetch_turn(session_id, u32::try_from(n).map_err(internal)?)
-                .await?,
+            self.fetch_turn(session_id, u32::try_from(n).map_err(internal)?).await?,
         ))
     }
 
@@ -741,25 +700,18 @@ impl Store for SqlStore {
                 to: to.to_string(),
             });
         }
-        let changed = sqlx::query(
-            "UPDATE sessions SET phase = $3, updated_at = $4 WHERE id = $1 AND phase = $2",
-        )
-        .bind(session_id.as_str())
-        .bind(from.as_str())
-        .bind(to.as_str())
-        .bind(now_ms())
-        .execute(&self.pool)
-        .await?
-        .rows_affected();
+        let changed = sqlx::query("UPDATE sessions SET phase = $3, updated_at = $4 WHERE id = $1 AND phase = $2")
+            .bind(session_id.as_str())
+            .bind(from.as_str())
+            .bind(to.as_str())
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
         Ok(changed == 1)
     }
 
-    async fn finish_turn(
-        &self,
-        session_id: &SessionId,
-        n: u32,
-        outcome: TurnOutcome,
-    ) -> StoreResult<bool> {
+    async fn finish_turn(&self, session_id: &SessionId, n: u32, outcome: TurnOutcome) -> StoreResult<bool> {
         if !TurnStatus::Running.can_become(outcome.status) {
             return Err(StoreError::IllegalTransition {
                 from: "running".into(),
@@ -802,24 +754,20 @@ impl Store for SqlStore {
         Ok(changed == 1)
     }
 
-    async fn append_parts(
-        &self,
-        session_id: &SessionId,
-        turn: u32,
-        parts: &[NewPart],
-    ) -> StoreResult<u64> {
+    async fn append_parts(&self, session_id: &SessionId, turn: u32, parts: &[NewPart]) -> StoreResult<u64> {
         if parts.is_empty() {
             return Ok(0);
         }
         let count = i64::try_from(parts.len()).map_err(internal)?;
         let now = now_ms();
         let mut tx = self.begin_write().await?;
-        let reserved = sqlx::query("UPDATE sessions SET next_part_seq = next_part_seq + $2 WHERE id = $1 RETURNING next_part_seq")
-            .bind(session_id.as_str())
-            .bind(count)
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(StoreError::NotFound)?;
+        let reserved =
+            sqlx::query("UPDATE sessions SET next_part_seq = next_part_seq + $2 WHERE id = $1 RETURNING next_part_seq")
+                .bind(session_id.as_str())
+                .bind(count)
+                .fetch_optional(&mut *tx)
+                .await?
+                .ok_or(StoreError::NotFound)?;
         let end: i64 = reserved.try_get("next_part_seq")?;
         let mut inserted = 0;
         for (offset, part) in (0_i64..).zip(parts) {
@@ -842,10 +790,12 @@ impl Store for SqlStore {
     }
 
     async fn parts(&self, session_id: &SessionId) -> StoreResult<Vec<StoredPart>> {
-        let rows = sqlx::query("SELECT turn, part_index, seq, payload FROM parts WHERE session_id = $1 ORDER BY turn, part_index")
-            .bind(session_id.as_str())
-            .fetch_all(&self.pool)
-            .await?;
+        let rows = sqlx::query(
+            "SELECT turn, part_index, seq, payload FROM parts WHERE session_id = $1 ORDER BY turn, part_index",
+        )
+        .bind(session_id.as_str())
+        .fetch_all(&self.pool)
+        .await?;
         rows.iter()
             .map(|row| {
                 Ok(StoredPart {
@@ -877,12 +827,14 @@ impl Store for SqlStore {
         .bind(output)
         .execute(&mut *tx)
         .await?;
-        sqlx::query("UPDATE sessions SET input_tokens = input_tokens + $2, output_tokens = output_tokens + $3 WHERE id = $1")
-            .bind(usage.session_id.as_str())
-            .bind(input)
-            .bind(output)
-            .execute(&mut *tx)
-            .await?;
+        sqlx::query(
+            "UPDATE sessions SET input_tokens = input_tokens + $2, output_tokens = output_tokens + $3 WHERE id = $1",
+        )
+        .bind(usage.session_id.as_str())
+        .bind(input)
+        .bind(output)
+        .execute(&mut *tx)
+        .await?;
         tx.commit().await?;
         Ok(())
     }
@@ -916,11 +868,7 @@ impl Store for SqlStore {
         Ok(())
     }
 
-    async fn usage(
-        &self,
-        workspace_id: &str,
-        session_id: Option<&SessionId>,
-    ) -> StoreResult<UsageRecords> {
+    async fn usage(&self, workspace_id: &str, session_id: Option<&SessionId>) -> StoreResult<UsageRecords> {
         let session_filter = session_id.map(SessionId::as_str);
         let token_rows = sqlx::query(
             "SELECT u.session_id, u.day, u.model, CAST(SUM(u.input_tokens) AS BIGINT) AS input_tokens, \
@@ -956,11 +904,9 @@ impl Store for SqlStore {
             ));
         }
         for row in &compute_rows {
-            records.compute.push((
-                session_of(row)?,
-                row.try_get("day")?,
-                get_u64(row, "compute_ms")?,
-            ));
+            records
+                .compute
+                .push((session_of(row)?, row.try_get("day")?, get_u64(row, "compute_ms")?));
         }
         Ok(records)
     }
@@ -972,22 +918,25 @@ impl Store for SqlStore {
             .bind(now - 60_000)
             .execute(&self.pool)
             .await?;
-        let inserted = sqlx::query("INSERT INTO ticket_nonces (nonce, expires_at) VALUES ($1, $2) ON CONFLICT (nonce) DO NOTHING")
-            .bind(nonce)
-            .bind(expires_at_ms)
-            .execute(&self.pool)
-            .await?
-            .rows_affected();
+        let inserted =
+            sqlx::query("INSERT INTO ticket_nonces (nonce, expires_at) VALUES ($1, $2) ON CONFLICT (nonce) DO NOTHING")
+                .bind(nonce)
+                .bind(expires_at_ms)
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
         Ok(inserted == 1)
     }
 
     async fn instance_secret(&self, name: &str, candidate: &str) -> StoreResult<String> {
-        sqlx::query("INSERT INTO instance_secrets (name, value, created_at) VALUES ($1, $2, $3) ON CONFLICT (name) DO NOTHING")
-            .bind(name)
-            .bind(candidate)
-            .bind(now_ms())
-            .execute(&self.pool)
-            .await?;
+        sqlx::query(
+            "INSERT INTO instance_secrets (name, value, created_at) VALUES ($1, $2, $3) ON CONFLICT (name) DO NOTHING",
+        )
+        .bind(name)
+        .bind(candidate)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
         let row = sqlx::query("SELECT value FROM instance_secrets WHERE name = $1")
             .bind(name)
             .fetch_one(&self.pool)

@@ -44,8 +44,7 @@ impl TestDatabase {
     }
 
     pub async fn postgres() -> StoreResult<Self> {
-        let admin_url = std::env::var(TEST_POSTGRES_URL_ENV)
-            .unwrap_or_else(|_| DEFAULT_TEST_POSTGRES_URL.to_owned());
+        let admin_url = std::env::var(TEST_POSTGRES_URL_ENV).unwrap_or_else(|_| DEFAULT_TEST_POSTGRES_URL.to_owned());
         let name = format!(
             "sortie_test_{}",
             ulid::Ulid::generate().to_string().to_ascii_lowercase()
@@ -55,9 +54,9 @@ impl TestDatabase {
             .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
             .await?;
         admin.close().await?;
-        let (base, _) = admin_url.rsplit_once('/').ok_or_else(|| {
-            StoreError::Internal(format!("{TEST_POSTGRES_URL_ENV} has no database path"))
-        })?;
+        let (base, _) = admin_url
+            .rsplit_once('/')
+            .ok_or_else(|| StoreError::Internal(format!("{TEST_POSTGRES_URL_ENV} has no database path")))?;
         Ok(Self {
             url: format!("{base}/{name}"),
             postgres: Some((admin_url, name)),
@@ -72,10 +71,7 @@ impl Drop for TestDatabase {
         };
         // Drop may run inside a runtime, which cannot block on another: use a thread of its own.
         let dropper = std::thread::spawn(move || {
-            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
                 return;
             };
             runtime.block_on(async {

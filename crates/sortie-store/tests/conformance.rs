@@ -18,9 +18,7 @@ struct Fixture {
 
 async fn fixture(backend: TestBackend) -> Fixture {
     let dir = tempfile::tempdir().expect("temp dir");
-    let database = TestDatabase::new(backend, dir.path())
-        .await
-        .expect("test database");
+    let database = TestDatabase::new(backend, dir.path()).await.expect("test database");
     let store = Arc::new(SqlStore::connect(&database.url).await.expect("connect"));
     let workspace = store
         .create_workspace(
@@ -96,10 +94,7 @@ on_both_databases!(
 
 async fn workspaces_and_tokens(backend: TestBackend) {
     let f = fixture(backend).await;
-    let again = f
-        .store
-        .create_workspace("default", RepoAccess::default())
-        .await;
+    let again = f.store.create_workspace("default", RepoAccess::default()).await;
     assert!(matches!(again, Err(StoreError::Conflict(_))), "{again:?}");
     let team = f
         .store
@@ -112,10 +107,7 @@ async fn workspaces_and_tokens(backend: TestBackend) {
         )
         .await
         .expect("team");
-    assert_eq!(
-        f.store.workspace_by_name("team").await.expect("by name"),
-        team
-    );
+    assert_eq!(f.store.workspace_by_name("team").await.expect("by name"), team);
     assert_eq!(team.repo_access.allowed_roots, vec!["/srv/git".to_owned()]);
     assert!(matches!(
         f.store.workspace_by_name("nope").await,
@@ -127,11 +119,7 @@ async fn workspaces_and_tokens(backend: TestBackend) {
         .create_token(&team.id, Role::Viewer, "hash-1", Some("ci"))
         .await
         .expect("token");
-    let principal = f
-        .store
-        .principal_by_token_hash("hash-1")
-        .await
-        .expect("principal");
+    let principal = f.store.principal_by_token_hash("hash-1").await.expect("principal");
     assert_eq!(
         principal,
         Principal {
@@ -145,14 +133,8 @@ async fn workspaces_and_tokens(backend: TestBackend) {
         f.store.principal_by_token_hash("hash-2").await,
         Err(StoreError::NotFound)
     ));
-    let duplicate = f
-        .store
-        .create_token(&team.id, Role::Admin, "hash-1", None)
-        .await;
-    assert!(
-        matches!(duplicate, Err(StoreError::Conflict(_))),
-        "{duplicate:?}"
-    );
+    let duplicate = f.store.create_token(&team.id, Role::Admin, "hash-1", None).await;
+    assert!(matches!(duplicate, Err(StoreError::Conflict(_))), "{duplicate:?}");
     f.store.ping().await.expect("ping");
 }
 
@@ -163,20 +145,13 @@ async fn create_writes_session_and_first_turn(backend: TestBackend) {
     assert_eq!(session.id, new.id);
     assert_eq!(session.workspace_name, "default");
     assert_eq!(session.phase, SessionPhase::Queued);
-    assert_eq!(
-        (session.n_turns, session.n_waiting, session.current_turn),
-        (1, 1, None)
-    );
+    assert_eq!((session.n_turns, session.n_waiting, session.current_turn), (1, 1, None));
     assert_eq!(session.prompts_bytes, "fix the bug".len() as u64);
     assert_eq!(session.egress_allow, vec!["github.com".to_owned()]);
     assert_eq!(session.base.as_deref(), Some("main"));
     assert!(!session.archived && session.failure.is_none() && session.pr.is_none());
 
-    let turns = f
-        .store
-        .turns(&f.workspace.id, &session.id)
-        .await
-        .expect("turns");
+    let turns = f.store.turns(&f.workspace.id, &session.id).await.expect("turns");
     assert_eq!(turns.len(), 1);
     assert_eq!(
         (turns[0].n, turns[0].status, turns[0].mode),
@@ -185,10 +160,7 @@ async fn create_writes_session_and_first_turn(backend: TestBackend) {
     assert_eq!(turns[0].prompt, "fix the bug");
 
     let duplicate = f.store.create_session(new).await;
-    assert!(
-        matches!(duplicate, Err(StoreError::Conflict(_))),
-        "{duplicate:?}"
-    );
+    assert!(matches!(duplicate, Err(StoreError::Conflict(_))), "{duplicate:?}");
 }
 
 async fn sessions_are_invisible_to_other_workspaces(backend: TestBackend) {
@@ -208,10 +180,7 @@ async fn sessions_are_invisible_to_other_workspaces(backend: TestBackend) {
         f.store.session(&other.id, id).await,
         Err(StoreError::NotFound)
     ));
-    assert!(matches!(
-        f.store.turns(&other.id, id).await,
-        Err(StoreError::NotFound)
-    ));
+    assert!(matches!(f.store.turns(&other.id, id).await, Err(StoreError::NotFound)));
     assert!(matches!(
         f.store.steer(&other.id, id, queue("x")).await,
         Err(StoreError::NotFound)
@@ -220,14 +189,8 @@ async fn sessions_are_invisible_to_other_workspaces(backend: TestBackend) {
         f.store.request_stop(&other.id, id).await,
         Err(StoreError::NotFound)
     ));
-    assert!(matches!(
-        f.store.cancel(&other.id, id).await,
-        Err(StoreError::NotFound)
-    ));
-    assert!(matches!(
-        f.store.resume(&other.id, id).await,
-        Err(StoreError::NotFound)
-    ));
+    assert!(matches!(f.store.cancel(&other.id, id).await, Err(StoreError::NotFound)));
+    assert!(matches!(f.store.resume(&other.id, id).await, Err(StoreError::NotFound)));
     assert!(matches!(
         f.store.set_archived(&other.id, id, true).await,
         Err(StoreError::NotFound)
@@ -278,15 +241,8 @@ async fn list_is_newest_first_with_filters_and_pages(backend: TestBackend) {
         limit: 2,
         ..SessionFilter::default()
     };
-    let first = f
-        .store
-        .list_sessions(&f.workspace.id, &page)
-        .await
-        .expect("page 1");
-    assert_eq!(
-        first.iter().map(|s| &s.id).collect::<Vec<_>>(),
-        vec![&ids[4], &ids[3]]
-    );
+    let first = f.store.list_sessions(&f.workspace.id, &page).await.expect("page 1");
+    assert_eq!(first.iter().map(|s| &s.id).collect::<Vec<_>>(), vec![&ids[4], &ids[3]]);
     let second = f
         .store
         .list_sessions(
@@ -298,10 +254,7 @@ async fn list_is_newest_first_with_filters_and_pages(backend: TestBackend) {
         )
         .await
         .expect("page 2");
-    assert_eq!(
-        second.iter().map(|s| &s.id).collect::<Vec<_>>(),
-        vec![&ids[2], &ids[1]]
-    );
+    assert_eq!(second.iter().map(|s| &s.id).collect::<Vec<_>>(), vec![&ids[2], &ids[1]]);
 
     let odd = f
         .store
@@ -315,10 +268,7 @@ async fn list_is_newest_first_with_filters_and_pages(backend: TestBackend) {
         .await
         .expect("odd");
     assert_eq!(odd.len(), 2);
-    f.store
-        .cancel(&f.workspace.id, &ids[0])
-        .await
-        .expect("cancel");
+    f.store.cancel(&f.workspace.id, &ids[0]).await.expect("cancel");
     let canceled = f
         .store
         .list_sessions(
@@ -330,10 +280,7 @@ async fn list_is_newest_first_with_filters_and_pages(backend: TestBackend) {
         )
         .await
         .expect("canceled");
-    assert_eq!(
-        canceled.iter().map(|s| &s.id).collect::<Vec<_>>(),
-        vec![&ids[0]]
-    );
+    assert_eq!(canceled.iter().map(|s| &s.id).collect::<Vec<_>>(), vec![&ids[0]]);
     f.store
         .set_archived(&f.workspace.id, &ids[0], true)
         .await
@@ -355,10 +302,7 @@ async fn list_is_newest_first_with_filters_and_pages(backend: TestBackend) {
         )
         .await
         .expect("archived");
-    assert_eq!(
-        archived.iter().map(|s| &s.id).collect::<Vec<_>>(),
-        vec![&ids[0]]
-    );
+    assert_eq!(archived.iter().map(|s| &s.id).collect::<Vec<_>>(), vec![&ids[0]]);
 }
 
 async fn steer_queues_turns_until_the_queue_is_full(backend: TestBackend) {
@@ -376,37 +320,18 @@ async fn steer_queues_turns_until_the_queue_is_full(backend: TestBackend) {
             .expect("steer");
         assert_eq!((turn.n, turn.status), (n, TurnStatus::Accepted));
     }
-    let full = f
-        .store
-        .steer(&f.workspace.id, &session.id, queue("one too many"))
-        .await;
+    let full = f.store.steer(&f.workspace.id, &session.id, queue("one too many")).await;
     assert_eq!(full, Err(StoreError::TurnQueueFull(TURN_QUEUE_MAX)));
-    let after = f
-        .store
-        .session(&f.workspace.id, &session.id)
-        .await
-        .expect("session");
+    let after = f.store.session(&f.workspace.id, &session.id).await.expect("session");
+    assert_eq!((after.n_turns, after.n_waiting), (TURN_QUEUE_MAX, TURN_QUEUE_MAX));
     assert_eq!(
-        (after.n_turns, after.n_waiting),
-        (TURN_QUEUE_MAX, TURN_QUEUE_MAX)
-    );
-    assert_eq!(
-        f.store
-            .turns(&f.workspace.id, &session.id)
-            .await
-            .expect("turns")
-            .len(),
+        f.store.turns(&f.workspace.id, &session.id).await.expect("turns").len(),
         TURN_QUEUE_MAX as usize
     );
 
-    f.store
-        .cancel(&f.workspace.id, &session.id)
-        .await
-        .expect("cancel");
+    f.store.cancel(&f.workspace.id, &session.id).await.expect("cancel");
     assert_eq!(
-        f.store
-            .steer(&f.workspace.id, &session.id, queue("late"))
-            .await,
+        f.store.steer(&f.workspace.id, &session.id, queue("late")).await,
         Err(StoreError::NotSteerable("canceled"))
     );
 }
@@ -433,12 +358,7 @@ async fn steer_refuses_prompts_past_the_session_budget(backend: TestBackend) {
             head_sha: None,
             failure: None,
         };
-        assert!(
-            f.store
-                .finish_turn(&session.id, claimed.n, done)
-                .await
-                .expect("finish")
-        );
+        assert!(f.store.finish_turn(&session.id, claimed.n, done).await.expect("finish"));
         assert!(
             f.store
                 .transition_session(&session.id, SessionPhase::Running, SessionPhase::Delivering)
@@ -451,11 +371,7 @@ async fn steer_refuses_prompts_past_the_session_budget(backend: TestBackend) {
                 .await
                 .expect("idle")
         );
-        match f
-            .store
-            .steer(&f.workspace.id, &session.id, queue(&big))
-            .await
-        {
+        match f.store.steer(&f.workspace.id, &session.id, queue(&big)).await {
             Ok(_) => total += big.len() as u64,
             Err(StoreError::PromptsTooLarge { would_be, limit }) => {
                 assert_eq!(would_be, total + big.len() as u64);
@@ -466,17 +382,9 @@ async fn steer_refuses_prompts_past_the_session_budget(backend: TestBackend) {
             Err(other) => panic!("unexpected {other:?}"),
         }
     }
-    let after = f
-        .store
-        .session(&f.workspace.id, &session.id)
-        .await
-        .expect("session");
+    let after = f.store.session(&f.workspace.id, &session.id).await.expect("session");
     assert_eq!(after.prompts_bytes, total);
-    assert_eq!(
-        after.phase,
-        SessionPhase::Idle,
-        "a refused steer writes nothing"
-    );
+    assert_eq!(after.phase, SessionPhase::Idle, "a refused steer writes nothing");
     // A smaller prompt that still fits is accepted.
     let room = (SESSION_PROMPTS_MAX_BYTES - total) as usize;
     let fits = f
@@ -515,16 +423,9 @@ async fn concurrent_steers_get_distinct_numbers_and_respect_the_queue(backend: T
     }
     numbers.sort_unstable();
     let expected: Vec<u32> = (2..=TURN_QUEUE_MAX).collect();
-    assert_eq!(
-        numbers, expected,
-        "distinct, gapless numbers up to the queue limit"
-    );
+    assert_eq!(numbers, expected, "distinct, gapless numbers up to the queue limit");
     assert_eq!(full, 50 - numbers.len());
-    let turns = f
-        .store
-        .turns(&f.workspace.id, &session.id)
-        .await
-        .expect("turns");
+    let turns = f.store.turns(&f.workspace.id, &session.id).await.expect("turns");
     assert_eq!(
         turns.iter().map(|t| t.n).collect::<Vec<_>>(),
         (1..=TURN_QUEUE_MAX).collect::<Vec<_>>()
@@ -547,31 +448,18 @@ async fn cancel_racing_steers_leaves_a_consistent_ledger(backend: TestBackend) {
                 if i == 7 {
                     store.cancel(&workspace_id, &session_id).await.map(|_| ())
                 } else {
-                    store
-                        .steer(&workspace_id, &session_id, queue("s"))
-                        .await
-                        .map(|_| ())
+                    store.steer(&workspace_id, &session_id, queue("s")).await.map(|_| ())
                 }
             }));
         }
         for task in tasks {
             match task.await.expect("join") {
-                Ok(())
-                | Err(StoreError::TurnQueueFull(_))
-                | Err(StoreError::NotSteerable("canceled")) => {}
+                Ok(()) | Err(StoreError::TurnQueueFull(_)) | Err(StoreError::NotSteerable("canceled")) => {}
                 Err(other) => panic!("unexpected {other:?}"),
             }
         }
-        let after = f
-            .store
-            .session(&f.workspace.id, &session.id)
-            .await
-            .expect("session");
-        let turns = f
-            .store
-            .turns(&f.workspace.id, &session.id)
-            .await
-            .expect("turns");
+        let after = f.store.session(&f.workspace.id, &session.id).await.expect("session");
+        let turns = f.store.turns(&f.workspace.id, &session.id).await.expect("turns");
         assert_eq!(after.phase, SessionPhase::Canceled);
         assert_eq!(after.n_waiting, 0);
         assert_eq!(after.n_turns as usize, turns.len());
@@ -579,10 +467,7 @@ async fn cancel_racing_steers_leaves_a_consistent_ledger(backend: TestBackend) {
             turns.iter().map(|t| t.n).collect::<Vec<_>>(),
             (1..=after.n_turns).collect::<Vec<_>>()
         );
-        assert!(
-            turns.iter().all(|t| t.status == TurnStatus::Canceled),
-            "{turns:?}"
-        );
+        assert!(turns.iter().all(|t| t.status == TurnStatus::Canceled), "{turns:?}");
     }
 }
 
@@ -604,38 +489,23 @@ async fn worker_ledger_claims_stops_and_finishes_turns(backend: TestBackend) {
         f.store.claim_turn(&session.id, false, "w1"),
         f.store.claim_turn(&session.id, false, "w2")
     );
-    let winners = [a.expect("a"), b.expect("b")]
-        .into_iter()
-        .flatten()
-        .collect::<Vec<_>>();
+    let winners = [a.expect("a"), b.expect("b")].into_iter().flatten().collect::<Vec<_>>();
     assert_eq!(winners.len(), 1);
     assert_eq!((winners[0].n, winners[0].status), (1, TurnStatus::Running));
     let provisioning = f.store.session(ws, &session.id).await.expect("session");
     assert_eq!(
-        (
-            provisioning.phase,
-            provisioning.current_turn,
-            provisioning.n_waiting
-        ),
+        (provisioning.phase, provisioning.current_turn, provisioning.n_waiting),
         (SessionPhase::Provisioning, Some(1), 0)
     );
     assert!(
         f.store
-            .transition_session(
-                &session.id,
-                SessionPhase::Provisioning,
-                SessionPhase::Running
-            )
+            .transition_session(&session.id, SessionPhase::Provisioning, SessionPhase::Running)
             .await
             .expect("run")
     );
     assert!(
         !f.store
-            .transition_session(
-                &session.id,
-                SessionPhase::Provisioning,
-                SessionPhase::Running
-            )
+            .transition_session(&session.id, SessionPhase::Provisioning, SessionPhase::Running)
             .await
             .expect("stale CAS")
     );
@@ -657,11 +527,7 @@ async fn worker_ledger_claims_stops_and_finishes_turns(backend: TestBackend) {
     let stop = f.store.request_stop(ws, &session.id).await.expect("stop");
     assert_eq!((stop.n, stop.stop_requested), (1, Some(StopRequest::Stop)));
     assert_eq!(
-        f.store
-            .request_stop(ws, &session.id)
-            .await
-            .expect("stop again")
-            .n,
+        f.store.request_stop(ws, &session.id).await.expect("stop again").n,
         1,
         "stop is idempotent"
     );
@@ -729,12 +595,7 @@ async fn worker_ledger_claims_stops_and_finishes_turns(backend: TestBackend) {
         head_sha: None,
         failure: Some((FailureCode::AgentError, "the agent exited".into())),
     };
-    assert!(
-        f.store
-            .finish_turn(&session.id, 2, failed)
-            .await
-            .expect("fail")
-    );
+    assert!(f.store.finish_turn(&session.id, 2, failed).await.expect("fail"));
     assert!(
         f.store
             .transition_session(&session.id, SessionPhase::Running, SessionPhase::Failed)
@@ -750,19 +611,12 @@ async fn worker_ledger_claims_stops_and_finishes_turns(backend: TestBackend) {
     let turns = f.store.turns(ws, &session.id).await.expect("turns");
     assert_eq!(
         turns.iter().map(|t| t.status).collect::<Vec<_>>(),
-        vec![
-            TurnStatus::Stopped,
-            TurnStatus::Failed,
-            TurnStatus::Accepted
-        ]
+        vec![TurnStatus::Stopped, TurnStatus::Failed, TurnStatus::Accepted]
     );
     assert!(turns[0].started_at.is_some() && turns[0].completed_at.is_some());
 
     // A failed session that waits for a worker is queued again with its failure cleared by a steer.
-    f.store
-        .steer(ws, &session.id, queue("retry"))
-        .await
-        .expect("retry");
+    f.store.steer(ws, &session.id, queue("retry")).await.expect("retry");
     let retried = f.store.session(ws, &session.id).await.expect("s");
     assert_eq!(
         (retried.phase, retried.failure.clone(), retried.n_waiting),
@@ -813,11 +667,7 @@ async fn resume_and_archive_follow_the_phase_rules(backend: TestBackend) {
         Err(StoreError::SessionActive(SessionPhase::Queued))
     );
     assert_eq!(
-        f.store
-            .resume(ws, &session.id)
-            .await
-            .expect("resume queued")
-            .phase,
+        f.store.resume(ws, &session.id).await.expect("resume queued").phase,
         SessionPhase::Queued
     );
 
@@ -852,20 +702,13 @@ async fn resume_and_archive_follow_the_phase_rules(backend: TestBackend) {
         .expect("hibernate");
 
     let resumed = f.store.resume(ws, &session.id).await.expect("resume");
-    assert_eq!(
-        (resumed.phase, resumed.resume_requested),
-        (SessionPhase::Queued, true)
-    );
+    assert_eq!((resumed.phase, resumed.resume_requested), (SessionPhase::Queued, true));
     f.store
         .claim_turn(&session.id, false, "w")
         .await
         .expect("no turn to claim");
     f.store
-        .transition_session(
-            &session.id,
-            SessionPhase::Queued,
-            SessionPhase::Provisioning,
-        )
+        .transition_session(&session.id, SessionPhase::Queued, SessionPhase::Provisioning)
         .await
         .expect("provision");
     f.store
@@ -873,11 +716,7 @@ async fn resume_and_archive_follow_the_phase_rules(backend: TestBackend) {
         .await
         .expect("idle");
 
-    let archived = f
-        .store
-        .set_archived(ws, &session.id, true)
-        .await
-        .expect("archive idle");
+    let archived = f.store.set_archived(ws, &session.id, true).await.expect("archive idle");
     assert!(archived.archived);
     assert_eq!(
         f.store.steer(ws, &session.id, queue("x")).await,
@@ -935,10 +774,7 @@ async fn parts_are_stored_once_in_order(backend: TestBackend) {
         1
     );
     assert_eq!(
-        f.store
-            .append_parts(&session.id, 2, &[part(0)])
-            .await
-            .expect("append"),
+        f.store.append_parts(&session.id, 2, &[part(0)]).await.expect("append"),
         1
     );
     let stored = f.store.parts(&session.id).await.expect("parts");
@@ -949,10 +785,7 @@ async fn parts_are_stored_once_in_order(backend: TestBackend) {
         "seq increases: {stored:?}"
     );
     assert_eq!(stored[3].payload, part(3).payload, "payload kept verbatim");
-    let missing = f
-        .store
-        .append_parts(&SessionId::generate(), 1, &[part(0)])
-        .await;
+    let missing = f.store.append_parts(&SessionId::generate(), 1, &[part(0)]).await;
     assert_eq!(missing, Err(StoreError::NotFound));
 }
 
@@ -965,11 +798,7 @@ async fn usage_is_summed_by_session_and_day(backend: TestBackend) {
         .expect("create");
     let day_one = 1_796_219_431_000; // 2026-12-02
     let day_two = day_one + 86_400_000;
-    for (turn, at, input, output) in [
-        (1, day_one, 100, 10),
-        (1, day_one, 50, 5),
-        (2, day_two, 7, 3),
-    ] {
+    for (turn, at, input, output) in [(1, day_one, 100, 10), (1, day_one, 50, 5), (2, day_two, 7, 3)] {
         let usage = TokenUsage {
             session_id: session.id.clone(),
             turn,
@@ -992,31 +821,12 @@ async fn usage_is_summed_by_session_and_day(backend: TestBackend) {
     assert_eq!(
         records.tokens,
         vec![
-            (
-                session.id.clone(),
-                "2026-12-03".into(),
-                "claude-x".into(),
-                7,
-                3
-            ),
-            (
-                session.id.clone(),
-                "2026-12-02".into(),
-                "claude-x".into(),
-                150,
-                15
-            ),
+            (session.id.clone(), "2026-12-03".into(), "claude-x".into(), 7, 3),
+            (session.id.clone(), "2026-12-02".into(), "claude-x".into(), 150, 15),
         ]
     );
-    assert_eq!(
-        records.compute,
-        vec![(session.id.clone(), "2026-12-02".into(), 2_000)]
-    );
-    let totals = f
-        .store
-        .session(&f.workspace.id, &session.id)
-        .await
-        .expect("session");
+    assert_eq!(records.compute, vec![(session.id.clone(), "2026-12-02".into(), 2_000)]);
+    let totals = f.store.session(&f.workspace.id, &session.id).await.expect("session");
     assert_eq!(
         (totals.input_tokens, totals.output_tokens, totals.compute_ms),
         (157, 18, 2_000)
@@ -1026,40 +836,19 @@ async fn usage_is_summed_by_session_and_day(backend: TestBackend) {
 async fn ticket_nonces_are_claimed_once(backend: TestBackend) {
     let f = fixture(backend).await;
     let expires = now_ms() + 60_000;
-    assert!(
-        f.store
-            .claim_ticket_nonce("n-1", expires)
-            .await
-            .expect("claim")
-    );
-    assert!(
-        !f.store
-            .claim_ticket_nonce("n-1", expires)
-            .await
-            .expect("replay")
-    );
-    assert!(
-        f.store
-            .claim_ticket_nonce("n-2", expires)
-            .await
-            .expect("other")
-    );
+    assert!(f.store.claim_ticket_nonce("n-1", expires).await.expect("claim"));
+    assert!(!f.store.claim_ticket_nonce("n-1", expires).await.expect("replay"));
+    assert!(f.store.claim_ticket_nonce("n-2", expires).await.expect("other"));
 }
 
 async fn instance_secrets_are_stable(backend: TestBackend) {
     let f = fixture(backend).await;
     assert_eq!(
-        f.store
-            .instance_secret("ticket", "first")
-            .await
-            .expect("secret"),
+        f.store.instance_secret("ticket", "first").await.expect("secret"),
         "first"
     );
     assert_eq!(
-        f.store
-            .instance_secret("ticket", "second")
-            .await
-            .expect("secret"),
+        f.store.instance_secret("ticket", "second").await.expect("secret"),
         "first"
     );
 }

@@ -56,10 +56,7 @@ pub async fn workspace(client: &ClientArgs, command: WorkspaceCommand) -> anyhow
                 Err(other) => return Err(other.into()),
             };
             if client.json {
-                println!(
-                    "{}",
-                    serde_json::json!({"id": created.id, "name": created.name})
-                );
+                println!("{}", serde_json::json!({"id": created.id, "name": created.name}));
             } else {
                 println!("created workspace {}", created.name);
             }
@@ -83,8 +80,7 @@ pub async fn token(client: &ClientArgs, command: TokenCommand) -> anyhow::Result
                 Err(StoreError::NotFound) => anyhow::bail!("no workspace named {workspace:?}"),
                 Err(other) => return Err(other.into()),
             };
-            let (token, hash) =
-                sortie_server::tokens::generate_token().context("no randomness for the token")?;
+            let (token, hash) = sortie_server::tokens::generate_token().context("no randomness for the token")?;
             store
                 .create_token(&workspace.id, role, &hash, label.as_deref())
                 .await

@@ -119,8 +119,7 @@ pub enum TokenCommand {
 }
 
 fn parse_role(text: &str) -> Result<Role, String> {
-    text.parse()
-        .map_err(|_| "one of viewer, operator, admin".to_owned())
+    text.parse().map_err(|_| "one of viewer, operator, admin".to_owned())
 }
 
 #[derive(Debug, Args)]

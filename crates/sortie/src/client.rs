@@ -71,24 +71,19 @@ impl Client {
             .await
             .with_context(|| format!("cannot reach the sortie server at {}", self.server))?;
         let status = response.status();
-        let text = response
-            .text()
-            .await
-            .context("the server's answer broke off")?;
+        let text = response.text().await.context("the server's answer broke off")?;
         if status.is_success() {
-            let value: Value = serde_json::from_str(&text).with_context(|| {
-                format!("the server answered {status} with a body that is not JSON")
-            })?;
+            let value: Value = serde_json::from_str(&text)
+                .with_context(|| format!("the server answered {status} with a body that is not JSON"))?;
             let typed = serde_json::from_value(value.clone())
                 .context("the server's answer has an unexpected shape (is it the same version?)")?;
             return Ok(Answer::Ok(typed, value));
         }
         match serde_json::from_str::<ApiErrorBody>(&text) {
             Ok(refusal) => Ok(Answer::Refused(refusal)),
-            Err(_) if status == StatusCode::NOT_FOUND => anyhow::bail!(
-                "{} does not look like a sortie server (404 on {path})",
-                self.server
-            ),
+            Err(_) if status == StatusCode::NOT_FOUND => {
+                anyhow::bail!("{} does not look like a sortie server (404 on {path})", self.server)
+            }
             Err(_) => anyhow::bail!(
                 "the server answered {status}: {}",
                 text.chars().take(300).collect::<String>()
@@ -103,11 +98,7 @@ pub async fn run(args: ClientArgs, command: Command) -> anyhow::Result<ExitCode>
         Command::Run(run) => create(&client, run).await,
         Command::Ls(ls) => list(&client, ls).await,
         Command::Show { id } => show(&client, &id).await,
-        Command::Steer {
-            id,
-            prompt,
-            interrupt,
-        } => {
+        Command::Steer { id, prompt, interrupt } => {
             let mode = if interrupt { "interrupt" } else { "queue" };
             let answer = client
                 .call::<Turn>(
@@ -124,17 +115,13 @@ pub async fn run(args: ClientArgs, command: Command) -> anyhow::Result<ExitCode>
             let answer = client
                 .call::<Turn>(Method::POST, &format!("/v1/sessions/{id}/stop"), None)
                 .await?;
-            finish(&client, answer, |turn| {
-                format!("stopping turn {} of {id}", turn.n)
-            })
+            finish(&client, answer, |turn| format!("stopping turn {} of {id}", turn.n))
         }
         Command::Cancel { id } => {
             let answer = client
                 .call::<Session>(Method::POST, &format!("/v1/sessions/{id}/cancel"), None)
                 .await?;
-            finish(&client, answer, |session| {
-                format!("{} {}", session.id, session.phase)
-            })
+            finish(&client, answer, |session| format!("{} {}", session.id, session.phase))
         }
         Command::Serve(_) | Command::Workspace(_) | Command::Token(_) => unreachable_command(),
     }
@@ -145,11 +132,7 @@ fn unreachable_command() -> anyhow::Result<ExitCode> {
 }
 
 /// Prints an answer: the JSON body with `--json`, else the given line; a refusal goes to stderr.
-fn finish<T>(
-    client: &Client,
-    answer: Answer<T>,
-    describe: impl FnOnce(&T) -> String,
-) -> anyhow::Result<ExitCode> {
+fn finish<T>(client: &Client, answer: Answer<T>, describe: impl FnOnce(&T) -> String) -> anyhow::Result<ExitCode> {
     match answer {
         Answer::Ok(value, raw) => {
             if client.json {
@@ -164,12 +147,7 @@ fn finish<T>(
                 eprintln!("{}", serde_json::to_string(&refusal).unwrap_or_default());
             } else {
                 eprintln!("error: {}: {}", refusal.error.code, refusal.error.message);
-                if let Some(entries) = refusal
-                    .error
-                    .details
-                    .get("entries")
-                    .and_then(Value::as_array)
-                {
+                if let Some(entries) = refusal.error.details.get("entries").and_then(Value::as_array) {
                     for entry in entries {
                         eprintln!(
                             "  {}: {}",
@@ -186,10 +164,7 @@ fn finish<T>(
 
 async fn create(client: &Client, run: RunArgs) -> anyhow::Result<ExitCode> {
     // A local path is sent absolute and resolved, so `--repo .` works from inside a repository.
-    let repo = if run.repo.starts_with("https://")
-        || run.repo.contains("://")
-        || run.repo.starts_with("git@")
-    {
+    let repo = if run.repo.starts_with("https://") || run.repo.contains("://") || run.repo.starts_with("git@") {
         run.repo
     } else {
         let resolved = std::fs::canonicalize(Path::new(&run.repo))
@@ -200,10 +175,9 @@ async fn create(client: &Client, run: RunArgs) -> anyhow::Result<ExitCode> {
             .map_err(|_| anyhow::anyhow!("--repo is not valid UTF-8"))?
     };
     let setup = match &run.setup {
-        Some(path) => Some(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read --setup {}", path.display()))?,
-        ),
+        Some(path) => {
+            Some(std::fs::read_to_string(path).with_context(|| format!("cannot read --setup {}", path.display()))?)
+        }
         None => None,
     };
     let mut body = json!({"repo": repo, "task": run.task});
@@ -222,9 +196,7 @@ async fn create(client: &Client, run: RunArgs) -> anyhow::Result<ExitCode> {
     if !run.allow.is_empty() {
         body["egress"] = json!({"allow": run.allow});
     }
-    let answer = client
-        .call::<Session>(Method::POST, "/v1/sessions", Some(body))
-        .await?;
+    let answer = client.call::<Session>(Method::POST, "/v1/sessions", Some(body)).await?;
     finish(client, answer, |session| {
         format!(
             "{}  {}  {}\nbranch {}",
@@ -298,19 +270,12 @@ async fn show(client: &Client, id: &str) -> anyhow::Result<ExitCode> {
             .unwrap_or_default()
     );
     println!("  repo     {}", session.repo);
-    println!(
-        "  base     {}",
-        session.base.as_deref().unwrap_or("(default branch)")
-    );
+    println!("  base     {}", session.base.as_deref().unwrap_or("(default branch)"));
     println!("  branch   {}", session.branch);
     println!(
         "  agent    {}{}",
         session.agent,
-        session
-            .model
-            .as_deref()
-            .map(|m| format!(" / {m}"))
-            .unwrap_or_default()
+        session.model.as_deref().map(|m| format!(" / {m}")).unwrap_or_default()
     );
     if let Some(sha) = &session.head_sha {
         println!("  head     {sha}");

@@ -26,8 +26,7 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
         agents.default = default_agent;
     }
 
-    create_private_dir(&data_dir)
-        .with_context(|| format!("cannot create the data dir {}", data_dir.display()))?;
+    create_private_dir(&data_dir).with_context(|| format!("cannot create the data dir {}", data_dir.display()))?;
     let store = Arc::new(
         SqlStore::connect(&database_url)
             .await
@@ -37,8 +36,7 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
     let ticket_secret = match std::env::var(env::TICKET_SECRET) {
         Ok(secret) if !secret.is_empty() => Secret::new(secret.into_bytes()),
         _ => {
-            let candidate =
-                tokens::random_text(32).context("no randomness for the ticket secret")?;
+            let candidate = tokens::random_text(32).context("no randomness for the ticket secret")?;
             Secret::new(
                 store
                     .instance_secret("ticket-hmac", &candidate)
@@ -52,9 +50,7 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let address = listener
-        .local_addr()
-        .context("the listener has no address")?;
+    let address = listener.local_addr().context("the listener has no address")?;
     println!("sortie listening on http://{address}");
     tracing::info!(%address, data_dir = %data_dir.display(), backend = ?store.backend(), "serving");
 
@@ -90,8 +86,7 @@ async fn bootstrap(store: &SqlStore, data_dir: &Path) -> anyhow::Result<()> {
         .await
         .context("cannot store the admin token")?;
     let path = data_dir.join(ADMIN_TOKEN_FILE);
-    write_private_file(&path, &token)
-        .with_context(|| format!("cannot write {}", path.display()))?;
+    write_private_file(&path, &token).with_context(|| format!("cannot write {}", path.display()))?;
     println!(
         "created workspace `default` and an admin token (shown once, saved to {}):",
         path.display()
@@ -102,10 +97,7 @@ async fn bootstrap(store: &SqlStore, data_dir: &Path) -> anyhow::Result<()> {
 
 fn create_private_dir(path: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(path)
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(path)
 }
 
 fn write_private_file(path: &Path, contents: &str) -> std::io::Result<()> {

@@ -13,16 +13,37 @@ fn first_start_creates_an_admin_token_once() {
     let data_dir = temp.path().join("data");
     let server = Server::start(temp.path(), &data_dir, None);
     let token_path = data_dir.join("admin-token");
-    let token = std::fs::read_to_string(&token_path).expect("admin token saved").trim().to_owned();
+    let token = std::fs::read_to_string(&token_path)
+        .expect("admin token saved")
+        .trim()
+        .to_owned();
     assert!(token.starts_with("sortie_"), "{token}");
-    assert_eq!(std::fs::metadata(&token_path).expect("meta").permissions().mode() & 0o777, 0o600);
-    assert_eq!(std::fs::metadata(&data_dir).expect("meta").permissions().mode() & 0o777, 0o700);
-    assert!(server.banner.iter().any(|line| line == &token), "the token is printed once: {:?}", server.banner);
+    assert_eq!(
+        std::fs::metadata(&token_path).expect("meta").permissions().mode() & 0o777,
+        0o600
+    );
+    assert_eq!(
+        std::fs::metadata(&data_dir).expect("meta").permissions().mode() & 0o777,
+        0o700
+    );
+    assert!(
+        server.banner.iter().any(|line| line == &token),
+        "the token is printed once: {:?}",
+        server.banner
+    );
     server.kill_hard();
 
     let again = Server::start(temp.path(), &data_dir, None);
-    assert!(again.banner.is_empty(), "a second start prints no token: {:?}", again.banner);
-    assert_eq!(std::fs::read_to_string(&token_path).expect("token").trim(), token, "and keeps the first one");
+    assert!(
+        again.banner.is_empty(),
+        "a second start prints no token: {:?}",
+        again.banner
+    );
+    assert_eq!(
+        std::fs::read_to_string(&token_path).expect("token").trim(),
+        token,
+        "and keeps the first one"
+    );
 }
 
 #[test]
@@ -33,11 +54,23 @@ fn client_commands_work_with_no_token_setup() {
     let server = Server::start(temp.path(), &data_dir, None);
     let run = |args: &[&str]| server.client(temp.path(), &data_dir, args);
 
-    let created = run(&["run", "--repo", repo.to_str().expect("utf-8"), "--agent", "scripted", "--allow", "github.com", "Fix the bug"]);
+    let created = run(&[
+        "run",
+        "--repo",
+        repo.to_str().expect("utf-8"),
+        "--agent",
+        "scripted",
+        "--allow",
+        "github.com",
+        "Fix the bug",
+    ]);
     assert!(created.status.success(), "{}", stderr(&created));
     let out = stdout(&created);
     let id = out.split_whitespace().next().expect("id").to_owned();
-    assert!(id.starts_with("ses_") && out.contains("queued") && out.contains(&format!("branch sortie/{id}")), "{out}");
+    assert!(
+        id.starts_with("ses_") && out.contains("queued") && out.contains(&format!("branch sortie/{id}")),
+        "{out}"
+    );
 
     // A relative --repo is resolved by the client.
     let relative = sortie(temp.path())
@@ -55,7 +88,10 @@ fn client_commands_work_with_no_token_setup() {
     let listed = run(&["ls"]);
     assert!(listed.status.success());
     let text = stdout(&listed);
-    assert!(text.contains(&id) && text.contains("Fix the bug") && text.lines().count() == 3, "{text}");
+    assert!(
+        text.contains(&id) && text.contains("Fix the bug") && text.lines().count() == 3,
+        "{text}"
+    );
     let listed_json: Value = serde_json::from_slice(&run(&["--json", "ls"]).stdout).expect("json");
     assert_eq!(listed_json["sessions"].as_array().map(Vec::len), Some(2));
 
@@ -64,7 +100,13 @@ fn client_commands_work_with_no_token_setup() {
     assert!(stdout(&steer).contains("turn 2 accepted"), "{}", stdout(&steer));
     let shown = run(&["show", &id]);
     let text = stdout(&shown);
-    assert!(shown.status.success() && text.contains("Fix the bug") && text.contains("also add a test") && text.contains("github.com"), "{text}");
+    assert!(
+        shown.status.success()
+            && text.contains("Fix the bug")
+            && text.contains("also add a test")
+            && text.contains("github.com"),
+        "{text}"
+    );
     let shown_json: Value = serde_json::from_slice(&run(&["--json", "show", &id]).stdout).expect("json");
     assert_eq!(shown_json["turn_list"].as_array().map(Vec::len), Some(2));
 
@@ -72,14 +114,34 @@ fn client_commands_work_with_no_token_setup() {
     assert!(!stop.status.success());
     assert!(stderr(&stop).contains("NO_TURN_RUNNING"), "{}", stderr(&stop));
     let cancel = run(&["cancel", &id]);
-    assert!(cancel.status.success() && stdout(&cancel).contains("canceled"), "{}", stdout(&cancel));
+    assert!(
+        cancel.status.success() && stdout(&cancel).contains("canceled"),
+        "{}",
+        stdout(&cancel)
+    );
     let late = run(&["steer", &id, "too late"]);
-    assert!(!late.status.success() && stderr(&late).contains("SESSION_NOT_STEERABLE"), "{}", stderr(&late));
+    assert!(
+        !late.status.success() && stderr(&late).contains("SESSION_NOT_STEERABLE"),
+        "{}",
+        stderr(&late)
+    );
 
-    let bad = run(&["run", "--repo", repo.to_str().expect("utf-8"), "--allow", "*.evil.com", "--allow", "10.0.0.1", "x"]);
+    let bad = run(&[
+        "run",
+        "--repo",
+        repo.to_str().expect("utf-8"),
+        "--allow",
+        "*.evil.com",
+        "--allow",
+        "10.0.0.1",
+        "x",
+    ]);
     assert!(!bad.status.success());
     let err = stderr(&bad);
-    assert!(err.contains("EGRESS_ALLOWLIST_INVALID") && err.contains("*.evil.com") && err.contains("10.0.0.1"), "{err}");
+    assert!(
+        err.contains("EGRESS_ALLOWLIST_INVALID") && err.contains("*.evil.com") && err.contains("10.0.0.1"),
+        "{err}"
+    );
     let missing = run(&["show", "ses_01jd8x3k4m5n6p7q8r9s0t1v2w"]);
     assert!(!missing.status.success() && stderr(&missing).contains("SESSION_NOT_FOUND"));
     let json_error = run(&["--json", "show", "nope"]);
@@ -95,13 +157,39 @@ fn admin_commands_make_workspaces_and_tokens() {
     let team_repo = git_repo(&roots, "service");
     let server = Server::start(temp.path(), &data_dir, None);
     let default_session = {
-        let out = server.client(temp.path(), &data_dir, &["--json", "run", "--repo", team_repo.to_str().expect("utf-8"), "default's task"]);
+        let out = server.client(
+            temp.path(),
+            &data_dir,
+            &[
+                "--json",
+                "run",
+                "--repo",
+                team_repo.to_str().expect("utf-8"),
+                "default's task",
+            ],
+        );
         assert!(out.status.success(), "{}", stderr(&out));
-        serde_json::from_slice::<Value>(&out.stdout).expect("json")["id"].as_str().expect("id").to_owned()
+        serde_json::from_slice::<Value>(&out.stdout).expect("json")["id"]
+            .as_str()
+            .expect("id")
+            .to_owned()
     };
 
-    let admin = |args: &[&str]| sortie(temp.path()).arg("--data-dir").arg(&data_dir).args(args).output().expect("admin");
-    let created = admin(&["workspace", "create", "team", "--allow-root", roots.to_str().expect("utf-8")]);
+    let admin = |args: &[&str]| {
+        sortie(temp.path())
+            .arg("--data-dir")
+            .arg(&data_dir)
+            .args(args)
+            .output()
+            .expect("admin")
+    };
+    let created = admin(&[
+        "workspace",
+        "create",
+        "team",
+        "--allow-root",
+        roots.to_str().expect("utf-8"),
+    ]);
     assert!(created.status.success(), "{}", stderr(&created));
     let duplicate = admin(&["workspace", "create", "team"]);
     assert!(!duplicate.status.success() && stderr(&duplicate).contains("exists"));
@@ -114,20 +202,46 @@ fn admin_commands_make_workspaces_and_tokens() {
     assert_eq!(token.lines().count(), 1, "only the token is printed");
     let token = token.trim();
     assert!(token.starts_with("sortie_"));
-    assert!(!admin(&["token", "create", "--workspace", "nope", "--role", "viewer"]).status.success());
-    assert!(!admin(&["token", "create", "--workspace", "team", "--role", "root"]).status.success());
+    assert!(
+        !admin(&["token", "create", "--workspace", "nope", "--role", "viewer"])
+            .status
+            .success()
+    );
+    assert!(
+        !admin(&["token", "create", "--workspace", "team", "--role", "root"])
+            .status
+            .success()
+    );
 
     let as_team = |args: &[&str]| {
-        sortie(temp.path()).env("SORTIE_TOKEN", token).arg("--server").arg(&server.url).args(args).output().expect("client")
+        sortie(temp.path())
+            .env("SORTIE_TOKEN", token)
+            .arg("--server")
+            .arg(&server.url)
+            .args(args)
+            .output()
+            .expect("client")
     };
-    let ours = as_team(&["--json", "run", "--repo", team_repo.to_str().expect("utf-8"), "team task"]);
+    let ours = as_team(&[
+        "--json",
+        "run",
+        "--repo",
+        team_repo.to_str().expect("utf-8"),
+        "team task",
+    ]);
     assert!(ours.status.success(), "{}", stderr(&ours));
-    assert_eq!(serde_json::from_slice::<Value>(&ours.stdout).expect("json")["workspace"], "team");
+    assert_eq!(
+        serde_json::from_slice::<Value>(&ours.stdout).expect("json")["workspace"],
+        "team"
+    );
     let outside = git_repo(temp.path(), "elsewhere");
     let refused = as_team(&["run", "--repo", outside.to_str().expect("utf-8"), "x"]);
     assert!(stderr(&refused).contains("REPO_NOT_ALLOWED"), "{}", stderr(&refused));
     let foreign = as_team(&["show", &default_session]);
-    assert!(stderr(&foreign).contains("SESSION_NOT_FOUND"), "another workspace's session is not found");
+    assert!(
+        stderr(&foreign).contains("SESSION_NOT_FOUND"),
+        "another workspace's session is not found"
+    );
     let listed: Value = serde_json::from_slice(&as_team(&["--json", "ls"]).stdout).expect("json");
     assert_eq!(listed["sessions"].as_array().map(Vec::len), Some(1));
 }
@@ -135,17 +249,31 @@ fn admin_commands_make_workspaces_and_tokens() {
 #[test]
 fn serve_runs_on_postgres_too() {
     let temp = tempfile::tempdir().expect("temp");
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-    let database = runtime.block_on(sortie_store::testing::TestDatabase::postgres()).expect("postgres database");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let database = runtime
+        .block_on(sortie_store::testing::TestDatabase::postgres())
+        .expect("postgres database");
     let data_dir = temp.path().join("data");
     let server = Server::start(temp.path(), &data_dir, Some(&database.url));
-    let created = server.client(temp.path(), &data_dir, &["--json", "run", "--repo", "https://github.com/o/r.git", "remote task"]);
+    let created = server.client(
+        temp.path(),
+        &data_dir,
+        &["--json", "run", "--repo", "https://github.com/o/r.git", "remote task"],
+    );
     assert!(created.status.success(), "{}", stderr(&created));
-    let listed: Value = serde_json::from_slice(&server.client(temp.path(), &data_dir, &["--json", "ls"]).stdout).expect("json");
+    let listed: Value =
+        serde_json::from_slice(&server.client(temp.path(), &data_dir, &["--json", "ls"]).stdout).expect("json");
     assert_eq!(listed["sessions"][0]["title"], "remote task");
     // A shared database gives the default workspace no local repositories.
     let local = git_repo(temp.path(), "local");
-    let refused = server.client(temp.path(), &data_dir, &["run", "--repo", local.to_str().expect("utf-8"), "x"]);
+    let refused = server.client(
+        temp.path(),
+        &data_dir,
+        &["run", "--repo", local.to_str().expect("utf-8"), "x"],
+    );
     assert!(stderr(&refused).contains("REPO_NOT_ALLOWED"), "{}", stderr(&refused));
     drop(server);
     drop(database);

@@ -14,8 +14,15 @@ fn create_then_kill(database_url: Option<&str>) {
         Some(_) => "https://github.com/o/r.git".to_owned(),
     };
     let server = Server::start(temp.path(), &data_dir, database_url);
-    let token = std::fs::read_to_string(data_dir.join("admin-token")).expect("token").trim().to_owned();
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let token = std::fs::read_to_string(data_dir.join("admin-token"))
+        .expect("token")
+        .trim()
+        .to_owned();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
     let accepted: Vec<String> = runtime.block_on(async {
         let client = reqwest::Client::new();
         let mut tasks = Vec::new();
@@ -30,7 +37,10 @@ fn create_then_kill(database_url: Option<&str>) {
                     .await
                     .expect("create");
                 assert_eq!(reply.status().as_u16(), 202);
-                reply.json::<Value>().await.expect("body")["id"].as_str().expect("id").to_owned()
+                reply.json::<Value>().await.expect("body")["id"]
+                    .as_str()
+                    .expect("id")
+                    .to_owned()
             }));
         }
         let mut ids = Vec::new();
@@ -46,7 +56,12 @@ fn create_then_kill(database_url: Option<&str>) {
     let listed = restarted.client(temp.path(), &data_dir, &["--json", "ls", "--limit", "200"]);
     assert!(listed.status.success(), "{}", String::from_utf8_lossy(&listed.stderr));
     let listed: Value = serde_json::from_slice(&listed.stdout).expect("json");
-    let mut found: Vec<String> = listed["sessions"].as_array().expect("sessions").iter().filter_map(|s| s["id"].as_str().map(str::to_owned)).collect();
+    let mut found: Vec<String> = listed["sessions"]
+        .as_array()
+        .expect("sessions")
+        .iter()
+        .filter_map(|s| s["id"].as_str().map(str::to_owned))
+        .collect();
     let mut expected = accepted;
     found.sort();
     expected.sort();
@@ -61,7 +76,12 @@ fn a_killed_server_loses_no_accepted_session_on_sqlite() {
 
 #[test]
 fn a_killed_server_loses_no_accepted_session_on_postgres() {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-    let database = runtime.block_on(sortie_store::testing::TestDatabase::postgres()).expect("postgres database");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let database = runtime
+        .block_on(sortie_store::testing::TestDatabase::postgres())
+        .expect("postgres database");
     create_then_kill(Some(&database.url));
 }

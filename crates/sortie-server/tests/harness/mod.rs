@@ -78,9 +78,7 @@ pub fn git_init(path: &std::path::Path) {
 impl Harness {
     pub async fn start(transport: Transport, backend: TestBackend) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
-        let database = TestDatabase::new(backend, dir.path())
-            .await
-            .expect("database");
+        let database = TestDatabase::new(backend, dir.path()).await.expect("database");
         let store = Arc::new(SqlStore::connect(&database.url).await.expect("store"));
         let workspace = store
             .create_workspace(
@@ -130,9 +128,7 @@ impl Harness {
         let socket = match transport {
             Transport::InProcess => None,
             Transport::Socket => {
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                    .await
-                    .expect("bind");
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
                 let address = listener.local_addr().expect("address");
                 let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
                 tokio::spawn(sortie_server::run(listener, state, async move {
@@ -156,13 +152,7 @@ impl Harness {
         }
     }
 
-    pub async fn send(
-        &self,
-        method: Method,
-        path: &str,
-        token: Option<&str>,
-        payload: Payload,
-    ) -> Reply {
+    pub async fn send(&self, method: Method, path: &str, token: Option<&str>, payload: Payload) -> Reply {
         self.send_with(method, path, token.map(|t| format!("Bearer {t}")), payload)
             .await
     }
@@ -177,14 +167,8 @@ impl Harness {
     ) -> Reply {
         let (content_type, bytes) = match payload {
             Payload::Empty => (None, Vec::new()),
-            Payload::Json(value) => (
-                Some("application/json"),
-                serde_json::to_vec(&value).expect("json"),
-            ),
-            Payload::Raw {
-                content_type,
-                bytes,
-            } => (content_type, bytes),
+            Payload::Json(value) => (Some("application/json"), serde_json::to_vec(&value).expect("json")),
+            Payload::Raw { content_type, bytes } => (content_type, bytes),
         };
         let (status, headers, raw) = match &self.socket {
             None => {
@@ -203,18 +187,11 @@ impl Harness {
                     .expect("infallible");
                 let status = response.status();
                 let headers = response.headers().clone();
-                let raw = response
-                    .into_body()
-                    .collect()
-                    .await
-                    .expect("body")
-                    .to_bytes()
-                    .to_vec();
+                let raw = response.into_body().collect().await.expect("body").to_bytes().to_vec();
                 (status, headers, raw)
             }
             Some((base, client, _)) => {
-                let method =
-                    reqwest::Method::from_bytes(method.as_str().as_bytes()).expect("method");
+                let method = reqwest::Method::from_bytes(method.as_str().as_bytes()).expect("method");
                 let mut request = client.request(method, format!("{base}{path}")).body(bytes);
                 if let Some(auth) = &authorization {
                     request = request.header("authorization", auth);
@@ -252,13 +229,11 @@ impl Harness {
     }
 
     pub async fn get(&self, path: &str, token: &str) -> Reply {
-        self.send(Method::GET, path, Some(token), Payload::Empty)
-            .await
+        self.send(Method::GET, path, Some(token), Payload::Empty).await
     }
 
     pub async fn post(&self, path: &str, token: &str, body: Value) -> Reply {
-        self.send(Method::POST, path, Some(token), Payload::Json(body))
-            .await
+        self.send(Method::POST, path, Some(token), Payload::Json(body)).await
     }
 
     /// Creates a session on the test repository and returns its id.

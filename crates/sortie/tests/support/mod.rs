@@ -33,11 +33,17 @@ pub struct Server {
 impl Server {
     pub fn start(home: &Path, data_dir: &Path, database_url: Option<&str>) -> Server {
         let mut command = sortie(home);
-        command.args(["serve", "--listen", "127.0.0.1:0", "--data-dir"]).arg(data_dir);
+        command
+            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(data_dir);
         if let Some(url) = database_url {
             command.args(["--database-url", url]);
         }
-        let mut child = command.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("spawn sortie serve");
+        let mut child = command
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn sortie serve");
         let stdout = child.stdout.take().expect("stdout");
         let (lines_tx, lines_rx) = mpsc::channel();
         std::thread::spawn(move || {
@@ -57,7 +63,11 @@ impl Server {
                 panic!("sortie serve did not report its address in time; printed {banner:?}");
             };
             if let Some(url) = line.strip_prefix("sortie listening on ") {
-                return Server { child, url: url.to_owned(), banner };
+                return Server {
+                    child,
+                    url: url.to_owned(),
+                    banner,
+                };
             }
             banner.push(line);
         }
@@ -71,7 +81,14 @@ impl Server {
 
     /// A client command against this server, with the given data dir (its admin token is the credential).
     pub fn client(&self, home: &Path, data_dir: &Path, args: &[&str]) -> Output {
-        sortie(home).arg("--server").arg(&self.url).arg("--data-dir").arg(data_dir).args(args).output().expect("run client")
+        sortie(home)
+            .arg("--server")
+            .arg(&self.url)
+            .arg("--data-dir")
+            .arg(data_dir)
+            .args(args)
+            .output()
+            .expect("run client")
     }
 }
 
@@ -92,7 +109,11 @@ pub fn stderr(output: &Output) -> String {
 
 pub fn git_repo(parent: &Path, name: &str) -> PathBuf {
     let path = parent.join(name);
-    let status = Command::new("git").args(["init", "-q"]).arg(&path).status().expect("git");
+    let status = Command::new("git")
+        .args(["init", "-q"])
+        .arg(&path)
+        .status()
+        .expect("git");
     assert!(status.success());
     std::fs::canonicalize(path).expect("canonical")
 }
