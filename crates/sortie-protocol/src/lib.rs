@@ -7,6 +7,7 @@
 
 pub mod agents;
 pub mod api;
+pub mod chunk;
 pub mod egress;
 pub mod error;
 pub mod ids;

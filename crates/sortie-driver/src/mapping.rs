@@ -1,0 +1,831 @@
+//! ACP → UI message chunks: a pure state machine (no I/O), fed the raw JSON of each `session/update`
+//! and `session/request_permission` in the order the agent wrote them.
+//!
+//! Rules (DESIGN §5.1, `ref/acp.md` §3): text and thought chunks open and close text and reasoning
+//! blocks; `tool_call` is an upsert (agents send it twice, or never before a permission request, or
+//! send `tool_call_update` for an id never announced); diffs and terminals become `data-acp-*` parts
+//! keyed so that later versions replace earlier ones; the plan is replaced in place; empty text is
+//! dropped; anything unknown is reported back so that the caller keeps it raw in the turn log.
+
+use std::collections::HashMap;
+
+use serde_json::{Value, json};
+use sortie_protocol::chunk::UiChunk;
+
+/// What became of one update.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mapped {
+    /// Turned into chunks (possibly none, e.g. an empty text chunk).
+    Chunks,
+    /// Understood and deliberately not shown (e.g. the echo of the user's prompt).
+    Ignored,
+    /// A kind this mapper does not know: keep it raw in the log.
+    Unknown,
+}
+
+/// How a turn ended, as far as the stream is concerned.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TurnEnd {
+    /// The agent answered `session/prompt` with this stop reason (`end_turn`, `cancelled`, …).
+    Stopped { stop_reason: String },
+    /// The turn failed; `reason` is shown to the user.
+    Failed { code: String, reason: String },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BlockKind {
+    Text,
+    Reasoning,
+}
+
+#[derive(Debug)]
+struct OpenBlock {
+    kind: BlockKind,
+    id: String,
+    acp_message_id: Option<String>,
+}
+
+#[derive(Debug)]
+struct Tool {
+    name: String,
+    title: Option<String>,
+    input: Value,
+    text_output: String,
+    raw_output: Option<Value>,
+    finished: bool,
+}
+
+/// The state of one turn's stream.
+#[derive(Debug)]
+pub struct Mapper {
+    message_id: String,
+    open: Option<OpenBlock>,
+    blocks_opened: u32,
+    tools: HashMap<String, Tool>,
+    started: bool,
+    finished: bool,
+}
+
+impl Mapper {
+    /// A mapper for the assistant message `message_id` (`<session>-t<n>`).
+    pub fn new(message_id: impl Into<String>) -> Self {
+        Self {
+            message_id: message_id.into(),
+            open: None,
+            blocks_opened: 0,
+            tools: HashMap::new(),
+            started: false,
+            finished: false,
+        }
+    }
+
+    /// The first chunks of the turn: `start` (stable message id) and `start-step`.
+    pub fn start(&mut self, out: &mut Vec<UiChunk>) {
+        if self.started {
+            return;
+        }
+        self.started = true;
+        out.push(UiChunk::Start {
+            message_id: self.message_id.clone(),
+            metadata: None,
+        });
+        out.push(UiChunk::StartStep);
+    }
+
+    /// Whether `finish` has been emitted.
+    pub fn is_finished(&self) -> bool {
+        self.finished
+    }
+
+    /// Maps the `update` object of one `session/update` notification. `at` is the RFC 3339 time it
+    /// arrived, stamped on the blocks it opens.
+    pub fn on_update(&mut self, update: &Value, at: &str, out: &mut Vec<UiChunk>) -> Mapped {
+        if self.finished {
+            return Mapped::Ignored;
+        }
+        self.start(out);
+        let Some(kind) = update.get("sessionUpdate").and_then(Value::as_str) else {
+            return Mapped::Unknown;
+        };
+        match kind {
+            "agent_message_chunk" => self.on_content(BlockKind::Text, update, at, out),
+            "agent_thought_chunk" => self.on_content(BlockKind::Reasoning, update, at, out),
+            // The prompt is shown from the turn ledger; the echo (and a load's replay) is not a part.
+            "user_message_chunk" => return Mapped::Ignored,
+            "tool_call" | "tool_call_update" => self.upsert_tool(update, at, out),
+            "plan" => {
+                self.close_block(out);
+                out.push(data(
+                    "acp-plan",
+                    Some("plan".into()),
+                    json!({ "entries": update.get("entries").cloned().unwrap_or(json!([])) }),
+                ));
+            }
+            "available_commands_update" => out.push(UiChunk::Data {
+                name: "acp-commands".into(),
+                id: None,
+                data: json!({ "availableCommands": update.get("availableCommands").cloned().unwrap_or(json!([])) }),
+                transient: true,
+            }),
+            "current_mode_update" => {
+                out.push(data(
+                    "acp-mode",
+                    Some("mode".into()),
+                    json!({ "currentModeId": update.get("currentModeId").cloned().unwrap_or(Value::Null) }),
+                ));
+            }
+            "usage_update" => out.push(data("acp-usage", Some("usage".into()), without_discriminator(update))),
+            _ => return Mapped::Unknown,
+        }
+        Mapped::Chunks
+    }
+
+    /// Maps the params of a `session/request_permission`: its tool call is announced (or updated) here,
+    /// because some agents send no `tool_call` before asking.
+    pub fn on_permission_request(&mut self, params: &Value, at: &str, out: &mut Vec<UiChunk>) {
+        if self.finished {
+            return;
+        }
+        self.start(out);
+        if let Some(tool_call) = params.get("toolCall") {
+            self.upsert_tool(tool_call, at, out);
+        }
+    }
+
+    /// Token usage reported in the `session/prompt` response.
+    pub fn on_prompt_usage(&mut self, usage: &Value, out: &mut Vec<UiChunk>) {
+        if !self.finished && !usage.is_null() {
+            self.start(out);
+            out.push(data("acp-usage", Some("usage".into()), usage.clone()));
+        }
+    }
+
+    /// Any chunk of the caller's own (priming, delivery, egress denials) in stream order.
+    pub fn push_own(&mut self, chunk: UiChunk, out: &mut Vec<UiChunk>) {
+        if self.finished {
+            return;
+        }
+        self.start(out);
+        self.close_block(out);
+        out.push(chunk);
+    }
+
+    /// Closes the message: open blocks end, unfinished tools of a failed or cancelled turn are marked
+    /// failed, then `error` (for a failure), `finish-step` and `finish`.
+    pub fn finish(&mut self, end: &TurnEnd, out: &mut Vec<UiChunk>) {
+        if self.finished {
+            return;
+        }
+        self.start(out);
+        self.close_block(out);
+        let (finish_reason, metadata) = match end {
+            TurnEnd::Stopped { stop_reason } => {
+                let reason = match stop_reason.as_str() {
+                    "end_turn" => "stop",
+                    "max_tokens" | "max_turn_requests" => "length",
+                    "refusal" => "content-filter",
+                    _ => "other",
+                };
+                (reason, json!({ "sortie": { "stopReason": stop_reason } }))
+            }
+            TurnEnd::Failed { code, .. } => ("error", json!({ "sortie": { "failure": code } })),
+        };
+        let interrupted = !matches!(end, TurnEnd::Stopped { stop_reason } if stop_reason == "end_turn");
+        if interrupted {
+            let mut unfinished: Vec<&String> = self
+                .tools
+                .iter()
+                .filter(|(_, tool)| !tool.finished)
+                .map(|(id, _)| id)
+                .collect();
+            unfinished.sort();
+            for id in unfinished {
+                out.push(UiChunk::ToolOutputError {
+                    tool_call_id: id.clone(),
+                    error_text: "the turn ended before the tool finished".into(),
+                });
+            }
+            self.tools.values_mut().for_each(|tool| tool.finished = true);
+        }
+        if let TurnEnd::Failed { reason, .. } = end {
+            out.push(UiChunk::Error {
+                error_text: reason.clone(),
+            });
+        }
+        out.push(UiChunk::FinishStep);
+        out.push(UiChunk::Finish {
+            finish_reason,
+            metadata: Some(metadata),
+        });
+        self.finished = true;
+    }
+
+    fn on_content(&mut self, kind: BlockKind, update: &Value, at: &str, out: &mut Vec<UiChunk>) {
+        let Some(text) = content_text(update.get("content")) else {
+            return;
+        };
+        if text.is_empty() {
+            return;
+        }
+        let acp_message_id = update.get("messageId").and_then(Value::as_str);
+        let continues = self.open.as_ref().is_some_and(|open| {
+            open.kind == kind && (acp_message_id.is_none() || open.acp_message_id.as_deref() == acp_message_id)
+        });
+        if !continues {
+            self.close_block(out);
+            let id = format!(
+                "{}{}",
+                if kind == BlockKind::Text { "t" } else { "r" },
+                self.blocks_opened
+            );
+            self.blocks_opened += 1;
+            out.push(match kind {
+                BlockKind::Text => UiChunk::TextStart {
+                    id: id.clone(),
+                    at: Some(at.to_owned()),
+                },
+                BlockKind::Reasoning => UiChunk::ReasoningStart {
+                    id: id.clone(),
+                    at: Some(at.to_owned()),
+                },
+            });
+            self.open = Some(OpenBlock {
+                kind,
+                id,
+                acp_message_id: acp_message_id.map(str::to_owned),
+            });
+        }
+        if let Some(open) = &self.open {
+            let id = open.id.clone();
+            out.push(match kind {
+                BlockKind::Text => UiChunk::TextDelta { id, delta: text },
+                BlockKind::Reasoning => UiChunk::ReasoningDelta { id, delta: text },
+            });
+        }
+    }
+
+    fn close_block(&mut self, out: &mut Vec<UiChunk>) {
+        if let Some(open) = self.open.take() {
+            out.push(match open.kind {
+                BlockKind::Text => UiChunk::TextEnd { id: open.id },
+                BlockKind::Reasoning => UiChunk::ReasoningEnd { id: open.id },
+            });
+        }
+    }
+
+    fn upsert_tool(&mut self, fields: &Value, at: &str, out: &mut Vec<UiChunk>) {
+        let Some(id) = fields.get("toolCallId").and_then(Value::as_str) else {
+            return;
+        };
+        self.close_block(out);
+        let title = fields
+            .get("title")
+            .and_then(Value::as_str)
+            .filter(|t| !t.is_empty())
+            .map(str::to_owned);
+        let raw_input = fields.get("rawInput").filter(|v| !v.is_null()).cloned();
+        match self.tools.get_mut(id) {
+            None => {
+                let name = fields.get("kind").and_then(Value::as_str).unwrap_or("other").to_owned();
+                let input = raw_input.unwrap_or(Value::Null);
+                out.push(UiChunk::ToolInputStart {
+                    tool_call_id: id.to_owned(),
+                    tool_name: name.clone(),
+                    title: title.clone(),
+                    at: Some(at.to_owned()),
+                });
+                out.push(UiChunk::ToolInputAvailable {
+                    tool_call_id: id.to_owned(),
+                    tool_name: name.clone(),
+                    title: title.clone(),
+                    input: input.clone(),
+                });
+                self.tools.insert(
+                    id.to_owned(),
+                    Tool {
+                        name,
+                        title,
+                        input,
+                        text_output: String::new(),
+                        raw_output: None,
+                        finished: false,
+                    },
+                );
+            }
+            Some(tool) => {
+                let title_changed = title.is_some() && title != tool.title;
+                let input_changed = raw_input.as_ref().is_some_and(|input| *input != tool.input);
+                if title_changed {
+                    tool.title = title;
+                }
+                if let Some(input) = raw_input {
+                    tool.input = input;
+                }
+                if (title_changed || input_changed) && !tool.finished {
+                    out.push(UiChunk::ToolInputAvailable {
+                        tool_call_id: id.to_owned(),
+                        tool_name: tool.name.clone(),
+                        title: tool.title.clone(),
+                        input: tool.input.clone(),
+                    });
+                }
+            }
+        }
+        let Some(tool) = self.tools.get_mut(id) else { return };
+        if let Some(content) = fields.get("content").and_then(Value::as_array) {
+            let mut texts = Vec::new();
+            for item in content {
+                match item.get("type").and_then(Value::as_str) {
+                    Some("diff") => {
+                        let path = item.get("path").and_then(Value::as_str).unwrap_or_default();
+                        out.push(data(
+                            "acp-diff",
+                            Some(format!("diff:{id}:{path}")),
+                            json!({
+                                "toolCallId": id,
+                                "path": path,
+                                "oldText": item.get("oldText").cloned().unwrap_or(Value::Null),
+                                "newText": item.get("newText").cloned().unwrap_or(Value::Null),
+                            }),
+                        ));
+                    }
+                    Some("terminal") => {
+                        let terminal_id = item.get("terminalId").and_then(Value::as_str).unwrap_or_default();
+                        out.push(data(
+                            "acp-terminal",
+                            Some(format!("terminal:{terminal_id}")),
+                            terminal_data(id, terminal_id, fields),
+                        ));
+                    }
+                    Some("content") => {
+                        if let Some(text) = content_text(item.get("content")) {
+                            texts.push(text);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            tool.text_output = texts.join("");
+        }
+        if let Some(raw_output) = fields.get("rawOutput").filter(|v| !v.is_null()) {
+            tool.raw_output = Some(raw_output.clone());
+        }
+        if tool.finished {
+            return;
+        }
+        match fields.get("status").and_then(Value::as_str) {
+            Some("completed") => {
+                tool.finished = true;
+                let output = match (tool.text_output.is_empty(), &tool.raw_output) {
+                    (true, None) => Value::Null,
+                    (true, Some(raw)) => raw.clone(),
+                    (false, None) => Value::String(tool.text_output.clone()),
+                    (false, Some(raw)) => json!({ "text": tool.text_output, "raw": raw }),
+                };
+                out.push(UiChunk::ToolOutputAvailable {
+                    tool_call_id: id.to_owned(),
+                    output,
+                });
+            }
+            Some("failed") => {
+                tool.finished = true;
+                let error_text = if !tool.text_output.is_empty() {
+                    tool.text_output.clone()
+                } else if let Some(raw) = &tool.raw_output {
+                    raw.to_string()
+                } else {
+                    "the tool failed".to_owned()
+                };
+                out.push(UiChunk::ToolOutputError {
+                    tool_call_id: id.to_owned(),
+                    error_text,
+                });
+            }
+            _ => {}
+        }
+    }
+}
+
+fn data(name: &str, id: Option<String>, data: Value) -> UiChunk {
+    UiChunk::Data {
+        name: name.to_owned(),
+        id,
+        data,
+        transient: false,
+    }
+}
+
+fn without_discriminator(update: &Value) -> Value {
+    let mut copy = update.clone();
+    if let Some(object) = copy.as_object_mut() {
+        object.remove("sessionUpdate");
+    }
+    copy
+}
+
+/// The text a content block shows: its text, or a short stand-in for non-text content.
+fn content_text(content: Option<&Value>) -> Option<String> {
+    let content = content?;
+    match content.get("type").and_then(Value::as_str)? {
+        "text" => content.get("text").and_then(Value::as_str).map(str::to_owned),
+        "resource_link" => {
+            let name = content.get("name").and_then(Value::as_str).unwrap_or("link");
+            let uri = content.get("uri").and_then(Value::as_str).unwrap_or_default();
+            Some(format!("[{name}]({uri})"))
+        }
+        "resource" => content
+            .get("resource")
+            .and_then(|r| r.get("text"))
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+        "image" => Some("[image]".to_owned()),
+        "audio" => Some("[audio]".to_owned()),
+        _ => None,
+    }
+}
+
+/// A terminal's output as agents without client terminals report it (`_meta.terminal_output`,
+/// `_meta.terminal_exit`); the terminal id may never have come from `terminal/create`.
+fn terminal_data(tool_call_id: &str, terminal_id: &str, fields: &Value) -> Value {
+    let meta = fields.get("_meta");
+    let output = meta
+        .and_then(|m| m.get("terminal_output"))
+        .and_then(|o| o.get("data").or(Some(o)))
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let mut data = json!({ "toolCallId": tool_call_id, "terminalId": terminal_id, "output": output });
+    if let Some(exit) = meta.and_then(|m| m.get("terminal_exit")).filter(|v| !v.is_null()) {
+        data["exitStatus"] = exit.clone();
+    }
+    data
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const AT: &str = "2026-12-02T00:00:00.000Z";
+
+    /// An input to the mapper, in the order an agent would send it.
+    enum Input {
+        Update(Value),
+        Permission(Value),
+        End(TurnEnd),
+    }
+    use Input::*;
+
+    fn run(inputs: Vec<Input>) -> (Vec<Value>, Vec<Mapped>) {
+        let mut mapper = Mapper::new("ses_x-t1");
+        let mut chunks = Vec::new();
+        let mut verdicts = Vec::new();
+        for input in inputs {
+            match input {
+                Update(update) => verdicts.push(mapper.on_update(&update, AT, &mut chunks)),
+                Permission(params) => mapper.on_permission_request(&params, AT, &mut chunks),
+                End(end) => mapper.finish(&end, &mut chunks),
+            }
+        }
+        let encoded = chunks
+            .iter()
+            .map(|c| serde_json::from_str(&c.to_json()).expect("json"))
+            .collect();
+        (encoded, verdicts)
+    }
+
+    fn text(kind: &str, text: &str) -> Value {
+        json!({"sessionUpdate": kind, "content": {"type": "text", "text": text}})
+    }
+
+    fn types(chunks: &[Value]) -> Vec<&str> {
+        chunks.iter().map(|c| c["type"].as_str().unwrap_or_default()).collect()
+    }
+
+    fn end_turn() -> Input {
+        End(TurnEnd::Stopped {
+            stop_reason: "end_turn".into(),
+        })
+    }
+
+    #[test]
+    fn text_and_thoughts_open_and_close_blocks() {
+        let (chunks, _) = run(vec![
+            Update(text("agent_thought_chunk", "Let me ")),
+            Update(text("agent_thought_chunk", "think.")),
+            Update(text("agent_message_chunk", "Hello")),
+            Update(text("agent_message_chunk", "")),
+            Update(text("agent_message_chunk", " world")),
+            end_turn(),
+        ]);
+        assert_eq!(
+            types(&chunks),
+            vec![
+                "start",
+                "start-step",
+                "reasoning-start",
+                "reasoning-delta",
+                "reasoning-delta",
+                "reasoning-end",
+                "text-start",
+                "text-delta",
+                "text-delta",
+                "text-end",
+                "finish-step",
+                "finish"
+            ]
+        );
+        assert_eq!(chunks[0], json!({"type": "start", "messageId": "ses_x-t1"}));
+        assert_eq!(
+            chunks[2],
+            json!({"type": "reasoning-start", "id": "r0", "providerMetadata": {"sortie": {"at": AT}}})
+        );
+        assert_eq!(chunks[7], json!({"type": "text-delta", "id": "t1", "delta": "Hello"}));
+        assert_eq!(
+            chunks[11],
+            json!({"type": "finish", "finishReason": "stop", "messageMetadata": {"sortie": {"stopReason": "end_turn"}}})
+        );
+    }
+
+    #[test]
+    fn empty_text_opens_nothing_and_a_new_acp_message_opens_a_new_block() {
+        let (chunks, verdicts) = run(vec![
+            Update(text("agent_message_chunk", "")),
+            Update(
+                json!({"sessionUpdate": "agent_message_chunk", "messageId": "m1", "content": {"type": "text", "text": "a"}}),
+            ),
+            Update(
+                json!({"sessionUpdate": "agent_message_chunk", "messageId": "m1", "content": {"type": "text", "text": "b"}}),
+            ),
+            Update(
+                json!({"sessionUpdate": "agent_message_chunk", "messageId": "m2", "content": {"type": "text", "text": "c"}}),
+            ),
+        ]);
+        assert_eq!(verdicts, vec![Mapped::Chunks; 4]);
+        assert_eq!(
+            types(&chunks),
+            vec![
+                "start",
+                "start-step",
+                "text-start",
+                "text-delta",
+                "text-delta",
+                "text-end",
+                "text-start",
+                "text-delta"
+            ]
+        );
+    }
+
+    #[test]
+    fn tool_call_is_an_upsert() {
+        let call = json!({"sessionUpdate": "tool_call", "toolCallId": "c1", "title": "Write a.txt", "kind": "edit", "status": "pending", "rawInput": {"path": "a.txt"}});
+        let (chunks, _) = run(vec![
+            Update(text("agent_message_chunk", "Writing")),
+            Update(call.clone()),
+            Update(call),
+            Update(json!({"sessionUpdate": "tool_call_update", "toolCallId": "c1", "status": "in_progress"})),
+            Update(
+                json!({"sessionUpdate": "tool_call_update", "toolCallId": "c1", "status": "completed", "content": [{"type": "content", "content": {"type": "text", "text": "ok"}}]}),
+            ),
+            end_turn(),
+        ]);
+        assert_eq!(
+            types(&chunks),
+            vec![
+                "start",
+                "start-step",
+                "text-start",
+                "text-delta",
+                "text-end",
+                "tool-input-start",
+                "tool-input-available",
+                "tool-output-available",
+                "finish-step",
+                "finish"
+            ]
+        );
+        assert_eq!(
+            chunks[5],
+            json!({"type": "tool-input-start", "toolCallId": "c1", "toolName": "edit", "dynamic": true, "title": "Write a.txt", "providerMetadata": {"sortie": {"at": AT}}})
+        );
+        assert_eq!(chunks[6]["input"], json!({"path": "a.txt"}));
+        assert_eq!(
+            chunks[7],
+            json!({"type": "tool-output-available", "toolCallId": "c1", "output": "ok"})
+        );
+    }
+
+    #[test]
+    fn a_changed_input_or_title_is_sent_again_until_the_output() {
+        let (chunks, _) = run(vec![
+            Update(json!({"sessionUpdate": "tool_call", "toolCallId": "c1", "title": "Preparing…", "kind": "edit"})),
+            Update(
+                json!({"sessionUpdate": "tool_call_update", "toolCallId": "c1", "title": "Write b.txt", "rawInput": {"file_path": "b.txt"}}),
+            ),
+            Update(
+                json!({"sessionUpdate": "tool_call_update", "toolCallId": "c1", "status": "completed", "rawOutput": {"bytes": 3}}),
+            ),
+            Update(json!({"sessionUpdate": "tool_call_update", "toolCallId": "c1", "title": "late title"})),
+        ]);
+        assert_eq!(
+            types(&chunks),
+            vec![
+                "start",
+                "start-step",
+                "tool-input-start",
+                "tool-input-available",
+                "tool-input-available",
+                "tool-output-available"
+            ]
+        );
+        assert_eq!(chunks[3]["input"], Value::Null);
+        assert_eq!(
+            (chunks[4]["title"].clone(), chunks[4]["input"].clone()),
+            (json!("Write b.txt"), json!({"file_path": "b.txt"}))
+        );
+        assert_eq!(chunks[5]["output"], json!({"bytes": 3}));
+    }
+
+    #[test]
+    fn an_update_for_an_unannounced_tool_announces_it() {
+        let (chunks, _) = run(vec![Update(
+            json!({"sessionUpdate": "tool_call_update", "toolCallId": "ghost", "status": "failed", "rawOutput": {"exitCode": 2}}),
+        )]);
+        assert_eq!(
+            types(&chunks),
+            vec![
+                "start",
+                "start-step",
+                "tool-input-start",
+                "tool-input-available",
+                "tool-output-error"
+            ]
+        );
+        assert_eq!(chunks[2]["toolName"], "other");
+        assert_eq!(
+            chunks[4],
+            json!({"type": "tool-output-error", "toolCallId": "ghost", "errorText": "{\"exitCode\":2}"})
+        );
+    }
+
+    #[test]
+    fn a_permission_request_may_come_first() {
+        let (chunks, _) = run(vec![
+            Permission(
+                json!({"sessionId": "s", "toolCall": {"toolCallId": "w1", "title": "write_file", "kind": "edit", "content": [{"type": "diff", "path": "/w/a.txt", "oldText": null, "newText": "hi\n"}]}, "options": []}),
+            ),
+            Update(json!({"sessionUpdate": "tool_call_update", "toolCallId": "w1", "status": "completed"})),
+        ]);
+        assert_eq!(
+            types(&chunks),
+            vec![
+                "start",
+                "start-step",
+                "tool-input-start",
+                "tool-input-available",
+                "data-acp-diff",
+                "tool-output-available"
+            ]
+        );
+        assert_eq!(
+            chunks[4],
+            json!({"type": "data-acp-diff", "id": "diff:w1:/w/a.txt", "data": {"toolCallId": "w1", "path": "/w/a.txt", "oldText": null, "newText": "hi\n"}})
+        );
+    }
+
+    #[test]
+    fn terminals_without_terminal_create_are_shown() {
+        let (chunks, _) = run(vec![Update(json!({
+            "sessionUpdate": "tool_call", "toolCallId": "call_1", "kind": "execute", "title": "ls",
+            "content": [{"type": "terminal", "terminalId": "call_1"}],
+            "_meta": {"terminal_output": {"data": "a.txt\n"}, "terminal_exit": {"exitCode": 0}}
+        }))]);
+        assert_eq!(
+            chunks[4],
+            json!({"type": "data-acp-terminal", "id": "terminal:call_1", "data": {"toolCallId": "call_1", "terminalId": "call_1", "output": "a.txt\n", "exitStatus": {"exitCode": 0}}})
+        );
+    }
+
+    #[test]
+    fn plans_modes_usage_and_commands_are_data_parts() {
+        let (chunks, verdicts) = run(vec![
+            Update(
+                json!({"sessionUpdate": "plan", "entries": [{"content": "a", "priority": "medium", "status": "pending"}]}),
+            ),
+            Update(
+                json!({"sessionUpdate": "plan", "entries": [{"content": "a", "priority": "medium", "status": "completed"}]}),
+            ),
+            Update(json!({"sessionUpdate": "current_mode_update", "currentModeId": "yolo"})),
+            Update(json!({"sessionUpdate": "usage_update", "used": 10, "size": 100})),
+            Update(
+                json!({"sessionUpdate": "available_commands_update", "availableCommands": [{"name": "init", "description": "d"}]}),
+            ),
+            Update(json!({"sessionUpdate": "user_message_chunk", "content": {"type": "text", "text": "the prompt"}})),
+            Update(json!({"sessionUpdate": "brand_new_kind", "x": 1})),
+            Update(json!({"no": "discriminator"})),
+        ]);
+        assert_eq!(
+            verdicts,
+            vec![
+                Mapped::Chunks,
+                Mapped::Chunks,
+                Mapped::Chunks,
+                Mapped::Chunks,
+                Mapped::Chunks,
+                Mapped::Ignored,
+                Mapped::Unknown,
+                Mapped::Unknown
+            ]
+        );
+        assert_eq!(
+            types(&chunks),
+            vec![
+                "start",
+                "start-step",
+                "data-acp-plan",
+                "data-acp-plan",
+                "data-acp-mode",
+                "data-acp-usage",
+                "data-acp-commands"
+            ]
+        );
+        assert_eq!(chunks[2]["id"], "plan");
+        assert_eq!(chunks[3]["data"]["entries"][0]["status"], "completed");
+        assert_eq!(
+            chunks[5],
+            json!({"type": "data-acp-usage", "id": "usage", "data": {"used": 10, "size": 100}})
+        );
+        assert_eq!(chunks[6]["transient"], true);
+    }
+
+    #[test]
+    fn a_failed_turn_ends_with_error_then_finish_and_closes_open_tools() {
+        let (chunks, _) = run(vec![
+            Update(json!({"sessionUpdate": "tool_call", "toolCallId": "c1", "kind": "execute", "title": "make"})),
+            Update(text("agent_message_chunk", "still talking")),
+            End(TurnEnd::Failed {
+                code: "AGENT_ERROR".into(),
+                reason: "the agent exited with code 7".into(),
+            }),
+            Update(text("agent_message_chunk", "after the end")),
+        ]);
+        assert_eq!(
+            types(&chunks),
+            vec![
+                "start",
+                "start-step",
+                "tool-input-start",
+                "tool-input-available",
+                "text-start",
+                "text-delta",
+                "text-end",
+                "tool-output-error",
+                "error",
+                "finish-step",
+                "finish"
+            ]
+        );
+        assert_eq!(
+            chunks[8],
+            json!({"type": "error", "errorText": "the agent exited with code 7"})
+        );
+        assert_eq!(chunks[10]["finishReason"], "error");
+    }
+
+    #[test]
+    fn stop_reasons_map_to_finish_reasons() {
+        for (stop_reason, finish_reason) in [
+            ("end_turn", "stop"),
+            ("max_tokens", "length"),
+            ("max_turn_requests", "length"),
+            ("refusal", "content-filter"),
+            ("cancelled", "other"),
+        ] {
+            let (chunks, _) = run(vec![End(TurnEnd::Stopped {
+                stop_reason: stop_reason.into(),
+            })]);
+            assert_eq!(types(&chunks), vec!["start", "start-step", "finish-step", "finish"]);
+            assert_eq!(chunks[3]["finishReason"], finish_reason, "{stop_reason}");
+        }
+    }
+
+    #[test]
+    fn every_stream_assembles_into_finished_parts() {
+        let (chunks, _) = run(vec![
+            Update(text("agent_thought_chunk", "plan")),
+            Update(
+                json!({"sessionUpdate": "tool_call", "toolCallId": "c1", "kind": "edit", "title": "w", "status": "pending"}),
+            ),
+            Update(text("agent_message_chunk", "done")),
+            end_turn(),
+        ]);
+        let parts = sortie_protocol::ui::assemble_parts(&chunks);
+        let kinds: Vec<&str> = parts.iter().map(|p| p["type"].as_str().unwrap_or_default()).collect();
+        assert_eq!(kinds, vec!["step-start", "reasoning", "dynamic-tool", "text"]);
+        assert!(
+            parts
+                .iter()
+                .all(|p| p["state"] != "streaming" && p["state"] != "input-streaming"),
+            "{parts:?}"
+        );
+    }
+}
