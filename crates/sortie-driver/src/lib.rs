@@ -4,4 +4,9 @@
 //!
 //! It must never hold a credential: everything it reaches outside the sandbox goes through the gateway.
 
+pub mod agent;
+pub mod api;
+pub mod driver;
+pub mod hub;
 pub mod mapping;
+pub mod profile;

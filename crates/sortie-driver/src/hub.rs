@@ -1,0 +1,297 @@
+//! The turn hub: every part of a turn in memory for any number of subscribers, and in the turn's
+//! append-only log `turns/{n}.jsonl`.
+//!
+//! Publishing never waits for a subscriber: parts go into a shared list and a `watch` channel says
+//! "there is more"; each subscriber reads from its own position at its own pace. Memory is bounded:
+//! past [`HUB_MEMORY_LIMIT`] bytes the oldest parts leave memory (they are already in the log, which
+//! is flushed after every publish), and a subscriber that needs them reads them from the log.
+//! `?after=K` resumes exactly after part K: no gap, no duplicate.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use serde_json::Value;
+use sortie_protocol::chunk::UiChunk;
+use tokio::sync::watch;
+
+/// Encoded parts a hub keeps in memory before it serves the oldest from the log instead.
+pub const HUB_MEMORY_LIMIT: usize = 64 * 1024 * 1024;
+
+/// One part: its index in the turn and its chunk as JSON, shared by every subscriber.
+pub type Part = (u64, Arc<str>);
+
+#[derive(Debug, thiserror::Error)]
+pub enum HubError {
+    #[error("turn log {path}: {source}")]
+    Log { path: PathBuf, source: std::io::Error },
+}
+
+struct Inner {
+    /// Parts from `first_index` on; earlier ones are only in the log.
+    parts: Vec<Arc<str>>,
+    first_index: u64,
+    bytes: usize,
+    done: bool,
+    log: Option<BufWriter<File>>,
+    log_failed: bool,
+}
+
+pub struct TurnHub {
+    n: u32,
+    log_path: Option<PathBuf>,
+    memory_limit: usize,
+    inner: Mutex<Inner>,
+    /// The number of parts published; `changed` wakes subscribers (and carries `done` via `inner`).
+    published: watch::Sender<u64>,
+}
+
+impl TurnHub {
+    /// A hub for turn `n`, logging to `log_path` (created, or truncated if a previous attempt left one).
+    pub fn new(n: u32, log_path: Option<PathBuf>, memory_limit: usize) -> Result<Arc<Self>, HubError> {
+        let log = match &log_path {
+            Some(path) => {
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent).map_err(|source| HubError::Log {
+                        path: path.clone(),
+                        source,
+                    })?;
+                }
+                Some(BufWriter::new(File::create(path).map_err(|source| HubError::Log {
+                    path: path.clone(),
+                    source,
+                })?))
+            }
+            None => None,
+        };
+        let inner = Inner {
+            parts: Vec::new(),
+            first_index: 0,
+            bytes: 0,
+            done: false,
+            log,
+            log_failed: false,
+        };
+        Ok(Arc::new(Self {
+            n,
+            log_path,
+            memory_limit,
+            inner: Mutex::new(inner),
+            published: watch::channel(0).0,
+        }))
+    }
+
+    pub fn turn(&self) -> u32 {
+        self.n
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock leaves plain data behind; keep serving it.
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Appends chunks as the next parts. Ignored once the turn is done.
+    pub fn publish(&self, chunks: &[UiChunk]) {
+        if chunks.is_empty() {
+            return;
+        }
+        let count = {
+            let mut inner = self.lock();
+            if inner.done {
+                return;
+            }
+            let mut index = inner.first_index + inner.parts.len() as u64;
+            for chunk in chunks {
+                let json: Arc<str> = Arc::from(chunk.to_json());
+                write_log_line(&mut inner, |w| writeln!(w, r#"{{"index":{index},"chunk":{json}}}"#));
+                inner.bytes += json.len();
+                inner.parts.push(json);
+                index += 1;
+            }
+            flush_log(&mut inner);
+            self.evict(&mut inner);
+            inner.first_index + inner.parts.len() as u64
+        };
+        self.published.send_replace(count);
+    }
+
+    /// Keeps an update the mapper did not understand, raw, in the log (not a part).
+    pub fn log_raw(&self, raw: &Value) {
+        let mut inner = self.lock();
+        write_log_line(&mut inner, |w| writeln!(w, r#"{{"raw":{raw}}}"#));
+    }
+
+    /// Marks the turn done: subscribers drain and end. Flushes the log.
+    pub fn finish(&self) {
+        let count = {
+            let mut inner = self.lock();
+            inner.done = true;
+            if let Some(log) = inner.log.as_mut() {
+                let _ = log.flush();
+                let _ = log.get_ref().sync_data();
+            }
+            inner.first_index + inner.parts.len() as u64
+        };
+        self.published.send_replace(count);
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.lock().done
+    }
+
+    /// How many parts were published.
+    pub fn len(&self) -> u64 {
+        let inner = self.lock();
+        inner.first_index + inner.parts.len() as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes of encoded parts held in memory.
+    pub fn memory_bytes(&self) -> usize {
+        self.lock().bytes
+    }
+
+    /// Whether writing the log ever failed (the worker then relies on its own recording).
+    pub fn log_failed(&self) -> bool {
+        self.lock().log_failed
+    }
+
+    fn evict(&self, inner: &mut Inner) {
+        if inner.bytes <= self.memory_limit || self.log_path.is_none() || inner.log_failed {
+            return;
+        }
+        // Drop the oldest half of the budget at once, so eviction is rare.
+        let target = self.memory_limit / 2;
+        let mut dropped = 0;
+        while inner.bytes > target && dropped < inner.parts.len() {
+            inner.bytes -= inner.parts[dropped].len();
+            dropped += 1;
+        }
+        inner.parts.drain(..dropped);
+        inner.first_index += dropped as u64;
+    }
+
+    /// A subscriber that receives the parts after index `after` (all parts when `None`).
+    pub fn subscribe(self: &Arc<Self>, after: Option<u64>) -> Subscription {
+        Subscription {
+            hub: self.clone(),
+            next: after.map_or(0, |k| k + 1),
+            changes: self.published.subscribe(),
+        }
+    }
+}
+
+fn write_log_line(inner: &mut Inner, write: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>) {
+    if let Some(log) = inner.log.as_mut()
+        && write(log).is_err()
+    {
+        inner.log_failed = true;
+    }
+}
+
+fn flush_log(inner: &mut Inner) {
+    if let Some(log) = inner.log.as_mut()
+        && log.flush().is_err()
+    {
+        inner.log_failed = true;
+    }
+}
+
+/// One reader of a hub.
+pub struct Subscription {
+    hub: Arc<TurnHub>,
+    next: u64,
+    changes: watch::Receiver<u64>,
+}
+
+impl Subscription {
+    /// Waits for parts after the last one returned and appends up to `max` of them to `out`.
+    /// Returns `false` when the turn is done and everything was returned.
+    pub async fn next_batch(&mut self, max: usize, out: &mut Vec<Part>) -> bool {
+        loop {
+            let (from_memory, first_index, total, done) = {
+                let inner = self.hub.lock();
+                let total = inner.first_index + inner.parts.len() as u64;
+                let mut from_memory = Vec::new();
+                if self.next >= inner.first_index && self.next < total {
+                    let start = (self.next - inner.first_index) as usize;
+                    let end = (start + max).min(inner.parts.len());
+                    from_memory.extend(inner.parts[start..end].iter().cloned());
+                }
+                (from_memory, inner.first_index, total, inner.done)
+            };
+            if self.next < first_index {
+                // Evicted from memory: read this stretch from the log.
+                if let Some(path) = &self.hub.log_path {
+                    let parts = read_log(
+                        path,
+                        self.next.checked_sub(1),
+                        Some(first_index.min(self.next + max as u64)),
+                    );
+                    if let Ok(parts) = parts
+                        && !parts.is_empty()
+                    {
+                        self.next = parts.last().map_or(self.next, |(i, _)| i + 1);
+                        out.extend(parts);
+                        return true;
+                    }
+                }
+                // The log cannot serve it (it failed); skip to what memory has rather than hang.
+                self.next = first_index;
+                continue;
+            }
+            if !from_memory.is_empty() {
+                for json in from_memory {
+                    out.push((self.next, json));
+                    self.next += 1;
+                }
+                return true;
+            }
+            if done && self.next >= total {
+                return false;
+            }
+            if self.changes.changed().await.is_err() {
+                return false;
+            }
+        }
+    }
+
+    /// The index the next part will have.
+    pub fn position(&self) -> u64 {
+        self.next
+    }
+}
+
+/// Reads parts from a turn log: those with index > `after` and < `before`, in order. Raw lines and a
+/// torn last line (the driver died mid-write) are skipped.
+pub fn read_log(path: &Path, after: Option<u64>, before: Option<u64>) -> std::io::Result<Vec<Part>> {
+    let file = File::open(path)?;
+    let mut parts = Vec::new();
+    let first = after.map_or(0, |k| k + 1);
+    for line in BufReader::new(file).lines() {
+        let line = line?;
+        let Ok(record) = serde_json::from_str::<Value>(&line) else {
+            continue;
+        };
+        let (Some(index), Some(chunk)) = (record.get("index").and_then(Value::as_u64), record.get("chunk")) else {
+            continue;
+        };
+        if index < first {
+            continue;
+        }
+        if before.is_some_and(|b| index >= b) {
+            break;
+        }
+        parts.push((index, Arc::from(chunk.to_string())));
+    }
+    Ok(parts)
+}
+
+/// The log file of turn `n` under a driver's state directory.
+pub fn log_path(turns_dir: &Path, n: u32) -> PathBuf {
+    turns_dir.join(format!("{n}.jsonl"))
+}
