@@ -173,6 +173,11 @@ impl AgentHandle {
         let _ = self.commands.send(AgentCommand::Cancel);
     }
 
+    /// The agent's pid, which is also its process group id.
+    pub fn pid(&self) -> Option<i32> {
+        self.pgid
+    }
+
     /// The last few KiB of the agent's stderr, for failure reasons.
     pub fn stderr_tail(&self) -> String {
         let tail = self.stderr_tail.lock().unwrap_or_else(|p| p.into_inner());

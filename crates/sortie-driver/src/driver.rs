@@ -16,6 +16,9 @@ use crate::agent::{AgentEvent, AgentHandle, AgentLaunch, AgentState};
 use crate::hub::{HUB_MEMORY_LIMIT, TurnHub, log_path};
 use crate::mapping::{Mapped, Mapper, TurnEnd};
 
+/// How often a cancel is repeated until the agent ends its turn or the grace runs out.
+const CANCEL_RESEND: Duration = Duration::from_millis(250);
+
 /// How a driver runs its agent.
 #[derive(Clone, Debug)]
 pub struct DriverConfig {
@@ -77,6 +80,8 @@ struct Shared {
 pub struct AgentStatus {
     pub state: &'static str,
     pub reason: Option<String>,
+    /// The agent's pid (= its process group), while one runs.
+    pub pid: Option<i32>,
 }
 
 /// Why a turn was not started.
@@ -112,6 +117,7 @@ impl Driver {
                 agent_state: Mutex::new(AgentStatus {
                     state: "not_started",
                     reason: None,
+                    pid: None,
                 }),
                 acp_session: Mutex::new(None),
             }),
@@ -209,8 +215,8 @@ fn unreachable_hub() -> Arc<TurnHub> {
     }
 }
 
-fn set_agent_status(shared: &Shared, state: &'static str, reason: Option<String>) {
-    *lock(&shared.agent_state) = AgentStatus { state, reason };
+fn set_agent_status(shared: &Shared, state: &'static str, reason: Option<String>, pid: Option<i32>) {
+    *lock(&shared.agent_state) = AgentStatus { state, reason, pid };
 }
 
 fn with_stderr(reason: String, agent: &AgentHandle) -> String {
@@ -241,11 +247,14 @@ async fn run_turn(shared: Arc<Shared>, n: u32, prompt: String, hub: Arc<TurnHub>
             resume_session: lock(&shared.acp_session).clone(),
             ..config.launch.clone()
         };
-        set_agent_status(&shared, "starting", None);
+        set_agent_status(&shared, "starting", None, None);
         match AgentHandle::spawn(launch) {
-            Ok(agent) => *agent_slot = Some(agent),
+            Ok(agent) => {
+                set_agent_status(&shared, "starting", None, agent.pid());
+                *agent_slot = Some(agent);
+            }
             Err(error) => {
-                set_agent_status(&shared, "failed", Some(error.to_string()));
+                set_agent_status(&shared, "failed", Some(error.to_string()), None);
                 end(
                     &shared,
                     &hub,
@@ -261,13 +270,13 @@ async fn run_turn(shared: Arc<Shared>, n: u32, prompt: String, hub: Arc<TurnHub>
     match agent.ready(config.start_timeout).await {
         AgentState::Ready { session_id, .. } => {
             *lock(&shared.acp_session) = Some(session_id);
-            set_agent_status(&shared, "ready", None);
+            set_agent_status(&shared, "ready", None, agent.pid());
         }
         AgentState::Failed { reason } => {
             let reason = with_stderr(format!("the agent did not start: {reason}"), agent);
             agent.kill_group(config.kill_grace).await;
             *agent_slot = None;
-            set_agent_status(&shared, "failed", Some(reason.clone()));
+            set_agent_status(&shared, "failed", Some(reason.clone()), None);
             end(
                 &shared,
                 &hub,
@@ -348,6 +357,10 @@ async fn run_turn(shared: Arc<Shared>, n: u32, prompt: String, hub: Arc<TurnHub>
                 agent.cancel();
                 kill_at = Some(tokio::time::Instant::now() + config.kill_grace);
             }
+            () = tokio::time::sleep(CANCEL_RESEND), if kill_at.is_some() => {
+                // A cancel that overtook the prompt finds no turn to stop in the agent: say it again.
+                agent.cancel();
+            }
             () = kill_timer => {
                 // Canceled, and the agent did not end its turn in time.
                 agent.kill_group(config.kill_grace).await;
@@ -357,7 +370,7 @@ async fn run_turn(shared: Arc<Shared>, n: u32, prompt: String, hub: Arc<TurnHub>
         }
     };
     if agent_slot.is_none() {
-        set_agent_status(&shared, "stopped", None);
+        set_agent_status(&shared, "stopped", None, None);
     }
     drop(agent_slot);
     end(&shared, &hub, &mut mapper, n, outcome);

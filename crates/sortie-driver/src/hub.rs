@@ -101,13 +101,12 @@ impl TurnHub {
             if inner.done {
                 return;
             }
-            let mut index = inner.first_index + inner.parts.len() as u64;
-            for chunk in chunks {
+            let first = inner.first_index + inner.parts.len() as u64;
+            for (index, chunk) in (first..).zip(chunks) {
                 let json: Arc<str> = Arc::from(chunk.to_json());
                 write_log_line(&mut inner, |w| writeln!(w, r#"{{"index":{index},"chunk":{json}}}"#));
                 inner.bytes += json.len();
                 inner.parts.push(json);
-                index += 1;
             }
             flush_log(&mut inner);
             self.evict(&mut inner);

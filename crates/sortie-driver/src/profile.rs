@@ -77,90 +77,77 @@ pub enum ProfileError {
     Unknown { id: String, known: String },
 }
 
-fn profile(
-    id: &str,
-    command: &str,
-    args: &[&str],
-    env: &[(&str, &str)],
-    model_api: ModelApi,
-    urls: (&str, &str),
-    mode: Option<&str>,
-    state_dirs: &[&str],
-) -> AgentProfile {
+fn base(id: &str, command: &str, model_api: ModelApi) -> AgentProfile {
     AgentProfile {
         id: id.to_owned(),
         command: command.to_owned(),
-        args: args.iter().map(|a| (*a).to_owned()).collect(),
-        env: env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+        args: Vec::new(),
+        env: BTreeMap::new(),
         model_api,
-        base_url_env: Some(urls.0.to_owned()).filter(|s| !s.is_empty()),
-        key_env: Some(urls.1.to_owned()).filter(|s| !s.is_empty()),
-        mode: mode.map(str::to_owned),
+        base_url_env: None,
+        key_env: None,
+        mode: None,
         read_only_paths: Vec::new(),
-        state_dirs: state_dirs.iter().map(|d| (*d).to_owned()).collect(),
+        state_dirs: Vec::new(),
     }
+}
+
+fn strings(items: &[&str]) -> Vec<String> {
+    items.iter().map(|item| (*item).to_owned()).collect()
+}
+
+fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
+        .collect()
 }
 
 /// The profiles every install knows (facts in `ref/acp.md` §3).
 pub fn built_in() -> Vec<AgentProfile> {
+    let some = |text: &str| Some(text.to_owned());
     vec![
-        profile(
-            "claude-code",
-            "claude-agent-acp",
-            &[],
-            &[
+        AgentProfile {
+            env: env(&[
                 ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1"),
                 ("CLAUDE_CODE_ENABLE_PROMPT_SUGGESTION", "false"),
                 ("DISABLE_AUTOUPDATER", "1"),
-            ],
-            ModelApi::Anthropic,
-            ("ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY"),
-            Some("bypassPermissions"),
-            &[".claude"],
-        ),
-        profile(
-            "codex",
-            "codex-acp",
-            &[],
-            &[("NO_BROWSER", "1")],
-            ModelApi::Openai,
-            ("", "OPENAI_API_KEY"),
-            Some("agent-full-access"),
-            &[".codex"],
-        ),
-        profile(
-            "gemini",
-            "gemini",
-            &["--acp"],
-            &[],
-            ModelApi::Gemini,
-            ("GOOGLE_GEMINI_BASE_URL", "GEMINI_API_KEY"),
-            Some("yolo"),
-            &[".gemini"],
-        ),
-        profile(
-            "opencode",
-            "opencode",
-            &["acp"],
-            &[
+            ]),
+            base_url_env: some("ANTHROPIC_BASE_URL"),
+            key_env: some("ANTHROPIC_API_KEY"),
+            mode: some("bypassPermissions"),
+            state_dirs: strings(&[".claude"]),
+            ..base("claude-code", "claude-agent-acp", ModelApi::Anthropic)
+        },
+        AgentProfile {
+            env: env(&[("NO_BROWSER", "1")]),
+            key_env: some("OPENAI_API_KEY"),
+            mode: some("agent-full-access"),
+            state_dirs: strings(&[".codex"]),
+            ..base("codex", "codex-acp", ModelApi::Openai)
+        },
+        AgentProfile {
+            args: strings(&["--acp"]),
+            base_url_env: some("GOOGLE_GEMINI_BASE_URL"),
+            key_env: some("GEMINI_API_KEY"),
+            mode: some("yolo"),
+            state_dirs: strings(&[".gemini"]),
+            ..base("gemini", "gemini", ModelApi::Gemini)
+        },
+        AgentProfile {
+            args: strings(&["acp"]),
+            env: env(&[
                 ("OPENCODE_DISABLE_AUTOUPDATE", "1"),
                 ("OPENCODE_DISABLE_MODELS_FETCH", "1"),
-            ],
-            ModelApi::Anthropic,
-            ("", ""),
-            None,
-            &[".local/share/opencode"],
-        ),
-        profile(
-            "scripted",
-            "sortie-scripted-agent",
-            &[],
-            &[],
-            ModelApi::None,
-            ("", ""),
-            Some("yolo"),
-            &[".scripted-agent"],
-        ),
+            ]),
+            state_dirs: strings(&[".local/share/opencode"]),
+            ..base("opencode", "opencode", ModelApi::Anthropic)
+        },
+        AgentProfile {
+            mode: some("yolo"),
+            state_dirs: strings(&[".scripted-agent"]),
+            ..base("scripted", "sortie-scripted-agent", ModelApi::None)
+        },
     ]
 }
 

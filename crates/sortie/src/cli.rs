@@ -41,6 +41,8 @@ pub struct ClientArgs {
 pub enum Command {
     /// Run the server: api role with an embedded SQLite store by default.
     Serve(ServeArgs),
+    /// Run the in-sandbox driver: an agent behind a local HTTP API on a Unix socket.
+    Driver(DriverArgs),
     /// Manage workspaces (works on the store directly).
     #[command(subcommand)]
     Workspace(WorkspaceCommand),
@@ -72,6 +74,40 @@ pub struct StoreArgs {
     /// `sqlite://…` or `postgres://…`; default: SQLite in the data dir.
     #[arg(long, env = env::DATABASE_URL)]
     pub database_url: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct DriverArgs {
+    /// The Unix socket to serve the driver API on (a stale file there is replaced).
+    #[arg(long)]
+    pub socket: PathBuf,
+    /// The agent's working directory: the session's checkout.
+    #[arg(long)]
+    pub workspace: PathBuf,
+    /// The agent's HOME (its state, kept across sandboxes).
+    #[arg(long)]
+    pub home: PathBuf,
+    /// The agent profile to run.
+    #[arg(long)]
+    pub agent: String,
+    /// An agent manifest (TOML) that adds or overrides profiles.
+    #[arg(long)]
+    pub profiles: Option<PathBuf>,
+    /// The sortie session id; assistant messages are `<session>-t<n>`.
+    #[arg(long, default_value = "ses_local")]
+    pub session: String,
+    /// Where turn logs go; default `<home>/.sortie/turns`.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// A turn running longer than this many seconds fails with TURN_TIMEOUT.
+    #[arg(long, default_value_t = 1800)]
+    pub turn_timeout: u64,
+    /// Seconds the agent has to finish the ACP handshake.
+    #[arg(long, default_value_t = 60)]
+    pub start_timeout: u64,
+    /// Seconds between a cancel (or SIGTERM) and the next, harder step.
+    #[arg(long, default_value_t = 5)]
+    pub kill_grace: u64,
 }
 
 #[derive(Debug, Args)]

@@ -6,6 +6,7 @@ mod admin;
 mod cli;
 mod client;
 mod config;
+mod driver;
 mod serve;
 
 use std::process::ExitCode;
@@ -16,7 +17,7 @@ use crate::cli::{Cli, Command};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing(matches!(cli.command, Command::Serve(_)));
+    init_tracing(matches!(cli.command, Command::Serve(_) | Command::Driver(_)));
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -27,6 +28,7 @@ fn main() -> ExitCode {
     let outcome = runtime.block_on(async move {
         match cli.command {
             Command::Serve(args) => serve::serve(cli.client, args).await,
+            Command::Driver(args) => driver::run(args).await,
             Command::Workspace(command) => admin::workspace(&cli.client, command).await,
             Command::Token(command) => admin::token(&cli.client, command).await,
             client_command => client::run(cli.client, client_command).await,

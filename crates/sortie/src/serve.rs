@@ -114,7 +114,7 @@ fn write_private_file(path: &Path, contents: &str) -> std::io::Result<()> {
     file.sync_all()
 }
 
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     let interrupt = tokio::signal::ctrl_c();
     let terminate = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
