@@ -3,8 +3,9 @@
 //!
 //! Publishing never waits for a subscriber: parts go into a shared list and a `watch` channel says
 //! "there is more"; each subscriber reads from its own position at its own pace. Memory is bounded:
-//! past [`HUB_MEMORY_LIMIT`] bytes the oldest parts leave memory (they are already in the log, which
-//! is flushed after every publish), and a subscriber that needs them reads them from the log.
+//! past [`HUB_MEMORY_LIMIT`] bytes the oldest parts leave memory (the log is flushed first), and a
+//! subscriber that needs them reads them from the log. The log is buffered and flushed when parts
+//! leave memory and when the turn ends: the worker's recorder, not the log, is the live copy.
 //! `?after=K` resumes exactly after part K: no gap, no duplicate.
 
 use std::fs::File;
@@ -108,7 +109,6 @@ impl TurnHub {
                 inner.bytes += json.len();
                 inner.parts.push(json);
             }
-            flush_log(&mut inner);
             self.evict(&mut inner);
             inner.first_index + inner.parts.len() as u64
         };
@@ -161,6 +161,11 @@ impl TurnHub {
 
     fn evict(&self, inner: &mut Inner) {
         if inner.bytes <= self.memory_limit || self.log_path.is_none() || inner.log_failed {
+            return;
+        }
+        // Readers of evicted parts read the log: it must hold them before they leave memory.
+        flush_log(inner);
+        if inner.log_failed {
             return;
         }
         // Drop the oldest half of the budget at once, so eviction is rare.
