@@ -83,27 +83,38 @@ impl DriverProcess {
             std::fs::write(&path, manifest).expect("manifest");
             command.arg("--profiles").arg(path);
         }
-        let child = command
-            .stdout(Stdio::null())
+        let mut child = command
+            .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("spawn driver");
+        // The socket file appears at bind(), a moment before listen(): wait for the driver to say it listens.
+        let stdout = child.stdout.take().expect("stdout");
+        let (said, listening) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+                if line.starts_with("sortie driver listening on") {
+                    let _ = said.send(());
+                }
+            }
+        });
         let client = reqwest::Client::builder()
             .unix_socket(socket.clone())
             .build()
             .expect("client");
+        let workspace = std::fs::canonicalize(&workspace).expect("canonical");
         let driver = Self {
             child,
             socket,
-            workspace: std::fs::canonicalize(&workspace).expect("canonical"),
+            workspace,
             client,
             _temp: temp,
         };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !driver.socket.exists() {
-            assert!(Instant::now() < deadline, "the driver did not create its socket");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        assert!(
+            listening.recv_timeout(Duration::from_secs(30)).is_ok(),
+            "the driver did not start listening"
+        );
         driver
     }
 
@@ -397,6 +408,14 @@ async fn failing_turn(
             && stream.contains(r#""finishReason":"error""#)
             && stream.ends_with("data: [DONE]\n\n"),
         "{stream}"
+    );
+    // Exit 2: every chunk valid, and the stream carries the fatal `error` chunk.
+    let validated = driver.node("validate.mjs", n, &[]);
+    assert_eq!(
+        validated.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&validated.stderr)
     );
     turn
 }
