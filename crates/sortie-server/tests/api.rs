@@ -1089,9 +1089,9 @@ async fn malformed_input_never_answers_500(h: Harness) {
     ];
     for (method, path) in &paths {
         for (content_type, bytes) in &bodies {
-            // A GET handler does not read its body; a client that streams megabytes at it sees the
-            // connection close after the answer, which says nothing about the server.
-            if *method == Method::GET && bytes.len() > 64 * 1024 {
+            // A GET handler does not read its body: a client still writing a large one when the answer
+            // comes sees the connection close (a broken pipe), which says nothing about the server.
+            if *method == Method::GET && bytes.len() > 1024 {
                 continue;
             }
             let reply = h
