@@ -190,6 +190,17 @@ impl Harness {
                 let raw = response.into_body().collect().await.expect("body").to_bytes().to_vec();
                 (status, headers, raw)
             }
+            Some((base, _, _)) if bytes.len() > 256 * 1024 => {
+                raw_request(
+                    base,
+                    method.as_str(),
+                    path,
+                    authorization.as_deref(),
+                    content_type,
+                    &bytes,
+                )
+                .await
+            }
             Some((base, client, _)) => {
                 let method = reqwest::Method::from_bytes(method.as_str().as_bytes()).expect("method");
                 let mut request = client.request(method, format!("{base}{path}")).body(bytes);
@@ -267,6 +278,80 @@ impl Harness {
         }
         count
     }
+}
+
+/// Sends one HTTP/1.1 request over a plain TCP stream and reads the answer, ignoring a failed write:
+/// a server may answer an oversized body (413) and close before the client has written it all, which
+/// an HTTP client library reports as a broken pipe instead of the answer.
+async fn raw_request(
+    base: &str,
+    method: &str,
+    path: &str,
+    authorization: Option<&str>,
+    content_type: Option<&str>,
+    body: &[u8],
+) -> (StatusCode, HeaderMap, Vec<u8>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let address = base.trim_start_matches("http://");
+    let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {address}\r\nconnection: close\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    if let Some(auth) = authorization {
+        head.push_str(&format!("authorization: {auth}\r\n"));
+    }
+    if let Some(content_type) = content_type {
+        head.push_str(&format!("content-type: {content_type}\r\n"));
+    }
+    head.push_str("\r\n");
+    let _ = stream.write_all(head.as_bytes()).await;
+    let _ = stream.write_all(body).await;
+    let mut answer = Vec::new();
+    let _ = stream.read_to_end(&mut answer).await;
+    let split = answer
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("an HTTP answer");
+    let head = String::from_utf8_lossy(&answer[..split]).into_owned();
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .expect("status");
+    let mut headers = HeaderMap::new();
+    for line in head.lines().skip(1) {
+        if let Some((name, value)) = line.split_once(':')
+            && let (Ok(name), Ok(value)) = (
+                axum::http::HeaderName::from_bytes(name.trim().as_bytes()),
+                axum::http::HeaderValue::from_str(value.trim()),
+            )
+        {
+            headers.append(name, value);
+        }
+    }
+    let mut payload = answer[split + 4..].to_vec();
+    if headers
+        .get("transfer-encoding")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"chunked"))
+    {
+        payload = dechunk(&payload);
+    }
+    (StatusCode::from_u16(status).expect("status"), headers, payload)
+}
+
+fn dechunk(mut data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(end) = data.windows(2).position(|w| w == b"\r\n") {
+        let size = usize::from_str_radix(String::from_utf8_lossy(&data[..end]).trim(), 16).unwrap_or(0);
+        if size == 0 {
+            break;
+        }
+        let start = end + 2;
+        out.extend_from_slice(&data[start..(start + size).min(data.len())]);
+        data = &data[(start + size + 2).min(data.len())..];
+    }
+    out
 }
 
 impl Drop for Harness {
