@@ -10,3 +10,4 @@ pub mod driver;
 pub mod hub;
 pub mod mapping;
 pub mod profile;
+pub mod relay;

@@ -43,6 +43,12 @@ pub enum Command {
     Serve(ServeArgs),
     /// Run the in-sandbox driver: an agent behind a local HTTP API on a Unix socket.
     Driver(DriverArgs),
+    /// Local sandboxes (bubblewrap).
+    #[command(subcommand)]
+    Sandbox(SandboxCommand),
+    /// Inside a sandbox: relay 127.0.0.1:3128 to the egress socket while running a command.
+    #[command(hide = true)]
+    Relay(RelayArgs),
     /// Manage workspaces (works on the store directly).
     #[command(subcommand)]
     Workspace(WorkspaceCommand),
@@ -108,6 +114,56 @@ pub struct DriverArgs {
     /// Seconds between a cancel (or SIGTERM) and the next, harder step.
     #[arg(long, default_value_t = 5)]
     pub kill_grace: u64,
+    /// Relay 127.0.0.1:3128 to this egress socket and point the agent's proxy variables at it.
+    #[arg(long)]
+    pub egress_socket: Option<PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SandboxCommand {
+    /// Run a command in a fresh local sandbox laid out like a session's; exits with its code.
+    Exec(SandboxExecArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct SandboxExecArgs {
+    /// The directory that becomes /workspace (lent to the sandbox uid for the run); default: an empty one.
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// A host Unix socket the sandbox reaches through 127.0.0.1:3128 (the egress relay).
+    #[arg(long)]
+    pub egress_socket: Option<PathBuf>,
+    /// Memory limit in bytes (default 2 GiB).
+    #[arg(long)]
+    pub memory: Option<u64>,
+    /// Process limit (default 512).
+    #[arg(long)]
+    pub pids: Option<u64>,
+    /// CPU limit in cores (default none).
+    #[arg(long)]
+    pub cpus: Option<f64>,
+    /// Size of /tmp in bytes (default 512 MiB).
+    #[arg(long)]
+    pub tmp_size: Option<u64>,
+    /// An environment variable inside, NAME=VALUE (repeatable).
+    #[arg(long = "env")]
+    pub env: Vec<String>,
+    /// The host uid sandboxes run as when sortie runs as root.
+    #[arg(long, env = env::SANDBOX_UID, default_value_t = sortie_sandbox::local::DEFAULT_SANDBOX_UID)]
+    pub sandbox_uid: u32,
+    /// The command and its arguments.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct RelayArgs {
+    /// The egress socket to relay to.
+    #[arg(long)]
+    pub socket: PathBuf,
+    /// The command to run with the proxy environment.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
 }
 
 #[derive(Debug, Args)]

@@ -123,7 +123,12 @@ pub async fn run(args: ClientArgs, command: Command) -> anyhow::Result<ExitCode>
                 .await?;
             finish(&client, answer, |session| format!("{} {}", session.id, session.phase))
         }
-        Command::Serve(_) | Command::Driver(_) | Command::Workspace(_) | Command::Token(_) => unreachable_command(),
+        Command::Serve(_)
+        | Command::Driver(_)
+        | Command::Sandbox(_)
+        | Command::Relay(_)
+        | Command::Workspace(_)
+        | Command::Token(_) => unreachable_command(),
     }
 }
 

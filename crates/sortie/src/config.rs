@@ -19,6 +19,8 @@ pub mod env {
     pub const SERVER: &str = "SORTIE_SERVER";
     /// The bearer token of the client commands; default: the data dir's admin token.
     pub const TOKEN: &str = "SORTIE_TOKEN";
+    /// The host uid sandboxes run as when sortie runs as root (default 61000; needs no passwd entry).
+    pub const SANDBOX_UID: &str = "SORTIE_SANDBOX_UID";
     /// Log filter (tracing `EnvFilter` syntax), e.g. `info,sortie_server=debug`.
     pub const LOG: &str = "SORTIE_LOG";
 }

@@ -37,6 +37,12 @@ pub async fn run(args: DriverArgs) -> anyhow::Result<ExitCode> {
         ("LANG".to_owned(), "C.UTF-8".to_owned()),
     ];
     env.extend(profile.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+    if let Some(socket) = &args.egress_socket {
+        sortie_driver::relay::start(socket)
+            .await
+            .with_context(|| format!("cannot listen on {}", sortie_driver::relay::RELAY_ADDRESS))?;
+        env.extend(sortie_driver::relay::proxy_env(sortie_driver::relay::RELAY_ADDRESS));
+    }
     let config = DriverConfig {
         launch: AgentLaunch {
             command,

@@ -7,6 +7,7 @@ mod cli;
 mod client;
 mod config;
 mod driver;
+mod sandbox;
 mod serve;
 
 use std::process::ExitCode;
@@ -29,6 +30,8 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Serve(args) => serve::serve(cli.client, args).await,
             Command::Driver(args) => driver::run(args).await,
+            Command::Sandbox(command) => sandbox::run(command).await,
+            Command::Relay(args) => sandbox::relay(args).await,
             Command::Workspace(command) => admin::workspace(&cli.client, command).await,
             Command::Token(command) => admin::token(&cli.client, command).await,
             client_command => client::run(cli.client, client_command).await,

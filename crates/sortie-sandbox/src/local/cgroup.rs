@@ -1,0 +1,209 @@
+//! One sandbox's cgroups: limits, accounting, OOM detection and teardown, on cgroup v1 (separate
+//! hierarchies, as on this project's machines) and v2 (unified).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::{Limits, SandboxError, Usage};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CgroupVersion {
+    V1,
+    V2,
+}
+
+/// The v1 hierarchies a sandbox joins.
+const V1_CONTROLLERS: [&str; 4] = ["memory", "pids", "cpuacct", "cpu"];
+/// The group all sandboxes live under.
+const PARENT: &str = "sortie";
+
+/// Which cgroup version `root` (normally `/sys/fs/cgroup`) offers for sandboxes.
+pub fn detect(root: &Path) -> Result<CgroupVersion, SandboxError> {
+    if root.join("cgroup.controllers").is_file() {
+        return Ok(CgroupVersion::V2);
+    }
+    if V1_CONTROLLERS
+        .iter()
+        .all(|c| root.join(c).join("cgroup.procs").is_file())
+    {
+        return Ok(CgroupVersion::V1);
+    }
+    Err(SandboxError::Cgroups(format!(
+        "{} has neither cgroup v2 nor the v1 memory, pids, cpu and cpuacct hierarchies; mount them (or enable them in the kernel) to run sandboxes with limits",
+        root.display()
+    )))
+}
+
+pub struct Cgroup {
+    version: CgroupVersion,
+    /// v1: one directory per hierarchy (deduplicated when cpu and cpuacct are co-mounted); v2: one.
+    dirs: Vec<PathBuf>,
+    /// The directory whose `cgroup.procs` lists every process of the sandbox.
+    pids_dir: PathBuf,
+    memory_dir: PathBuf,
+    cpu_dir: PathBuf,
+    /// Where CPU time is counted (v1: cpuacct; v2: the one directory).
+    accounting_dir: PathBuf,
+}
+
+fn write(path: &Path, value: &str) -> Result<(), SandboxError> {
+    std::fs::write(path, value).map_err(SandboxError::io(format!(
+        "cannot write {value:?} to {}",
+        path.display()
+    )))
+}
+
+fn read_u64(path: &Path) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// `key value` lines (memory.events, memory.oom_control, cpu.stat): the value of `key`.
+fn read_keyed(path: &Path, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines()
+        .find_map(|line| line.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+impl Cgroup {
+    /// Creates the sandbox's cgroups under `root` and sets its limits.
+    pub fn create(version: CgroupVersion, root: &Path, name: &str, limits: &Limits) -> Result<Self, SandboxError> {
+        let permission_hint = |source: std::io::Error, dir: &Path| {
+            SandboxError::Cgroups(format!(
+                "cannot create {}: {source} (sortie must run as root, or be given a delegated cgroup)",
+                dir.display()
+            ))
+        };
+        match version {
+            CgroupVersion::V1 => {
+                let mut dirs: Vec<PathBuf> = Vec::new();
+                for controller in V1_CONTROLLERS {
+                    let dir = root.join(controller).join(PARENT).join(name);
+                    std::fs::create_dir_all(&dir).map_err(|e| permission_hint(e, &dir))?;
+                    let canonical = std::fs::canonicalize(&dir).unwrap_or(dir);
+                    if !dirs.contains(&canonical) {
+                        dirs.push(canonical);
+                    }
+                }
+                let cgroup = Self {
+                    version,
+                    pids_dir: root.join("pids").join(PARENT).join(name),
+                    memory_dir: root.join("memory").join(PARENT).join(name),
+                    cpu_dir: root.join("cpu").join(PARENT).join(name),
+                    accounting_dir: root.join("cpuacct").join(PARENT).join(name),
+                    dirs,
+                };
+                let memory = limits.memory_bytes.to_string();
+                // Lowering from unlimited: the memory limit first, then memory+swap (which must stay ≥ it).
+                write(&cgroup.memory_dir.join("memory.limit_in_bytes"), &memory)?;
+                let memsw = cgroup.memory_dir.join("memory.memsw.limit_in_bytes");
+                if memsw.exists() {
+                    write(&memsw, &memory)?;
+                }
+                write(&cgroup.pids_dir.join("pids.max"), &limits.pids.to_string())?;
+                if let Some(cores) = limits.cpu_cores {
+                    write(&cgroup.cpu_dir.join("cpu.cfs_period_us"), "100000")?;
+                    write(
+                        &cgroup.cpu_dir.join("cpu.cfs_quota_us"),
+                        &((cores * 100_000.0).round() as u64).max(1000).to_string(),
+                    )?;
+                }
+                Ok(cgroup)
+            }
+            CgroupVersion::V2 => {
+                let parent = root.join(PARENT);
+                std::fs::create_dir_all(&parent).map_err(|e| permission_hint(e, &parent))?;
+                // Controllers must be enabled for the children of each level.
+                for level in [root, parent.as_path()] {
+                    let _ = std::fs::write(level.join("cgroup.subtree_control"), "+memory +pids +cpu");
+                }
+                let dir = parent.join(name);
+                std::fs::create_dir_all(&dir).map_err(|e| permission_hint(e, &dir))?;
+                write(&dir.join("memory.max"), &limits.memory_bytes.to_string())?;
+                let swap = dir.join("memory.swap.max");
+                if swap.exists() {
+                    write(&swap, "0")?;
+                }
+                write(&dir.join("pids.max"), &limits.pids.to_string())?;
+                if let Some(cores) = limits.cpu_cores {
+                    write(
+                        &dir.join("cpu.max"),
+                        &format!("{} 100000", ((cores * 100_000.0).round() as u64).max(1000)),
+                    )?;
+                }
+                Ok(Self {
+                    version,
+                    pids_dir: dir.clone(),
+                    memory_dir: dir.clone(),
+                    cpu_dir: dir.clone(),
+                    accounting_dir: dir.clone(),
+                    dirs: vec![dir],
+                })
+            }
+        }
+    }
+
+    /// The `cgroup.procs` files a process writes its pid to, to join the sandbox.
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs.iter().map(|dir| dir.join("cgroup.procs")).collect()
+    }
+
+    /// Every process in the sandbox now.
+    pub fn pids(&self) -> Vec<i32> {
+        std::fs::read_to_string(self.pids_dir.join("cgroup.procs"))
+            .map(|text| text.lines().filter_map(|line| line.trim().parse().ok()).collect())
+            .unwrap_or_default()
+    }
+
+    /// Whether the kernel killed a process of the sandbox for its memory limit.
+    pub fn out_of_memory(&self) -> bool {
+        let count = match self.version {
+            CgroupVersion::V1 => read_keyed(&self.memory_dir.join("memory.oom_control"), "oom_kill"),
+            CgroupVersion::V2 => read_keyed(&self.memory_dir.join("memory.events"), "oom_kill"),
+        };
+        count.is_some_and(|n| n > 0)
+    }
+
+    pub fn usage(&self) -> Usage {
+        match self.version {
+            CgroupVersion::V1 => Usage {
+                cpu_seconds: read_u64(&self.accounting_dir.join("cpuacct.usage")).unwrap_or(0) as f64 / 1e9,
+                peak_memory_bytes: read_u64(&self.memory_dir.join("memory.max_usage_in_bytes")).unwrap_or(0),
+            },
+            CgroupVersion::V2 => Usage {
+                cpu_seconds: read_keyed(&self.accounting_dir.join("cpu.stat"), "usage_usec").unwrap_or(0) as f64 / 1e6,
+                peak_memory_bytes: read_u64(&self.memory_dir.join("memory.peak")).unwrap_or(0),
+            },
+        }
+    }
+
+    /// SIGKILLs every process of the sandbox until none is left (or `within` passes). `true` if empty.
+    pub fn kill_all(&self, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        if self.version == CgroupVersion::V2 {
+            let _ = std::fs::write(self.pids_dir.join("cgroup.kill"), "1");
+        }
+        loop {
+            let pids = self.pids();
+            if pids.is_empty() {
+                return true;
+            }
+            for pid in pids {
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Removes the cgroups (they must be empty; retried briefly while the kernel finishes exits).
+    pub fn remove(&self) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        for dir in &self.dirs {
+            while std::fs::remove_dir(dir).is_err() && dir.exists() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}

@@ -1,0 +1,495 @@
+//! The local backend: `bwrap` as a subprocess, never as root.
+//!
+//! As root, the host side is a small `sh` wrapper that joins the sandbox's cgroups, opens the status
+//! file on fd 3, then execs `setpriv` to drop to the dedicated unprivileged sandbox uid, which execs
+//! `bwrap`: inside, the agent is uid 1000; on the host, every process of the sandbox is that uid and
+//! owns nothing of the host's. Run without root, bwrap runs as the invoking user. The process is
+//! spawned from a thread that lives as long as the sandbox (the parent-death signal follows the
+//! spawning thread), and teardown kills every pid in the sandbox's cgroup whatever bwrap did.
+
+pub mod bwrap;
+pub mod cgroup;
+
+use std::collections::HashMap;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use tokio::sync::watch;
+
+use crate::{SandboxError, SandboxExit, SandboxRuntime, SandboxSpec, SandboxStatus, SandboxStdio, Usage};
+use cgroup::{Cgroup, CgroupVersion};
+
+/// The host uid (and gid) sandboxes run as when sortie runs as root. It needs no passwd entry.
+pub const DEFAULT_SANDBOX_UID: u32 = 61_000;
+/// How long `start` waits for bwrap to report the sandbox's pid.
+const START_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Joins the cgroups, opens the status file as fd 3, then execs the rest of its arguments.
+const WRAPPER: &str = r#"for p in $SORTIE_CGROUP_PROCS; do echo $$ > "$p" || exit 97; done
+exec 3>"$SORTIE_STATUS_FILE" || exit 98
+unset SORTIE_CGROUP_PROCS SORTIE_STATUS_FILE
+exec "$@""#;
+
+#[derive(Clone, Debug)]
+pub struct LocalConfig {
+    pub bwrap: PathBuf,
+    pub setpriv: PathBuf,
+    pub cgroup_root: PathBuf,
+    /// Per-sandbox state (the `/etc` files, bwrap's status); must be reachable by the sandbox uid.
+    pub state_dir: PathBuf,
+    pub sandbox_uid: u32,
+    pub sandbox_gid: u32,
+}
+
+impl LocalConfig {
+    pub fn new(state_dir: PathBuf) -> Self {
+        Self {
+            bwrap: PathBuf::from("/usr/bin/bwrap"),
+            setpriv: PathBuf::from("/usr/bin/setpriv"),
+            cgroup_root: PathBuf::from("/sys/fs/cgroup"),
+            state_dir,
+            sandbox_uid: DEFAULT_SANDBOX_UID,
+            sandbox_gid: DEFAULT_SANDBOX_UID,
+        }
+    }
+}
+
+struct Entry {
+    spec: SandboxSpec,
+    cgroup: Arc<Cgroup>,
+    state_dir: PathBuf,
+    pid: Option<u32>,
+    exit: Option<watch::Receiver<Option<SandboxExit>>>,
+}
+
+pub struct LocalRuntime {
+    config: LocalConfig,
+    cgroups: CgroupVersion,
+    as_root: bool,
+    sandboxes: Mutex<HashMap<String, Entry>>,
+}
+
+impl LocalRuntime {
+    /// Checks the host (bwrap, setpriv, cgroups) and returns a runtime, or says what is missing.
+    pub fn new(config: LocalConfig) -> Result<Self, SandboxError> {
+        if !config.bwrap.is_file() {
+            return Err(SandboxError::BwrapMissing(config.bwrap.clone()));
+        }
+        let as_root = nix::unistd::geteuid().is_root();
+        if as_root && !config.setpriv.is_file() {
+            return Err(SandboxError::Unsupported(format!(
+                "setpriv not found at {}: apt-get install util-linux (sortie runs as root and must drop to the sandbox uid before bwrap)",
+                config.setpriv.display()
+            )));
+        }
+        if as_root && config.sandbox_uid == 0 {
+            return Err(SandboxError::Unsupported("the sandbox uid must not be 0".into()));
+        }
+        let cgroups = cgroup::detect(&config.cgroup_root)?;
+        std::fs::create_dir_all(&config.state_dir).map_err(SandboxError::io(format!(
+            "cannot create {}",
+            config.state_dir.display()
+        )))?;
+        Ok(Self {
+            config,
+            cgroups,
+            as_root,
+            sandboxes: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The host uid processes of a sandbox run as.
+    pub fn host_uid(&self) -> u32 {
+        if self.as_root {
+            self.config.sandbox_uid
+        } else {
+            nix::unistd::geteuid().as_raw()
+        }
+    }
+
+    /// The host pid of a started sandbox's outer bwrap (tests use it to kill bwrap mid-setup).
+    pub fn host_pid(&self, name: &str) -> Option<u32> {
+        self.lock().get(name).and_then(|entry| entry.pid)
+    }
+
+    /// Makes a host-side Unix socket (e.g. `egress.sock`) connectable from inside the sandbox.
+    pub fn grant_socket(&self, socket: &Path) -> Result<(), SandboxError> {
+        if self.as_root {
+            std::os::unix::fs::chown(socket, Some(self.config.sandbox_uid), Some(self.config.sandbox_gid)).map_err(
+                SandboxError::io(format!("cannot hand {} to the sandbox uid", socket.display())),
+            )?;
+        }
+        Ok(())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+        self.sandboxes.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Whether `uid` can reach `path`: every ancestor directory must be searchable by it.
+    fn reachable(&self, path: &Path) -> bool {
+        if !self.as_root {
+            return true;
+        }
+        let (uid, gid) = (self.config.sandbox_uid, self.config.sandbox_gid);
+        path.ancestors().skip(1).all(|dir| match std::fs::metadata(dir) {
+            Ok(meta) => {
+                let mode = meta.permissions().mode();
+                (meta.uid() == uid && mode & 0o100 != 0)
+                    || (meta.gid() == gid && mode & 0o010 != 0)
+                    || mode & 0o001 != 0
+            }
+            Err(_) => false,
+        })
+    }
+
+    fn validate(&self, spec: &SandboxSpec) -> Result<(), SandboxError> {
+        let name_ok = !spec.name.is_empty()
+            && spec.name.len() <= 64
+            && spec
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        if !name_ok {
+            return Err(SandboxError::Spec(format!(
+                "sandbox name {:?}: 1 to 64 letters, digits, '-' or '_'",
+                spec.name
+            )));
+        }
+        if spec.command.is_empty() {
+            return Err(SandboxError::Spec("no command to run".into()));
+        }
+        let mut paths: Vec<&Path> = vec![&spec.workspace, &spec.home, &spec.run_dir];
+        paths.extend(spec.egress_dir.as_deref());
+        paths.extend(spec.read_only.iter().map(PathBuf::as_path));
+        for path in paths {
+            if !path.is_absolute() || !path.exists() {
+                return Err(SandboxError::Spec(format!(
+                    "{} must be an existing absolute path",
+                    path.display()
+                )));
+            }
+            if !self.reachable(path) {
+                return Err(SandboxError::Spec(format!(
+                    "{} is not reachable by the sandbox uid {}: a parent directory is not searchable by it (mode o+x); keep sandbox directories under such a directory",
+                    path.display(),
+                    self.config.sandbox_uid
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands the writable directories to the sandbox uid (as root).
+    fn hand_over(&self, spec: &SandboxSpec) -> Result<(), SandboxError> {
+        if !self.as_root {
+            return Ok(());
+        }
+        for dir in [&spec.workspace, &spec.home, &spec.run_dir] {
+            chown_tree(dir, self.config.sandbox_uid, self.config.sandbox_gid).map_err(SandboxError::io(format!(
+                "cannot hand {} to the sandbox uid",
+                dir.display()
+            )))?;
+        }
+        Ok(())
+    }
+}
+
+/// `chown -R` without following symlinks (a link inside must not make us chown a host file).
+pub fn chown_tree(root: &Path, uid: u32, gid: u32) -> std::io::Result<()> {
+    let mut pending = vec![root.to_owned()];
+    while let Some(path) = pending.pop() {
+        let meta = std::fs::symlink_metadata(&path)?;
+        if meta.uid() != uid || meta.gid() != gid {
+            std::os::unix::fs::lchown(&path, Some(uid), Some(gid))?;
+        }
+        if meta.is_dir() {
+            for entry in std::fs::read_dir(&path)? {
+                pending.push(entry?.path());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn exit_of(status: std::process::ExitStatus, out_of_memory: bool) -> SandboxExit {
+    use std::os::unix::process::ExitStatusExt;
+    SandboxExit {
+        code: status.code(),
+        signal: status.signal(),
+        out_of_memory,
+    }
+}
+
+/// The sandbox's pid 1 as bwrap reported it on its status fd, once the namespaces exist.
+fn child_pid(status_file: &Path) -> Option<u32> {
+    let text = std::fs::read_to_string(status_file).ok()?;
+    text.lines().find_map(|line| {
+        let after_key = &line[line.find("\"child-pid\"")? + "\"child-pid\"".len()..];
+        let value = after_key.trim_start().strip_prefix(':')?.trim_start();
+        let digits: String = value.chars().take_while(char::is_ascii_digit).collect();
+        digits.parse().ok()
+    })
+}
+
+#[async_trait]
+impl SandboxRuntime for LocalRuntime {
+    async fn create(&self, spec: SandboxSpec) -> Result<(), SandboxError> {
+        self.validate(&spec)?;
+        if self.lock().contains_key(&spec.name) {
+            return Err(SandboxError::Exists(spec.name));
+        }
+        self.hand_over(&spec)?;
+        let state_dir = self.config.state_dir.join(&spec.name);
+        let etc = state_dir.join("etc");
+        std::fs::create_dir_all(&etc).map_err(SandboxError::io(format!("cannot create {}", etc.display())))?;
+        for dir in [&state_dir, &etc] {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
+                .map_err(SandboxError::io("cannot open the state dir"))?;
+        }
+        for (name, content) in bwrap::ETC_FILES {
+            let path = etc.join(name);
+            std::fs::write(&path, content).map_err(SandboxError::io(format!("cannot write {}", path.display())))?;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))
+                .map_err(SandboxError::io("cannot chmod"))?;
+        }
+        let cgroup = Arc::new(Cgroup::create(
+            self.cgroups,
+            &self.config.cgroup_root,
+            &spec.name,
+            &spec.limits,
+        )?);
+        let name = spec.name.clone();
+        self.lock().insert(
+            name,
+            Entry {
+                spec,
+                cgroup,
+                state_dir,
+                pid: None,
+                exit: None,
+            },
+        );
+        Ok(())
+    }
+
+    async fn start(&self, name: &str) -> Result<(), SandboxError> {
+        let (spec, cgroup, state_dir) = {
+            let sandboxes = self.lock();
+            let entry = sandboxes
+                .get(name)
+                .ok_or_else(|| SandboxError::Unknown(name.to_owned()))?;
+            if entry.exit.is_some() {
+                return Err(SandboxError::Start(format!("sandbox {name:?} was already started")));
+            }
+            (entry.spec.clone(), entry.cgroup.clone(), entry.state_dir.clone())
+        };
+        let status_file = state_dir.join("status.json");
+        let stderr_file = state_dir.join("stderr.log");
+        let args = bwrap::arguments(&spec, &state_dir.join("etc"), 3, |path| path.exists());
+        let procs: Vec<String> = cgroup.procs_files().iter().map(|p| p.display().to_string()).collect();
+
+        let mut command = Command::new("/bin/sh");
+        command.arg("-c").arg(WRAPPER).arg("sortie-sandbox");
+        if self.as_root {
+            command.arg(&self.config.setpriv).args([
+                "--reuid",
+                &self.config.sandbox_uid.to_string(),
+                "--regid",
+                &self.config.sandbox_gid.to_string(),
+                "--clear-groups",
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                "--",
+            ]);
+        }
+        command.arg(&self.config.bwrap).args(&args);
+        // Nothing of the host process's environment or working directory reaches the wrapper.
+        command
+            .current_dir("/")
+            .env_clear()
+            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            .env("SORTIE_CGROUP_PROCS", procs.join(" "))
+            .env("SORTIE_STATUS_FILE", &status_file);
+        match spec.stdio {
+            SandboxStdio::Inherit => {
+                command
+                    .stdin(Stdio::inherit())
+                    .stdout(Stdio::inherit())
+                    .stderr(Stdio::inherit());
+            }
+            SandboxStdio::Null => {
+                let log = std::fs::File::create(&stderr_file)
+                    .map_err(SandboxError::io("cannot create the sandbox's stderr log"))?;
+                command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
+            }
+        }
+
+        // Spawned and waited on from a thread of its own that lives as long as the sandbox: bwrap's
+        // parent-death signal fires when the spawning thread ends, not the process.
+        let (spawned_tx, spawned) = std::sync::mpsc::channel();
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let waiter_cgroup = cgroup.clone();
+        std::thread::Builder::new()
+            .name(format!("sandbox-{name}"))
+            .spawn(move || match command.spawn() {
+                Ok(mut child) => {
+                    let _ = spawned_tx.send(Ok(child.id()));
+                    let exit = match child.wait() {
+                        Ok(status) => exit_of(status, waiter_cgroup.out_of_memory()),
+                        Err(_) => SandboxExit {
+                            code: None,
+                            signal: None,
+                            out_of_memory: waiter_cgroup.out_of_memory(),
+                        },
+                    };
+                    exit_tx.send_replace(Some(exit));
+                }
+                Err(error) => {
+                    let _ = spawned_tx.send(Err(error));
+                }
+            })
+            .map_err(SandboxError::io("cannot start the sandbox's thread"))?;
+        let pid = match spawned.recv() {
+            Ok(Ok(pid)) => pid,
+            Ok(Err(error)) => return Err(SandboxError::Start(format!("cannot run /bin/sh: {error}"))),
+            Err(_) => return Err(SandboxError::Start("the sandbox's thread ended early".into())),
+        };
+        {
+            let mut sandboxes = self.lock();
+            if let Some(entry) = sandboxes.get_mut(name) {
+                entry.pid = Some(pid);
+                entry.exit = Some(exit_rx.clone());
+            }
+        }
+        // Started means bwrap built the namespaces and reported the sandbox's pid, or the command already ended.
+        let deadline = Instant::now() + START_DEADLINE;
+        loop {
+            if child_pid(&status_file).is_some() {
+                return Ok(());
+            }
+            if let Some(exit) = exit_rx.borrow().clone() {
+                let reason = match exit.code {
+                    Some(97) => "cannot join the sandbox's cgroups".to_owned(),
+                    Some(98) => "cannot open the sandbox's status file".to_owned(),
+                    _ => {
+                        let said = std::fs::read_to_string(&stderr_file).unwrap_or_default();
+                        format!("bwrap {}: {}", exit.describe(), said.trim())
+                    }
+                };
+                return Err(SandboxError::Start(reason));
+            }
+            if Instant::now() >= deadline {
+                return Err(SandboxError::Start(format!(
+                    "bwrap did not set the sandbox up within {}s",
+                    START_DEADLINE.as_secs()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    async fn status(&self, name: &str) -> Result<SandboxStatus, SandboxError> {
+        let sandboxes = self.lock();
+        let entry = sandboxes
+            .get(name)
+            .ok_or_else(|| SandboxError::Unknown(name.to_owned()))?;
+        Ok(match &entry.exit {
+            None => SandboxStatus::Created,
+            Some(exit) => match exit.borrow().clone() {
+                Some(exit) => SandboxStatus::Exited(exit),
+                None => SandboxStatus::Running,
+            },
+        })
+    }
+
+    async fn wait(&self, name: &str) -> Result<SandboxExit, SandboxError> {
+        let exit = {
+            let sandboxes = self.lock();
+            let entry = sandboxes
+                .get(name)
+                .ok_or_else(|| SandboxError::Unknown(name.to_owned()))?;
+            entry
+                .exit
+                .clone()
+                .ok_or_else(|| SandboxError::Start(format!("sandbox {name:?} was not started")))?
+        };
+        let mut exit = exit;
+        let ended = exit
+            .wait_for(Option::is_some)
+            .await
+            .map_err(|_| SandboxError::Start("the sandbox's thread vanished".into()))?;
+        Ok(ended.clone().unwrap_or(SandboxExit {
+            code: None,
+            signal: None,
+            out_of_memory: false,
+        }))
+    }
+
+    async fn stop(&self, name: &str, grace: Duration) -> Result<(), SandboxError> {
+        let (cgroup, exit) = {
+            let sandboxes = self.lock();
+            let entry = sandboxes
+                .get(name)
+                .ok_or_else(|| SandboxError::Unknown(name.to_owned()))?;
+            (entry.cgroup.clone(), entry.exit.clone())
+        };
+        for pid in cgroup.pids() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGTERM);
+        }
+        if let Some(mut exit) = exit {
+            let _ = tokio::time::timeout(grace, exit.wait_for(Option::is_some)).await;
+        }
+        tokio::task::spawn_blocking(move || cgroup.kill_all(Duration::from_secs(5)))
+            .await
+            .map_err(|_| SandboxError::Start("teardown failed".into()))?;
+        Ok(())
+    }
+
+    async fn destroy(&self, name: &str) -> Result<Usage, SandboxError> {
+        let entry = self
+            .lock()
+            .remove(name)
+            .ok_or_else(|| SandboxError::Unknown(name.to_owned()))?;
+        let cgroup = entry.cgroup.clone();
+        let emptied = tokio::task::spawn_blocking(move || cgroup.kill_all(Duration::from_secs(5)))
+            .await
+            .unwrap_or(false);
+        if let Some(mut exit) = entry.exit.clone() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), exit.wait_for(Option::is_some)).await;
+        }
+        let usage = entry.cgroup.usage();
+        let cgroup = entry.cgroup.clone();
+        let _ = tokio::task::spawn_blocking(move || cgroup.remove()).await;
+        let _ = std::fs::remove_dir_all(&entry.state_dir);
+        if !emptied {
+            return Err(SandboxError::Start(format!(
+                "sandbox {name:?}: processes survived SIGKILL for 5 s"
+            )));
+        }
+        Ok(usage)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_child_pid_is_read_from_bwraps_status() {
+        let dir = std::env::temp_dir().join(format!("sortie-status-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = dir.join("status.json");
+        std::fs::write(&file, "{ \"child-pid\": 13396, \"ipc-namespace\": 4026532329 }\n").expect("write");
+        assert_eq!(child_pid(&file), Some(13396));
+        std::fs::write(&file, "{ \"child-pid\": 13").expect("write");
+        assert_eq!(child_pid(&file), Some(13), "a partial line yields what is there");
+        std::fs::write(&file, "").expect("write");
+        assert_eq!(child_pid(&file), None);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

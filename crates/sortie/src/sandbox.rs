@@ -1,0 +1,158 @@
+//! `sortie sandbox exec`: a command in a fresh local sandbox laid out like a session's, for operators
+//! checking a host and for tests; and the hidden `sortie relay` that runs inside it.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use sortie_sandbox::local::{LocalConfig, LocalRuntime};
+use sortie_sandbox::{Limits, SandboxRuntime, SandboxSpec, SandboxStdio, inside};
+
+use crate::cli::{RelayArgs, SandboxCommand, SandboxExecArgs};
+
+pub async fn run(command: SandboxCommand) -> anyhow::Result<ExitCode> {
+    match command {
+        SandboxCommand::Exec(args) => exec(args).await,
+    }
+}
+
+/// A directory the sandbox uid can reach: mode 0755 under the system temp dir.
+fn scratch_dir() -> anyhow::Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!(
+        "sortie-sandbox-{}",
+        ulid::Ulid::generate().to_string().to_ascii_lowercase()
+    ));
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
+    Ok(dir)
+}
+
+async fn exec(args: SandboxExecArgs) -> anyhow::Result<ExitCode> {
+    let scratch = scratch_dir()?;
+    let outcome = exec_in(&scratch, args).await;
+    let _ = std::fs::remove_dir_all(&scratch);
+    outcome
+}
+
+async fn exec_in(scratch: &std::path::Path, args: SandboxExecArgs) -> anyhow::Result<ExitCode> {
+    use std::os::unix::fs::MetadataExt;
+    let mut config = LocalConfig::new(scratch.join("state"));
+    config.sandbox_uid = args.sandbox_uid;
+    config.sandbox_gid = args.sandbox_uid;
+    let runtime = LocalRuntime::new(config)?;
+
+    let (workspace, lent) = match &args.dir {
+        Some(dir) => {
+            let dir = std::fs::canonicalize(dir).with_context(|| format!("--dir {} does not exist", dir.display()))?;
+            let meta = std::fs::metadata(&dir)?;
+            (dir, Some((meta.uid(), meta.gid())))
+        }
+        None => (scratch.join("workspace"), None),
+    };
+    let home = scratch.join("home");
+    let run_dir = scratch.join("run");
+    for dir in [&workspace, &home, &run_dir] {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut command = args.command.clone();
+    let mut read_only = Vec::new();
+    let egress_dir = match &args.egress_socket {
+        Some(socket) => {
+            let socket = std::fs::canonicalize(socket)
+                .with_context(|| format!("--egress-socket {} does not exist", socket.display()))?;
+            let name = socket
+                .file_name()
+                .context("--egress-socket has no file name")?
+                .to_string_lossy()
+                .into_owned();
+            runtime.grant_socket(&socket)?;
+            // The command runs under this very binary's relay, bound read-only inside.
+            let exe = std::env::current_exe().context("cannot find the sortie binary")?;
+            let exe_dir = exe.parent().context("the sortie binary has no directory")?.to_owned();
+            read_only.push(exe_dir);
+            let mut wrapped = vec![
+                exe.display().to_string(),
+                "relay".into(),
+                "--socket".into(),
+                format!("{}/{name}", inside::EGRESS_DIR),
+                "--".into(),
+            ];
+            wrapped.append(&mut command);
+            command = wrapped;
+            Some(socket.parent().context("--egress-socket has no directory")?.to_owned())
+        }
+        None => None,
+    };
+    let mut env = Vec::new();
+    for pair in &args.env {
+        let (key, value) = pair
+            .split_once('=')
+            .with_context(|| format!("--env {pair:?} is not NAME=VALUE"))?;
+        env.push((key.to_owned(), value.to_owned()));
+    }
+    let defaults = Limits::default();
+    let limits = Limits {
+        memory_bytes: args.memory.unwrap_or(defaults.memory_bytes),
+        pids: args.pids.unwrap_or(defaults.pids),
+        cpu_cores: args.cpus.or(defaults.cpu_cores),
+        tmp_bytes: args.tmp_size.unwrap_or(defaults.tmp_bytes),
+    };
+    let name = format!("exec-{}", ulid::Ulid::generate().to_string().to_ascii_lowercase());
+    let spec = SandboxSpec {
+        name: name.clone(),
+        workspace: workspace.clone(),
+        home,
+        run_dir,
+        egress_dir,
+        read_only,
+        env,
+        command,
+        limits,
+        stdio: SandboxStdio::Inherit,
+    };
+
+    runtime.create(spec).await?;
+    let started = runtime.start(&name).await;
+    let exit = match started {
+        Ok(()) => Some(runtime.wait(&name).await?),
+        Err(error) => {
+            eprintln!("error: SANDBOX_START_FAILED: {error}");
+            None
+        }
+    };
+    let usage = runtime.destroy(&name).await;
+    if let Some((uid, gid)) = lent {
+        sortie_sandbox::local::chown_tree(&workspace, uid, gid)
+            .with_context(|| format!("cannot give {} back to its owner", workspace.display()))?;
+    }
+    tracing::info!(?usage, "sandbox ended");
+    let Some(exit) = exit else {
+        return Ok(ExitCode::from(125));
+    };
+    if exit.out_of_memory {
+        eprintln!(
+            "sortie: the sandbox ran out of memory (limit {} bytes); the kernel killed it",
+            limits.memory_bytes
+        );
+        return Ok(ExitCode::from(137));
+    }
+    let code = exit.code.or(exit.signal.map(|s| 128 + s)).unwrap_or(1);
+    Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
+}
+
+pub async fn relay(args: RelayArgs) -> anyhow::Result<ExitCode> {
+    sortie_driver::relay::start(&args.socket)
+        .await
+        .with_context(|| format!("cannot listen on {}", sortie_driver::relay::RELAY_ADDRESS))?;
+    let (program, rest) = args.command.split_first().context("no command")?;
+    let status = tokio::process::Command::new(program)
+        .args(rest)
+        .envs(sortie_driver::relay::proxy_env(sortie_driver::relay::RELAY_ADDRESS))
+        .status()
+        .await
+        .with_context(|| format!("cannot run {program}"))?;
+    use std::os::unix::process::ExitStatusExt;
+    let code = status.code().or(status.signal().map(|s| 128 + s)).unwrap_or(1);
+    Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
+}
