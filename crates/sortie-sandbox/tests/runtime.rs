@@ -1,0 +1,180 @@
+//! The local runtime through its trait: teardown that leaves nothing behind even when bwrap dies
+//! during setup, usage accounting, and failures that say what to do.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use sortie_sandbox::local::{LocalConfig, LocalRuntime};
+use sortie_sandbox::{Limits, SandboxError, SandboxRuntime, SandboxSpec, SandboxStatus, SandboxStdio};
+
+struct Layout {
+    _temp: tempfile::TempDir,
+    root: PathBuf,
+}
+
+fn layout() -> Layout {
+    let temp = tempfile::tempdir().expect("temp");
+    std::fs::set_permissions(temp.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let root = temp.path().to_owned();
+    for dir in ["workspace", "home", "run", "state"] {
+        std::fs::create_dir_all(root.join(dir)).expect("dir");
+    }
+    Layout { _temp: temp, root }
+}
+
+fn runtime(layout: &Layout) -> LocalRuntime {
+    LocalRuntime::new(LocalConfig::new(layout.root.join("state"))).expect("runtime")
+}
+
+fn spec(layout: &Layout, name: &str, command: &[&str]) -> SandboxSpec {
+    SandboxSpec {
+        name: name.to_owned(),
+        workspace: layout.root.join("workspace"),
+        home: layout.root.join("home"),
+        run_dir: layout.root.join("run"),
+        egress_dir: None,
+        read_only: Vec::new(),
+        env: Vec::new(),
+        command: command.iter().map(|s| (*s).to_owned()).collect(),
+        limits: Limits::default(),
+        stdio: SandboxStdio::Null,
+    }
+}
+
+fn processes_with(marker: &str) -> usize {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|entry| entry.file_name().to_string_lossy().parse::<u32>().is_ok())
+        .filter_map(|entry| std::fs::read(entry.path().join("cmdline")).ok())
+        .filter(|cmdline| String::from_utf8_lossy(cmdline).contains(marker))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_bwrap_during_setup_never_leaves_a_process_behind() {
+    let layout = layout();
+    let runtime = std::sync::Arc::new(runtime(&layout));
+    let marker = format!("setup-race-{}", std::process::id());
+    let mut seed: u64 = 0x5DEE_CE66_D1CE_4E5B;
+    for trial in 0..50 {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let delay = Duration::from_micros(seed % 20_000);
+        let name = format!("race-{trial}");
+        let script = format!("python3 -c 'import time; time.sleep(60)' {marker} & setsid sleep 60 & wait");
+        runtime
+            .create(spec(&layout, &name, &["sh", "-c", &script]))
+            .await
+            .expect("create");
+        let starter = {
+            let runtime = runtime.clone();
+            let name = name.clone();
+            tokio::spawn(async move { runtime.start(&name).await })
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let pid = loop {
+            if let Some(pid) = runtime.host_pid(&name) {
+                break pid;
+            }
+            assert!(Instant::now() < deadline, "trial {trial}: bwrap was not spawned");
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        };
+        tokio::time::sleep(delay).await;
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        let _ = starter.await;
+        runtime
+            .destroy(&name)
+            .await
+            .unwrap_or_else(|error| panic!("trial {trial} ({delay:?}): {error}"));
+        assert_eq!(
+            processes_with(&marker),
+            0,
+            "trial {trial} ({delay:?}): a sandbox process survived teardown"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_is_measured_and_the_exit_reported() {
+    let layout = layout();
+    let runtime = runtime(&layout);
+    let burn = "python3 -c 'import time\nt = time.process_time()\nx = bytearray(64 << 20)\nwhile time.process_time() - t < 0.3: pass'; exit 3";
+    runtime
+        .create(spec(&layout, "burn", &["sh", "-c", burn]))
+        .await
+        .expect("create");
+    assert_eq!(runtime.status("burn").await.expect("status"), SandboxStatus::Created);
+    runtime.start("burn").await.expect("start");
+    let exit = runtime.wait("burn").await.expect("wait");
+    assert_eq!((exit.code, exit.out_of_memory), (Some(3), false));
+    assert!(matches!(
+        runtime.status("burn").await.expect("status"),
+        SandboxStatus::Exited(_)
+    ));
+    let usage = runtime.destroy("burn").await.expect("destroy");
+    assert!(usage.cpu_seconds >= 0.25, "{usage:?}");
+    assert!(usage.peak_memory_bytes >= 64 << 20, "{usage:?}");
+    assert!(matches!(runtime.status("burn").await, Err(SandboxError::Unknown(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_ends_a_running_sandbox() {
+    let layout = layout();
+    let runtime = runtime(&layout);
+    runtime
+        .create(spec(&layout, "sleepy", &["sh", "-c", "trap '' TERM; sleep 60"]))
+        .await
+        .expect("create");
+    runtime.start("sleepy").await.expect("start");
+    let started = Instant::now();
+    runtime.stop("sleepy", Duration::from_millis(300)).await.expect("stop");
+    let exit = runtime.wait("sleepy").await.expect("wait");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "stopped in {:?}",
+        started.elapsed()
+    );
+    assert!(exit.code != Some(0), "{exit:?}");
+    runtime.destroy("sleepy").await.expect("destroy");
+}
+
+#[tokio::test]
+async fn failures_say_what_to_do() {
+    let layout = layout();
+    let mut config = LocalConfig::new(layout.root.join("state"));
+    config.bwrap = PathBuf::from("/nonexistent/bwrap");
+    let missing = LocalRuntime::new(config).err().expect("refused");
+    assert!(missing.to_string().contains("apt-get install bubblewrap"), "{missing}");
+
+    let runtime = runtime(&layout);
+    let bad_name = runtime.create(spec(&layout, "../escape", &["true"])).await;
+    assert!(matches!(bad_name, Err(SandboxError::Spec(_))), "{bad_name:?}");
+    let mut relative = spec(&layout, "relative", &["true"]);
+    relative.workspace = PathBuf::from("workspace");
+    assert!(matches!(runtime.create(relative).await, Err(SandboxError::Spec(_))));
+    if nix::unistd::geteuid().is_root() {
+        let hidden = layout.root.join("private");
+        std::fs::create_dir_all(hidden.join("ws")).expect("dir");
+        std::fs::set_permissions(&hidden, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        let mut unreachable = spec(&layout, "unreachable", &["true"]);
+        unreachable.workspace = hidden.join("ws");
+        let error = runtime.create(unreachable).await.err().expect("refused");
+        assert!(
+            error.to_string().contains("not reachable by the sandbox uid"),
+            "{error}"
+        );
+    }
+    runtime.create(spec(&layout, "twice", &["true"])).await.expect("create");
+    assert!(matches!(
+        runtime.create(spec(&layout, "twice", &["true"])).await,
+        Err(SandboxError::Exists(_))
+    ));
+    runtime.destroy("twice").await.expect("destroy");
+}
