@@ -165,7 +165,7 @@ async fn failures_say_what_to_do() {
         std::fs::set_permissions(&hidden, std::fs::Permissions::from_mode(0o700)).expect("chmod");
         let mut unreachable = spec(&layout, "unreachable", &["true"]);
         unreachable.workspace = hidden.join("ws");
-        let error = runtime.create(unreachable).await.err().expect("refused");
+        let error = runtime.create(unreachable).await.expect_err("refused");
         assert!(
             error.to_string().contains("not reachable by the sandbox uid"),
             "{error}"
