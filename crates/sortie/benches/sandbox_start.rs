@@ -18,7 +18,11 @@ async fn wait_ready(socket: &Path) -> Duration {
     loop {
         if let Ok(mut stream) = tokio::net::UnixStream::connect(socket).await {
             use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            if stream.write_all(b"GET /status HTTP/1.1\r\nhost: driver\r\nconnection: close\r\n\r\n").await.is_ok() {
+            if stream
+                .write_all(b"GET /status HTTP/1.1\r\nhost: driver\r\nconnection: close\r\n\r\n")
+                .await
+                .is_ok()
+            {
                 let mut answer = Vec::new();
                 let _ = stream.read_to_end(&mut answer).await;
                 if answer.starts_with(b"HTTP/1.1 200") {
@@ -33,7 +37,9 @@ async fn wait_ready(socket: &Path) -> Duration {
 
 fn percentile(samples: &mut [Duration], q: f64) -> Duration {
     samples.sort_unstable();
-    samples[((samples.len() as f64 * q).ceil() as usize).saturating_sub(1).min(samples.len() - 1)]
+    samples[((samples.len() as f64 * q).ceil() as usize)
+        .saturating_sub(1)
+        .min(samples.len() - 1)]
 }
 
 fn ms(d: Duration) -> String {
@@ -47,8 +53,15 @@ fn open_dir(path: PathBuf) -> PathBuf {
 }
 
 fn main() {
-    let starts: usize = std::env::var("SORTIE_BENCH_STARTS").ok().and_then(|n| n.parse().ok()).unwrap_or(50);
-    let runtime_tokio = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let starts: usize = std::env::var("SORTIE_BENCH_STARTS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(50);
+    let runtime_tokio = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
     runtime_tokio.block_on(async move {
         let temp = tempfile::tempdir().expect("temp");
         let root = open_dir(temp.path().to_owned());
@@ -59,8 +72,23 @@ fn main() {
         let mut teardown = Vec::new();
         for i in 0..starts {
             let base = open_dir(root.join(format!("s{i}")));
-            let (workspace, home, run_dir) = (open_dir(base.join("ws")), open_dir(base.join("home")), open_dir(base.join("run")));
-            let command = [SORTIE, "driver", "--socket", inside::DRIVER_SOCKET, "--workspace", inside::WORKSPACE, "--home", inside::HOME, "--agent", "scripted"];
+            let (workspace, home, run_dir) = (
+                open_dir(base.join("ws")),
+                open_dir(base.join("home")),
+                open_dir(base.join("run")),
+            );
+            let command = [
+                SORTIE,
+                "driver",
+                "--socket",
+                inside::DRIVER_SOCKET,
+                "--workspace",
+                inside::WORKSPACE,
+                "--home",
+                inside::HOME,
+                "--agent",
+                "scripted",
+            ];
             let spec = SandboxSpec {
                 name: format!("bench-{i}"),
                 workspace,
@@ -106,10 +134,29 @@ fn main() {
 
         println!("{starts} starts each; ready = GET /status answers on driver.sock");
         println!("{:<44} {:>10} {:>10}", "path", "p50", "p95");
-        println!("{:<44} {:>10} {:>10}", "sandbox create + start → driver ready", ms(percentile(&mut sandboxed, 0.5)), ms(percentile(&mut sandboxed, 0.95)));
-        println!("{:<44} {:>10} {:>10}", "baseline: driver on the host → ready", ms(percentile(&mut host, 0.5)), ms(percentile(&mut host, 0.95)));
-        println!("{:<44} {:>10} {:>10}", "teardown (destroy)", ms(percentile(&mut teardown, 0.5)), ms(percentile(&mut teardown, 0.95)));
-        let verdict = if percentile(&mut sandboxed, 0.5) < Duration::from_millis(150) { "met" } else { "MISSED" };
+        println!(
+            "{:<44} {:>10} {:>10}",
+            "sandbox create + start → driver ready",
+            ms(percentile(&mut sandboxed, 0.5)),
+            ms(percentile(&mut sandboxed, 0.95))
+        );
+        println!(
+            "{:<44} {:>10} {:>10}",
+            "baseline: driver on the host → ready",
+            ms(percentile(&mut host, 0.5)),
+            ms(percentile(&mut host, 0.95))
+        );
+        println!(
+            "{:<44} {:>10} {:>10}",
+            "teardown (destroy)",
+            ms(percentile(&mut teardown, 0.5)),
+            ms(percentile(&mut teardown, 0.95))
+        );
+        let verdict = if percentile(&mut sandboxed, 0.5) < Duration::from_millis(150) {
+            "met"
+        } else {
+            "MISSED"
+        };
         println!("target: sandbox start to driver-ready p50 < 150 ms: {verdict}");
     });
 }

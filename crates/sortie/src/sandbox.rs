@@ -40,7 +40,13 @@ async fn exec_in(scratch: &std::path::Path, args: SandboxExecArgs) -> anyhow::Re
     let mut config = LocalConfig::new(scratch.join("state"));
     config.sandbox_uid = args.sandbox_uid;
     config.sandbox_gid = args.sandbox_uid;
-    let runtime = LocalRuntime::new(config)?;
+    let runtime = match LocalRuntime::new(config) {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: SANDBOX_START_FAILED: {error}");
+            return Ok(ExitCode::from(125));
+        }
+    };
 
     let (workspace, lent) = match &args.dir {
         Some(dir) => {
@@ -112,7 +118,10 @@ async fn exec_in(scratch: &std::path::Path, args: SandboxExecArgs) -> anyhow::Re
         stdio: SandboxStdio::Inherit,
     };
 
-    runtime.create(spec).await?;
+    if let Err(error) = runtime.create(spec).await {
+        eprintln!("error: SANDBOX_START_FAILED: {error}");
+        return Ok(ExitCode::from(125));
+    }
     let started = runtime.start(&name).await;
     let exit = match started {
         Ok(()) => Some(runtime.wait(&name).await?),
