@@ -74,8 +74,16 @@ async fn exec_in(scratch: &std::path::Path, args: SandboxExecArgs) -> anyhow::Re
                 .into_owned();
             runtime.grant_socket(&socket)?;
             // The command runs under this very binary's relay, bound read-only inside.
-            let exe = std::env::current_exe().context("cannot find the sortie binary")?;
-            let exe_dir = exe.parent().context("the sortie binary has no directory")?.to_owned();
+            let mut exe = std::env::current_exe().context("cannot find the sortie binary")?;
+            let mut exe_dir = exe.parent().context("the sortie binary has no directory")?.to_owned();
+            if !runtime.is_reachable(&exe) {
+                // The sandbox uid cannot reach where this binary lives (e.g. a private checkout): use a copy.
+                let bin = scratch.join("bin");
+                std::fs::create_dir_all(&bin)?;
+                std::fs::copy(&exe, bin.join("sortie")).context("cannot copy the sortie binary for the sandbox")?;
+                exe = bin.join("sortie");
+                exe_dir = bin;
+            }
             read_only.push(exe_dir);
             let mut wrapped = vec![
                 exe.display().to_string(),

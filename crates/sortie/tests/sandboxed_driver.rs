@@ -63,10 +63,16 @@ async fn a_turn_runs_inside_the_sandbox_and_reaches_out_only_through_the_relay()
         }
     });
 
-    let sortie = Path::new(support::BINARY);
-    let bin_dir = sortie.parent().expect("bin dir").to_owned();
+    // Copies in a directory the sandbox uid can reach, wherever the checkout is.
+    let bin_dir = temp.path().join("bin");
+    std::fs::create_dir_all(&bin_dir).expect("bin");
+    let built = Path::new(support::BINARY).parent().expect("bin dir").to_owned();
+    for binary in ["sortie", "sortie-scripted-agent"] {
+        std::fs::copy(built.join(binary), bin_dir.join(binary)).expect("copy binary");
+    }
+    let sortie = bin_dir.join("sortie").display().to_string();
     let command = [
-        support::BINARY,
+        sortie.as_str(),
         "driver",
         "--socket",
         inside::DRIVER_SOCKET,

@@ -130,8 +130,9 @@ impl LocalRuntime {
         self.sandboxes.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Whether `uid` can reach `path`: every ancestor directory must be searchable by it.
-    fn reachable(&self, path: &Path) -> bool {
+    /// Whether the sandbox uid can reach `path` (bwrap opens every bind source as that uid): every
+    /// ancestor directory must be searchable by it.
+    pub fn is_reachable(&self, path: &Path) -> bool {
         if !self.as_root {
             return true;
         }
@@ -173,7 +174,7 @@ impl LocalRuntime {
                     path.display()
                 )));
             }
-            if !self.reachable(path) {
+            if !self.is_reachable(path) {
                 return Err(SandboxError::Spec(format!(
                     "{} is not reachable by the sandbox uid {}: a parent directory is not searchable by it (mode o+x); keep sandbox directories under such a directory",
                     path.display(),
