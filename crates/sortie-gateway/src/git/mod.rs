@@ -1,0 +1,4 @@
+//! Git smart HTTP: pkt-line framing and the receive-pack confinement rule.
+
+pub mod pktline;
+pub mod receive_pack;
