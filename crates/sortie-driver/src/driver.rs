@@ -137,7 +137,7 @@ impl Driver {
             Ok(hub) => hub,
             Err(error) => {
                 tracing::warn!(%error, "turn log unavailable; the turn is kept in memory only");
-                TurnHub::new(n, None, usize::MAX).unwrap_or_else(|_| unreachable_hub())
+                TurnHub::in_memory(n)
             }
         };
         let report = TurnReport {
@@ -204,14 +204,6 @@ impl Driver {
         if let Some(handle) = agent.take() {
             handle.kill_group(self.shared.config.kill_grace).await;
         }
-    }
-}
-
-fn unreachable_hub() -> Arc<TurnHub> {
-    // A hub without a log cannot fail to be created; this keeps the types honest without a panic.
-    match TurnHub::new(0, None, usize::MAX) {
-        Ok(hub) => hub,
-        Err(_) => std::process::abort(),
     }
 }
 

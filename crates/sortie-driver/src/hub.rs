@@ -83,6 +83,25 @@ impl TurnHub {
         }))
     }
 
+    /// A hub without a log (when the log cannot be created): everything stays in memory.
+    pub fn in_memory(n: u32) -> Arc<Self> {
+        let inner = Inner {
+            parts: Vec::new(),
+            first_index: 0,
+            bytes: 0,
+            done: false,
+            log: None,
+            log_failed: false,
+        };
+        Arc::new(Self {
+            n,
+            log_path: None,
+            memory_limit: usize::MAX,
+            inner: Mutex::new(inner),
+            published: watch::channel(0).0,
+        })
+    }
+
     pub fn turn(&self) -> u32 {
         self.n
     }
