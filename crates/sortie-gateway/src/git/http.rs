@@ -1,0 +1,318 @@
+//! The git smart-HTTP proxy (DESIGN §7.3) for local upstreams: `git http-backend` as CGI behind three
+//! routes under `/_sortie/git/<session>.git/`, with every `receive-pack` request decided by
+//! [`receive_pack::decide`] before a byte of it reaches git. A refusal drains the request (git
+//! needs that to read the answer) and answers 200 with what `git push` prints. Only
+//! `info/refs?service=…` and the two pack POSTs exist; no dumb-HTTP file is served, and no 401 or
+//! redirect ever reaches the client.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path as UrlPath, RawQuery, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::StreamExt;
+use sortie_protocol::SessionId;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+
+use crate::git::receive_pack::{self, Decision};
+
+/// Where a session's repository lives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Upstream {
+    /// A repository on this machine (a bare repository or a `.git` directory), served by `git http-backend`.
+    Local(PathBuf),
+}
+
+/// Which upstream a session pushes to and fetches from.
+pub trait Upstreams: Send + Sync + 'static {
+    fn upstream(&self, session_id: &SessionId) -> Option<Upstream>;
+}
+
+#[derive(Clone)]
+struct GitProxy {
+    upstreams: Arc<dyn Upstreams>,
+    git: PathBuf,
+}
+
+/// The routes of the git proxy; `git` is the git binary that provides `http-backend`.
+pub fn router(upstreams: Arc<dyn Upstreams>, git: PathBuf) -> Router {
+    Router::new()
+        .route("/_sortie/git/{repo}/info/refs", get(info_refs))
+        .route("/_sortie/git/{repo}/git-upload-pack", post(upload_pack))
+        .route("/_sortie/git/{repo}/git-receive-pack", post(receive_pack_route))
+        .with_state(GitProxy { upstreams, git })
+}
+
+/// A refusal git shows to its user: text/plain, never 401 (git would ask for a password).
+fn plain(status: StatusCode, message: &str) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "text/plain")],
+        format!("sortie: {message}\n"),
+    )
+        .into_response()
+}
+
+/// The session a repository path names and its upstream; `None` answers 404 (unknown and foreign
+/// sessions look the same).
+fn session_of(proxy: &GitProxy, repo: &str) -> Option<(SessionId, PathBuf)> {
+    let session = SessionId::parse(repo.strip_suffix(".git")?).ok()?;
+    match proxy.upstreams.upstream(&session)? {
+        Upstream::Local(path) => Some((session, path)),
+    }
+}
+
+fn no_such_repository() -> Response {
+    plain(StatusCode::NOT_FOUND, "no such repository")
+}
+
+async fn info_refs(
+    State(proxy): State<GitProxy>,
+    UrlPath(repo): UrlPath<String>,
+    RawQuery(query): RawQuery,
+    headers: HeaderMap,
+) -> Response {
+    let query = query.unwrap_or_default();
+    if query != "service=git-upload-pack" && query != "service=git-receive-pack" {
+        return plain(StatusCode::FORBIDDEN, "only smart HTTP is served");
+    }
+    let Some((_, path)) = session_of(&proxy, &repo) else {
+        return no_such_repository();
+    };
+    cgi(
+        &proxy.git,
+        &path,
+        "GET",
+        "info/refs",
+        &query,
+        &headers,
+        Bytes::new(),
+        None,
+    )
+    .await
+}
+
+async fn upload_pack(
+    State(proxy): State<GitProxy>,
+    UrlPath(repo): UrlPath<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let Some((_, path)) = session_of(&proxy, &repo) else {
+        return no_such_repository();
+    };
+    cgi(
+        &proxy.git,
+        &path,
+        "POST",
+        "git-upload-pack",
+        "",
+        &headers,
+        Bytes::new(),
+        Some(body),
+    )
+    .await
+}
+
+async fn receive_pack_route(
+    State(proxy): State<GitProxy>,
+    UrlPath(repo): UrlPath<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let Some((session, path)) = session_of(&proxy, &repo) else {
+        return no_such_repository();
+    };
+    if headers.get(header::CONTENT_ENCODING).is_some() {
+        // git never compresses receive-pack bodies; a body this proxy cannot read is not forwarded.
+        return plain(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "compressed push requests are not accepted",
+        );
+    }
+    let mut stream = body.into_data_stream();
+    let mut head = Vec::new();
+    let decision = loop {
+        let decision = receive_pack::decide(&head, session.as_str(), false);
+        if decision != Decision::NeedMore {
+            break decision;
+        }
+        match stream.next().await {
+            Some(Ok(chunk)) => head.extend_from_slice(&chunk),
+            Some(Err(_)) => return plain(StatusCode::BAD_REQUEST, "the push request broke off"),
+            None => break receive_pack::decide(&head, session.as_str(), true),
+        }
+    };
+    match decision {
+        Decision::Refuse {
+            reason,
+            refnames,
+            side_band,
+        } => {
+            tracing::warn!(session = %session, %reason, "push refused");
+            // Read the rest before answering: git reports a broken pipe instead of the reason otherwise.
+            while let Some(Ok(_)) = stream.next().await {}
+            let answer = receive_pack::refusal(&reason, &refnames, side_band);
+            (
+                StatusCode::OK,
+                [
+                    (header::CONTENT_TYPE, "application/x-git-receive-pack-result"),
+                    (header::CACHE_CONTROL, "no-cache"),
+                ],
+                answer,
+            )
+                .into_response()
+        }
+        Decision::Probe | Decision::Allow { .. } => {
+            let rest = Body::from_stream(stream);
+            cgi(
+                &proxy.git,
+                &path,
+                "POST",
+                "git-receive-pack",
+                "",
+                &headers,
+                Bytes::from(head),
+                Some(rest),
+            )
+            .await
+        }
+        Decision::NeedMore => plain(StatusCode::BAD_REQUEST, "the push request ended early"),
+    }
+}
+
+/// Runs `git http-backend` for one request: `prefix` then `body` go to its stdin; its CGI answer is
+/// turned into the response, its body streamed.
+#[allow(clippy::too_many_arguments)]
+async fn cgi(
+    git: &Path,
+    repo: &Path,
+    method: &str,
+    tail: &str,
+    query: &str,
+    headers: &HeaderMap,
+    prefix: Bytes,
+    body: Option<Body>,
+) -> Response {
+    let (Some(root), Some(name)) = (repo.parent(), repo.file_name()) else {
+        return plain(StatusCode::BAD_GATEWAY, "the upstream repository path is not usable");
+    };
+    let mut command = tokio::process::Command::new(git);
+    command
+        .arg("http-backend")
+        .env_clear()
+        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+        .env("GIT_PROJECT_ROOT", root)
+        // Built from the configured repository, never from the client's path.
+        .env("PATH_INFO", format!("/{}/{tail}", name.to_string_lossy()))
+        .env("REQUEST_METHOD", method)
+        .env("QUERY_STRING", query)
+        .env("SERVER_PROTOCOL", "HTTP/1.1")
+        .env("GIT_HTTP_EXPORT_ALL", "1")
+        .env("GIT_CONFIG_COUNT", "3")
+        .env("GIT_CONFIG_KEY_0", "http.receivepack")
+        .env("GIT_CONFIG_VALUE_0", "true")
+        .env("GIT_CONFIG_KEY_1", "safe.directory")
+        .env("GIT_CONFIG_VALUE_1", "*")
+        .env("GIT_CONFIG_KEY_2", "http.getanyfile")
+        .env("GIT_CONFIG_VALUE_2", "false")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    if let Some(content_type) = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()) {
+        command.env("CONTENT_TYPE", content_type);
+    }
+    if let Some(encoding) = headers.get(header::CONTENT_ENCODING).and_then(|v| v.to_str().ok()) {
+        command.env("HTTP_CONTENT_ENCODING", encoding);
+    }
+    if tail != "git-receive-pack"
+        && let Some(protocol) = headers.get("git-protocol").and_then(|v| v.to_str().ok())
+    {
+        command.env("GIT_PROTOCOL", protocol);
+    }
+    let mut child = match command.spawn() {
+        Ok(child) => child,
+        Err(error) => {
+            tracing::error!(%error, "cannot run git http-backend");
+            return plain(StatusCode::BAD_GATEWAY, "the git backend could not be started");
+        }
+    };
+    let (Some(mut stdin), Some(stdout), Some(mut stderr)) =
+        (child.stdin.take(), child.stdout.take(), child.stderr.take())
+    else {
+        return plain(StatusCode::BAD_GATEWAY, "the git backend has no pipes");
+    };
+    tokio::spawn(async move {
+        if !prefix.is_empty() && stdin.write_all(&prefix).await.is_err() {
+            return;
+        }
+        if let Some(body) = body {
+            let mut stream = body.into_data_stream();
+            while let Some(Ok(chunk)) = stream.next().await {
+                if stdin.write_all(&chunk).await.is_err() {
+                    return;
+                }
+            }
+        }
+        let _ = stdin.shutdown().await;
+    });
+    tokio::spawn(async move {
+        let mut said = String::new();
+        let _ = stderr.read_to_string(&mut said).await;
+        if !said.trim().is_empty() {
+            tracing::debug!(stderr = %said.trim(), "git http-backend");
+        }
+    });
+
+    let mut reader = BufReader::new(stdout);
+    let mut status = StatusCode::OK;
+    let mut response_headers = HeaderMap::new();
+    loop {
+        let mut line = String::new();
+        match reader.read_line(&mut line).await {
+            Ok(0) | Err(_) => return plain(StatusCode::BAD_GATEWAY, "the git backend gave no answer"),
+            Ok(_) => {}
+        }
+        let line = line.trim_end_matches(['\r', '\n']);
+        if line.is_empty() {
+            break;
+        }
+        let Some((name, value)) = line.split_once(':') else {
+            continue;
+        };
+        let value = value.trim();
+        if name.eq_ignore_ascii_case("status") {
+            status = value
+                .split_whitespace()
+                .next()
+                .and_then(|code| code.parse().ok())
+                .and_then(|code| StatusCode::from_u16(code).ok())
+                .unwrap_or(StatusCode::BAD_GATEWAY);
+        } else if let (Ok(name), Ok(value)) = (
+            header::HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(value),
+        ) {
+            response_headers.insert(name, value);
+        }
+    }
+    if status == StatusCode::UNAUTHORIZED || status.is_redirection() {
+        return plain(
+            StatusCode::BAD_GATEWAY,
+            "the git backend asked for credentials or redirected; not relayed",
+        );
+    }
+    tokio::spawn(async move {
+        let _ = child.wait().await;
+    });
+    let body = Body::from_stream(tokio_util::io::ReaderStream::new(reader));
+    let mut response = Response::new(body);
+    *response.status_mut() = status;
+    *response.headers_mut() = response_headers;
+    response
+}

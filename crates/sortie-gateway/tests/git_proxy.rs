@@ -1,0 +1,287 @@
+//! The git proxy with the real `git` client: clone, fetch and pushes of the session's own branch go
+//! through; every other push is refused whole, `git push` prints why, and the upstream is unchanged.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::Arc;
+
+use sortie_gateway::git::http::{Upstream, Upstreams, router};
+use sortie_gateway::git::pktline;
+use sortie_protocol::SessionId;
+
+struct OneRepo {
+    session: SessionId,
+    path: PathBuf,
+}
+
+impl Upstreams for OneRepo {
+    fn upstream(&self, session_id: &SessionId) -> Option<Upstream> {
+        (session_id == &self.session).then(|| Upstream::Local(self.path.clone()))
+    }
+}
+
+struct Setup {
+    _temp: tempfile::TempDir,
+    root: PathBuf,
+    session: SessionId,
+    upstream: PathBuf,
+    url: String,
+    base: String,
+}
+
+fn git(dir: &Path, home: &Path, args: &[&str]) -> Output {
+    Command::new("git")
+        .args([
+            "-c",
+            "user.name=agent",
+            "-c",
+            "user.email=agent@sortie.invalid",
+            "-c",
+            "init.defaultBranch=main",
+            "-c",
+            "protocol.file.allow=always",
+        ])
+        .args(args)
+        .current_dir(dir)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("HOME", home)
+        .env("GIT_TERMINAL_PROMPT", "0")
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .output()
+        .expect("git")
+}
+
+fn ok(output: Output) -> Output {
+    assert!(
+        output.status.success(),
+        "git failed: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+fn rev(dir: &Path, home: &Path, spec: &str) -> Option<String> {
+    let output = git(dir, home, &["rev-parse", "--verify", "--quiet", spec]);
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
+}
+
+async fn setup() -> Setup {
+    let temp = tempfile::tempdir().expect("temp");
+    let root = temp.path().to_owned();
+    let upstream = root.join("upstream.git");
+    ok(git(
+        &root,
+        &root,
+        &["init", "-q", "--bare", upstream.to_str().expect("utf-8")],
+    ));
+    let seed = root.join("seed");
+    ok(git(&root, &root, &["init", "-q", seed.to_str().expect("utf-8")]));
+    std::fs::write(seed.join("README.md"), "hello\n").expect("write");
+    ok(git(&seed, &root, &["add", "."]));
+    ok(git(&seed, &root, &["commit", "-q", "-m", "first"]));
+    ok(git(
+        &seed,
+        &root,
+        &["push", "-q", upstream.to_str().expect("utf-8"), "HEAD:refs/heads/main"],
+    ));
+
+    let session = SessionId::generate();
+    let upstreams = Arc::new(OneRepo {
+        session: session.clone(),
+        path: upstream.clone(),
+    });
+    let app = router(upstreams, PathBuf::from("git"));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let url = format!("{base}/_sortie/git/{session}.git");
+    Setup {
+        _temp: temp,
+        root,
+        session,
+        upstream,
+        url,
+        base,
+    }
+}
+
+fn clone(setup: &Setup) -> PathBuf {
+    let work = setup.root.join("work");
+    ok(git(
+        &setup.root,
+        &setup.root,
+        &["clone", "-q", &setup.url, work.to_str().expect("utf-8")],
+    ));
+    work
+}
+
+fn commit(work: &Path, home: &Path, file: &str, content: &[u8]) {
+    std::fs::write(work.join(file), content).expect("write");
+    ok(git(work, home, &["add", "."]));
+    ok(git(work, home, &["commit", "-q", "-m", file]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clone_fetch_and_the_sessions_own_pushes_go_through() {
+    let setup = setup().await;
+    let work = clone(&setup);
+    assert_eq!(
+        std::fs::read_to_string(work.join("README.md")).expect("cloned"),
+        "hello\n"
+    );
+    let own = format!("refs/heads/sortie/{}", setup.session);
+    commit(&work, &setup.root, "a.txt", b"a\n");
+    ok(git(
+        &work,
+        &setup.root,
+        &["push", "-q", "origin", &format!("HEAD:{own}")],
+    ));
+    assert_eq!(rev(&setup.upstream, &setup.root, &own), rev(&work, &setup.root, "HEAD"));
+
+    // A rewritten history, force-pushed.
+    ok(git(&work, &setup.root, &["commit", "-q", "--amend", "-m", "rewritten"]));
+    ok(git(
+        &work,
+        &setup.root,
+        &["push", "-q", "--force", "origin", &format!("HEAD:{own}")],
+    ));
+    assert_eq!(rev(&setup.upstream, &setup.root, &own), rev(&work, &setup.root, "HEAD"));
+
+    // Over 1 MiB: git probes with `0000`, then sends the pack chunked.
+    let big: Vec<u8> = (0..3 * 1024 * 1024_u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    commit(&work, &setup.root, "big.bin", &big);
+    ok(git(
+        &work,
+        &setup.root,
+        &["push", "-q", "origin", &format!("HEAD:{own}")],
+    ));
+    assert_eq!(rev(&setup.upstream, &setup.root, &own), rev(&work, &setup.root, "HEAD"));
+    ok(git(&work, &setup.root, &["fetch", "-q", "origin"]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_other_push_is_refused_whole_and_git_says_why() {
+    let setup = setup().await;
+    let work = clone(&setup);
+    let own = format!("refs/heads/sortie/{}", setup.session);
+    commit(&work, &setup.root, "b.txt", b"b\n");
+    ok(git(&work, &setup.root, &["tag", "v1"]));
+    let main_before = rev(&setup.upstream, &setup.root, "refs/heads/main");
+    let other = "refs/heads/sortie/ses_01jd8x3k4m5n6p7q8r9s0t1v2w";
+    for refspecs in [
+        vec!["HEAD:refs/heads/main".to_owned()],
+        vec![format!("HEAD:{other}")],
+        vec![format!("HEAD:{own}x")],
+        vec!["refs/tags/v1".to_owned()],
+        vec![format!("HEAD:{own}"), "HEAD:refs/heads/main".to_owned()],
+    ] {
+        let mut args = vec!["push", "origin"];
+        args.extend(refspecs.iter().map(String::as_str));
+        let output = git(&work, &setup.root, &args);
+        let said = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{refspecs:?} went through");
+        assert!(
+            said.contains("sortie: push refused") && said.contains("[remote rejected]"),
+            "{refspecs:?}: {said}"
+        );
+    }
+    assert_eq!(
+        rev(&setup.upstream, &setup.root, "refs/heads/main"),
+        main_before,
+        "main unchanged"
+    );
+    assert_eq!(
+        rev(&setup.upstream, &setup.root, &own),
+        None,
+        "the own branch of a refused multi-ref push was not created"
+    );
+    assert_eq!(rev(&setup.upstream, &setup.root, "refs/tags/v1"), None);
+
+    // Deleting the session's branch is refused too.
+    ok(git(
+        &work,
+        &setup.root,
+        &["push", "-q", "origin", &format!("HEAD:{own}")],
+    ));
+    let delete = git(&work, &setup.root, &["push", "origin", &format!(":{own}")]);
+    assert!(!delete.status.success() && String::from_utf8_lossy(&delete.stderr).contains("may not be deleted"));
+    assert!(rev(&setup.upstream, &setup.root, &own).is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_cert_block_naming_main_is_refused_raw() {
+    let setup = setup().await;
+    let main_before = rev(&setup.upstream, &setup.root, "refs/heads/main").expect("main");
+    let zero = "0".repeat(40);
+    let cert = format!(
+        "push-cert\0 report-status side-band-64k\ncertificate version 0.1\npusher x 0 +0000\npushee {}\nnonce 1\n\n{main_before} {zero} refs/heads/main\npush-cert-end\n",
+        setup.url
+    );
+    let mut body = pktline::encode(cert.as_bytes());
+    body.extend_from_slice(pktline::FLUSH);
+    let client = reqwest::Client::new();
+    let reply = client
+        .post(format!("{}/git-receive-pack", setup.url))
+        .header("content-type", "application/x-git-receive-pack-request")
+        .body(body)
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(reply.status().as_u16(), 200);
+    let answer = reply.bytes().await.expect("body");
+    assert!(
+        String::from_utf8_lossy(&answer).contains("push-cert"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    assert_eq!(
+        rev(&setup.upstream, &setup.root, "refs/heads/main").as_deref(),
+        Some(main_before.as_str()),
+        "main unchanged"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_smart_http_of_known_sessions_is_served() {
+    let setup = setup().await;
+    let client = reqwest::Client::new();
+    let status = |path: String| {
+        let client = client.clone();
+        async move { client.get(path).send().await.expect("get").status().as_u16() }
+    };
+    assert_eq!(
+        status(format!(
+            "{}/_sortie/git/{}.git/info/refs?service=git-upload-pack",
+            setup.base,
+            SessionId::generate()
+        ))
+        .await,
+        404
+    );
+    assert_eq!(
+        status(format!(
+            "{}/_sortie/git/not-a-session.git/info/refs?service=git-upload-pack",
+            setup.base
+        ))
+        .await,
+        404
+    );
+    assert_eq!(
+        status(format!("{}/info/refs", setup.url)).await,
+        403,
+        "no dumb ref listing"
+    );
+    assert_eq!(status(format!("{}/HEAD", setup.url)).await, 404, "no dumb files");
+    assert_eq!(status(format!("{}/objects/info/packs", setup.url)).await, 404);
+    assert_eq!(
+        status(format!("{}/info/refs?service=git-receive-pack", setup.url)).await,
+        200
+    );
+}
