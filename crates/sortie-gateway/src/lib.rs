@@ -1,7 +1,9 @@
 //! The gateway (DESIGN §7): the only way into a sandbox and the only way out of one.
 //!
-//! So far: the pure core of the git smart-HTTP proxy (§7.3), which decides whether a `receive-pack`
-//! request may reach the upstream and, when it may not, writes the answer `git push` prints. The
-//! proxies and attach build on it. Nothing here may ever forward a byte it has not understood.
+//! So far: the egress proxy (§7.2: allowlisted names only, resolved and vetted here, `/_sortie/…`
+//! routed inside) and the git smart-HTTP proxy (§7.3: every `receive-pack` request decided before git
+//! sees a byte, refusals that `git push` prints). Attach, tickets and the model proxy come next.
+//! Nothing here may ever forward a byte it has not understood, or a credential into a sandbox.
 
+pub mod egress;
 pub mod git;

@@ -1,0 +1,4 @@
+//! The egress proxy: the sandbox's only way out.
+
+pub mod policy;
+pub mod proxy;

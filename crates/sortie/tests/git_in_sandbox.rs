@@ -1,0 +1,150 @@
+//! The real `git` client inside a real sandbox, through the relay and the egress socket to the git
+//! proxy: clone and push of the session's own branch work, every other push is refused with git
+//! printing why, the upstream is unchanged, and nothing inside holds a credential.
+
+mod support;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use sortie_gateway::egress::proxy::{EgressProxy, SystemResolver};
+use sortie_gateway::git::http::{Upstream, Upstreams, router};
+use sortie_protocol::SessionId;
+
+struct OneRepo(SessionId, PathBuf);
+
+impl Upstreams for OneRepo {
+    fn upstream(&self, session_id: &SessionId) -> Option<Upstream> {
+        (session_id == &self.0).then(|| Upstream::Local(self.1.clone()))
+    }
+}
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let output = Command::new("git")
+        .args([
+            "-c",
+            "user.name=seed",
+            "-c",
+            "user.email=seed@sortie.invalid",
+            "-c",
+            "init.defaultBranch=main",
+        ])
+        .args(args)
+        .current_dir(dir)
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("HOME", dir)
+        .output()
+        .expect("git");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+}
+
+fn rev(repo: &Path, reference: &str) -> Option<String> {
+    let output = Command::new("git")
+        .args(["rev-parse", "--verify", "--quiet", reference])
+        .current_dir(repo)
+        .output()
+        .expect("git");
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn git_inside_a_sandbox_pushes_only_its_own_branch() {
+    let temp = tempfile::tempdir().expect("temp");
+    std::fs::set_permissions(temp.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let root = temp.path().to_owned();
+    let upstream = root.join("upstream.git");
+    git(&root, &["init", "-q", "--bare", upstream.to_str().expect("utf-8")]);
+    let seed = root.join("seed");
+    git(&root, &["init", "-q", seed.to_str().expect("utf-8")]);
+    std::fs::write(seed.join("README.md"), "hello\n").expect("write");
+    git(&seed, &["add", "."]);
+    git(&seed, &["commit", "-q", "-m", "first"]);
+    git(
+        &seed,
+        &["push", "-q", upstream.to_str().expect("utf-8"), "HEAD:refs/heads/main"],
+    );
+    let main_before = rev(&upstream, "refs/heads/main").expect("main");
+
+    let session = SessionId::generate();
+    let egress_dir = root.join("egress");
+    let work = root.join("work");
+    for dir in [&egress_dir, &work] {
+        std::fs::create_dir_all(dir).expect("dir");
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    }
+    let git_routes = router(
+        Arc::new(OneRepo(session.clone(), upstream.clone())),
+        PathBuf::from("git"),
+    );
+    let proxy = EgressProxy::new(Vec::new(), Vec::new(), Arc::new(SystemResolver), Some(git_routes), None);
+    let socket = egress_dir.join("egress.sock");
+    let listener = tokio::net::UnixListener::bind(&socket).expect("socket");
+    tokio::spawn(proxy.serve(listener));
+
+    let own = format!("refs/heads/sortie/{session}");
+    let script = format!(
+        r#"set -u
+export GIT_TERMINAL_PROMPT=0
+git clone -q http://127.0.0.1:3128/_sortie/git/{session}.git repo && echo "clone ok"
+cd repo
+git -c user.name=agent -c user.email=agent@sortie.invalid commit -q --allow-empty -m work
+git push -q origin HEAD:{own} && echo "own push ok"
+git -c user.name=agent -c user.email=agent@sortie.invalid commit -q --amend --allow-empty -m rewritten
+git push -q --force origin HEAD:{own} && echo "force push ok"
+git push origin HEAD:refs/heads/main 2>&1 | grep -q "sortie: push refused" && echo "main refused"
+git tag v1 && git push origin v1 2>&1 | grep -q "remote rejected" && echo "tag refused"
+git push origin :{own} 2>&1 | grep -q "may not be deleted" && echo "delete refused"
+git fetch -q origin && echo "fetch ok"
+cd /
+grep -rIl "Authorization\|x-access-token" /workspace /home/agent 2>/dev/null | head -1 | sed 's/^/CREDENTIAL IN /'
+env | grep -i "token\|secret\|password" | sed 's/^/ENV /'
+git -C /workspace/repo remote get-url origin
+"#
+    );
+    let output = support::sortie(&root)
+        .args(["sandbox", "exec", "--dir"])
+        .arg(&work)
+        .arg("--egress-socket")
+        .arg(&socket)
+        .args(["--", "sh", "-c", &script])
+        .output()
+        .expect("sandbox");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    for line in [
+        "clone ok",
+        "own push ok",
+        "force push ok",
+        "main refused",
+        "tag refused",
+        "delete refused",
+        "fetch ok",
+    ] {
+        assert!(said.contains(line), "{line}: {said}");
+    }
+    assert!(!said.contains("CREDENTIAL IN") && !said.contains("ENV "), "{said}");
+    assert!(
+        said.contains(&format!("http://127.0.0.1:3128/_sortie/git/{session}.git")),
+        "the remote holds no credential: {said}"
+    );
+    assert_eq!(
+        rev(&upstream, "refs/heads/main").as_deref(),
+        Some(main_before.as_str()),
+        "main unchanged"
+    );
+    assert!(rev(&upstream, "refs/tags/v1").is_none());
+    assert_eq!(
+        rev(&upstream, &own),
+        rev(&work.join("repo"), "HEAD"),
+        "the session's branch holds the rewritten work"
+    );
+}
