@@ -7,3 +7,4 @@
 
 pub mod egress;
 pub mod git;
+pub mod tickets;
