@@ -46,6 +46,15 @@ pub struct EgressRequest {
     pub allow: Vec<String>,
 }
 
+/// `POST /v1/sessions/{id}/egress`: the session's new allowlist, replacing the old one.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct EgressAmendment {
+    /// Exact public DNS names, at most 32.
+    pub allow: Vec<String>,
+}
+
 /// `POST /v1/sessions/{id}/steer`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

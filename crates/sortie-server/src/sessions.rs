@@ -8,8 +8,8 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use serde::Deserialize;
 use sortie_protocol::api::{
-    AttachTicket, AttachTicketRequest, CreateSessionRequest, ModelUsage, Role, Session, SessionList, SteerRequest,
-    TicketAction, Turn, TurnList, UiMessage, UiRole, UsageReport, UsageRow, rfc3339_from_epoch_ms,
+    AttachTicket, AttachTicketRequest, CreateSessionRequest, EgressAmendment, ModelUsage, Role, Session, SessionList,
+    SteerRequest, TicketAction, Turn, TurnList, UiMessage, UiRole, UsageReport, UsageRow, rfc3339_from_epoch_ms,
 };
 use sortie_protocol::limits::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX, TICKET_TTL_SECONDS};
 use sortie_protocol::ticket::{TICKET_VERSION, TicketClaims};
@@ -36,6 +36,7 @@ pub fn routes() -> OpenApiRouter<ApiState> {
         .routes(routes!(resume))
         .routes(routes!(archive, unarchive))
         .routes(routes!(attach_ticket))
+        .routes(routes!(amend_egress))
         .routes(routes!(usage))
 }
 
@@ -107,6 +108,43 @@ async fn create_session(
     let row = state.store.create_session(new).await?;
     metrics::counter!("sortie_sessions_created_total").increment(1);
     Ok((StatusCode::ACCEPTED, Json(views::session(&row))))
+}
+
+fn check_allowlist(allow: &[String]) -> Result<(), ApiError> {
+    egress::validate_allowlist(allow).map_err(|violations| {
+        let named: Vec<&str> = violations.iter().map(|v| v.entry.as_str()).collect();
+        ApiError::new(
+            ErrorCode::EgressAllowlistInvalid,
+            format!("egress.allow has invalid entries: {named:?}"),
+        )
+        .with_details(serde_json::json!({ "entries": violations }))
+    })
+}
+
+/// Replace a session's egress allowlist; its next connection sees the new one (DESIGN §12).
+#[utoipa::path(
+    post, path = "/v1/sessions/{id}/egress", tag = "sessions", params(("id" = String, Path, description = "Session id")),
+    request_body = EgressAmendment, security(("bearer" = [])),
+    responses(
+        (status = 200, body = Session),
+        (status = 400, description = "INVALID_REQUEST, EGRESS_ALLOWLIST_INVALID", body = ApiErrorBody),
+        (status = 401, body = ApiErrorBody), (status = 403, description = "FORBIDDEN", body = ApiErrorBody),
+        (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody),
+        (status = 409, description = "SESSION_NOT_STEERABLE", body = ApiErrorBody),
+    )
+)]
+async fn amend_egress(
+    State(state): State<ApiState>,
+    Operator(caller): Operator,
+    SessionPath(id): SessionPath,
+    ApiJson(request): ApiJson<EgressAmendment>,
+) -> Result<Json<Session>, ApiError> {
+    check_allowlist(&request.allow)?;
+    let row = state
+        .store
+        .set_egress_allow(&caller.workspace_id, &id, &request.allow)
+        .await?;
+    Ok(Json(views::session(&row)))
 }
 
 /// Resolves a local repository path: inside the workspace's roots (checked before and after symlinks

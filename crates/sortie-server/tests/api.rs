@@ -56,7 +56,51 @@ on_every_server!(
     unknown_routes_and_methods_have_codes,
     concurrent_steers_get_distinct_numbers,
     cancel_racing_steers_keeps_the_ledger_consistent,
+    egress_allowlists_are_amended,
 );
+
+async fn egress_allowlists_are_amended(h: Harness) {
+    let id = h.create("t").await;
+    let path = format!("/v1/sessions/{id}/egress");
+    let amended = h
+        .post(&path, &h.operator, json!({"allow": ["github.com", "pypi.org"]}))
+        .await;
+    assert_eq!(amended.status, StatusCode::OK, "{}", amended.body);
+    assert_eq!(amended.body["egress"], json!({"allow": ["github.com", "pypi.org"]}));
+    let invalid = h
+        .post(&path, &h.operator, json!({"allow": ["*.evil.com", "ok.com"]}))
+        .await;
+    assert_error(&invalid, StatusCode::BAD_REQUEST, "EGRESS_ALLOWLIST_INVALID");
+    assert_eq!(invalid.body["error"]["details"]["entries"][0]["entry"], "*.evil.com");
+    assert_error(
+        &h.post(&path, &h.operator, json!({"hosts": []})).await,
+        StatusCode::BAD_REQUEST,
+        "INVALID_REQUEST",
+    );
+    assert_error(
+        &h.post(&path, &h.viewer, json!({"allow": []})).await,
+        StatusCode::FORBIDDEN,
+        "FORBIDDEN",
+    );
+    assert_error(
+        &h.post(&path, &h.other_operator, json!({"allow": []})).await,
+        StatusCode::NOT_FOUND,
+        "SESSION_NOT_FOUND",
+    );
+    h.post(&format!("/v1/sessions/{id}/cancel"), &h.operator, json!({}))
+        .await;
+    assert_error(
+        &h.post(&path, &h.operator, json!({"allow": []})).await,
+        StatusCode::CONFLICT,
+        "SESSION_NOT_STEERABLE",
+    );
+    let session = h.get(&format!("/v1/sessions/{id}"), &h.viewer).await;
+    assert_eq!(
+        session.body["egress"],
+        json!({"allow": ["github.com", "pypi.org"]}),
+        "refusals changed nothing"
+    );
+}
 
 fn assert_error(reply: &Reply, status: StatusCode, code: &str) {
     assert_eq!((reply.status, reply.code()), (status, code), "body: {}", reply.body);
@@ -982,6 +1026,11 @@ fn session_endpoints(id: &str) -> Vec<(Method, String, Payload)> {
         (Method::GET, format!("/v1/usage?session={id}"), Payload::Empty),
         (
             Method::POST,
+            format!("/v1/sessions/{id}/egress"),
+            Payload::Json(json!({"allow": ["github.com"]})),
+        ),
+        (
+            Method::POST,
             format!("/v1/sessions/{id}/cancel"),
             Payload::Json(json!({})),
         ),
@@ -1080,6 +1129,7 @@ async fn malformed_input_never_answers_500(h: Harness) {
         (Method::POST, format!("/v1/sessions/{id}/resume")),
         (Method::POST, format!("/v1/sessions/{id}/archive")),
         (Method::POST, format!("/v1/sessions/{id}/attach-ticket")),
+        (Method::POST, format!("/v1/sessions/{id}/egress")),
         (Method::POST, format!("/v1/sessions/{id}/cancel")),
         (Method::GET, "/v1/sessions?limit=99999999999999999999".to_owned()),
         (Method::GET, "/v1/sessions?phase=%FF".to_owned()),
@@ -1167,6 +1217,7 @@ async fn operations_endpoints_answer(h: Harness) {
         ("/v1/sessions/{id}/archive", "post"),
         ("/v1/sessions/{id}/archive", "delete"),
         ("/v1/sessions/{id}/attach-ticket", "post"),
+        ("/v1/sessions/{id}/egress", "post"),
         ("/v1/usage", "get"),
         ("/healthz", "get"),
         ("/readyz", "get"),

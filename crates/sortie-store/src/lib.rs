@@ -66,6 +66,13 @@ pub trait Store: Send + Sync + 'static {
     /// Queues a hibernated session for re-provisioning; other live phases are left as they are.
     async fn resume(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow>;
     /// Hides or shows a session in the default list. Archiving refuses a session with a turn in flight.
+    /// Replaces the session's egress allowlist (already validated); refused for a canceled session.
+    async fn set_egress_allow(
+        &self,
+        workspace_id: &str,
+        session_id: &SessionId,
+        allow: &[String],
+    ) -> StoreResult<SessionRow>;
     async fn set_archived(&self, workspace_id: &str, session_id: &SessionId, archived: bool)
     -> StoreResult<SessionRow>;
 

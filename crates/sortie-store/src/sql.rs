@@ -601,6 +601,30 @@ impl Store for SqlStore {
         ))
     }
 
+    async fn set_egress_allow(
+        &self,
+        workspace_id: &str,
+        session_id: &SessionId,
+        allow: &[String],
+    ) -> StoreResult<SessionRow> {
+        let encoded = serde_json::to_string(allow).map_err(internal)?;
+        let changed = sqlx::query(
+            "UPDATE sessions SET egress_allow = $3, updated_at = $4 WHERE id = $1 AND workspace_id = $2 AND phase <> 'canceled'",
+        )
+        .bind(session_id.as_str())
+        .bind(workspace_id)
+        .bind(encoded)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        let session = self.fetch_session(workspace_id, session_id).await?;
+        if changed == 0 {
+            return Err(StoreError::NotSteerable("canceled"));
+        }
+        Ok(session)
+    }
+
     async fn set_archived(
         &self,
         workspace_id: &str,

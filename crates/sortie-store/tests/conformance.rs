@@ -90,7 +90,46 @@ on_both_databases!(
     ticket_nonces_are_claimed_once,
     instance_secrets_are_stable,
     reconnecting_keeps_everything,
+    egress_allowlists_are_amended_until_cancel,
 );
+
+async fn egress_allowlists_are_amended_until_cancel(backend: TestBackend) {
+    let f = fixture(backend).await;
+    let other = f
+        .store
+        .create_workspace("other", RepoAccess::default())
+        .await
+        .expect("other");
+    let session = f
+        .store
+        .create_session(new_session(&f.workspace.id, "/r", "t"))
+        .await
+        .expect("create");
+    let amended = vec!["github.com".to_owned(), "pypi.org".to_owned()];
+    let row = f
+        .store
+        .set_egress_allow(&f.workspace.id, &session.id, &amended)
+        .await
+        .expect("amend");
+    assert_eq!(row.egress_allow, amended);
+    assert_eq!(
+        f.store.set_egress_allow(&other.id, &session.id, &[]).await,
+        Err(StoreError::NotFound)
+    );
+    f.store.cancel(&f.workspace.id, &session.id).await.expect("cancel");
+    assert_eq!(
+        f.store.set_egress_allow(&f.workspace.id, &session.id, &[]).await,
+        Err(StoreError::NotSteerable("canceled"))
+    );
+    assert_eq!(
+        f.store
+            .session(&f.workspace.id, &session.id)
+            .await
+            .expect("s")
+            .egress_allow,
+        amended
+    );
+}
 
 async fn workspaces_and_tokens(backend: TestBackend) {
     let f = fixture(backend).await;

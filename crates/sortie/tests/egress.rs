@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sortie_gateway::egress::policy::{Cidr, Denial};
-use sortie_gateway::egress::proxy::{EgressProxy, StaticResolver};
+use sortie_gateway::egress::proxy::{EgressProxy, FixedAllowlist, StaticResolver};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_allowlisted_public_names_are_reachable() {
@@ -70,8 +70,9 @@ async fn only_allowlisted_public_names_are_reachable() {
         .collect();
     let denials: Arc<Mutex<Vec<Denial>>> = Arc::default();
     let seen = denials.clone();
+    let allowlist = FixedAllowlist::new(allow.clone());
     let proxy = EgressProxy::new(
-        allow.clone(),
+        allowlist.clone(),
         vec![Cidr::parse("127.0.0.1/32").expect("cidr")],
         Arc::new(StaticResolver(names)),
         None,
@@ -124,7 +125,7 @@ PY"#
     // Amended while the sandbox runs: the next connection sees it.
     let mut amended = allow.clone();
     amended.push("late.sortie-test.dev".into());
-    proxy.set_allowlist(amended);
+    allowlist.set(amended);
     std::fs::write(work.join("go"), "").expect("go");
     let output = tokio::task::spawn_blocking(move || child.wait_with_output())
         .await

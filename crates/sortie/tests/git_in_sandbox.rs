@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
-use sortie_gateway::egress::proxy::{EgressProxy, SystemResolver};
+use sortie_gateway::egress::proxy::{EgressProxy, FixedAllowlist, SystemResolver};
 use sortie_gateway::git::http::{Upstream, Upstreams, router};
 use sortie_protocol::SessionId;
 
@@ -82,7 +82,13 @@ async fn git_inside_a_sandbox_pushes_only_its_own_branch() {
         Arc::new(OneRepo(session.clone(), upstream.clone())),
         PathBuf::from("git"),
     );
-    let proxy = EgressProxy::new(Vec::new(), Vec::new(), Arc::new(SystemResolver), Some(git_routes), None);
+    let proxy = EgressProxy::new(
+        FixedAllowlist::new(Vec::new()),
+        Vec::new(),
+        Arc::new(SystemResolver),
+        Some(git_routes),
+        None,
+    );
     let socket = egress_dir.join("egress.sock");
     let listener = tokio::net::UnixListener::bind(&socket).expect("socket");
     tokio::spawn(proxy.serve(listener));

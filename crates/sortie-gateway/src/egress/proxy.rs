@@ -60,12 +60,61 @@ impl Resolver for StaticResolver {
     }
 }
 
+/// Where a proxy reads the allowlist from, at every connection.
+pub trait AllowlistSource: Send + Sync + 'static {
+    fn allowlist(&self) -> Pin<Box<dyn Future<Output = Vec<String>> + Send + '_>>;
+}
+
+/// An allowlist held in memory (tests, and sandboxes run without a session).
+#[derive(Default)]
+pub struct FixedAllowlist(RwLock<Vec<String>>);
+
+impl FixedAllowlist {
+    pub fn new(allow: Vec<String>) -> Arc<Self> {
+        Arc::new(Self(RwLock::new(allow)))
+    }
+
+    /// Replaces the list; the next connection sees it.
+    pub fn set(&self, allow: Vec<String>) {
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = allow;
+    }
+}
+
+impl AllowlistSource for FixedAllowlist {
+    fn allowlist(&self) -> Pin<Box<dyn Future<Output = Vec<String>> + Send + '_>> {
+        let list = self.0.read().unwrap_or_else(|p| p.into_inner()).clone();
+        Box::pin(async move { list })
+    }
+}
+
+/// A session's allowlist as the store has it, so `POST /v1/sessions/{id}/egress` takes effect on the
+/// next connection. If the store cannot answer, nothing is allowed (fail closed).
+pub struct SessionAllowlist {
+    pub store: Arc<dyn sortie_store::Store>,
+    pub workspace_id: String,
+    pub session_id: sortie_protocol::SessionId,
+}
+
+impl AllowlistSource for SessionAllowlist {
+    fn allowlist(&self) -> Pin<Box<dyn Future<Output = Vec<String>> + Send + '_>> {
+        Box::pin(async move {
+            match self.store.session(&self.workspace_id, &self.session_id).await {
+                Ok(session) => session.egress_allow,
+                Err(error) => {
+                    tracing::warn!(%error, session = %self.session_id, "allowlist unavailable; refusing egress");
+                    Vec::new()
+                }
+            }
+        })
+    }
+}
+
 /// Called for every refusal (the gateway publishes a `data-sortie-egress-denied` part from it).
 pub type DenialHook = Arc<dyn Fn(&Denial) + Send + Sync>;
 
 /// One sandbox's egress proxy.
 pub struct EgressProxy {
-    allowlist: RwLock<Vec<String>>,
+    allowlist: Arc<dyn AllowlistSource>,
     exempt: Vec<Cidr>,
     resolver: Arc<dyn Resolver>,
     internal: Option<Router>,
@@ -74,24 +123,19 @@ pub struct EgressProxy {
 
 impl EgressProxy {
     pub fn new(
-        allowlist: Vec<String>,
+        allowlist: Arc<dyn AllowlistSource>,
         exempt: Vec<Cidr>,
         resolver: Arc<dyn Resolver>,
         internal: Option<Router>,
         on_denied: Option<DenialHook>,
     ) -> Arc<Self> {
         Arc::new(Self {
-            allowlist: RwLock::new(allowlist),
+            allowlist,
             exempt,
             resolver,
             internal,
             on_denied,
         })
-    }
-
-    /// Replaces the allowlist; the next connection sees it.
-    pub fn set_allowlist(&self, allowlist: Vec<String>) {
-        *self.allowlist.write().unwrap_or_else(|p| p.into_inner()) = allowlist;
     }
 
     /// Serves connections from the sandbox until the listener fails.
@@ -127,7 +171,7 @@ impl EgressProxy {
 
     /// Checks the name, resolves it, checks every address, and connects to a vetted one.
     async fn connect(&self, host: &str, port: u16) -> Result<TcpStream, Response<Body>> {
-        let allowlist = self.allowlist.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let allowlist = self.allowlist.allowlist().await;
         if let Err(denial) = policy::check_name(host, port, &allowlist) {
             return Err(self.deny(denial));
         }
