@@ -19,7 +19,8 @@ use agent_client_protocol::v1::ConnectionTo;
 use agent_client_protocol::v1::schema::{
     CancelNotification, ClientCapabilities, ContentBlock, Implementation, InitializeRequest, LoadSessionRequest,
     NewSessionRequest, PermissionOptionKind, PromptRequest, RequestPermissionOutcome, RequestPermissionRequest,
-    RequestPermissionResponse, SelectedPermissionOutcome, SessionId, SetSessionModeRequest, TextContent,
+    RequestPermissionResponse, SelectedPermissionOutcome, SessionId, SessionNotification, SetSessionModeRequest,
+    TextContent,
 };
 use agent_client_protocol::{Agent, Client, Lines};
 use futures::SinkExt;
@@ -342,6 +343,12 @@ async fn run_connection(
     let result = Client
         .v1()
         .name("sortie-driver")
+        // Updates reach the turn through the tee, raw and in order; the crate only has to drop them
+        // (unhandled notifications would pile up in its parked-message queue).
+        .on_receive_notification(
+            async move |_update: SessionNotification, _connection: ConnectionTo<Agent>| Ok(()),
+            agent_client_protocol::on_receive_notification!(),
+        )
         .on_receive_request(
             async move |request: RequestPermissionRequest, responder, connection: ConnectionTo<Agent>| {
                 // Answered from a task of its own: the dispatch loop never waits on it.

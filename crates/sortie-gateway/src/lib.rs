@@ -5,6 +5,7 @@
 //! sees a byte, refusals that `git push` prints). Attach, tickets and the model proxy come next.
 //! Nothing here may ever forward a byte it has not understood, or a credential into a sandbox.
 
+pub mod attach;
 pub mod egress;
 pub mod git;
 pub mod tickets;

@@ -1,0 +1,413 @@
+//! Attach through the gateway: tickets at the door, the active turn from its `start` to `[DONE]` for
+//! clients joining at any moment, many clients at once, and a stream the real AI SDK accepts.
+
+mod support;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sortie_gateway::attach::{AttachState, DriverLocator};
+use sortie_protocol::api::TicketAction;
+use sortie_protocol::ticket::{TICKET_VERSION, TicketClaims, mint};
+use sortie_protocol::{SessionId, SessionPhase, TurnStatus};
+use sortie_store::testing::TestDatabase;
+use sortie_store::{NewSession, NewTurn, RepoAccess, SqlStore, Store, TurnOutcome};
+
+const SECRET: &[u8] = b"attach-test-secret";
+
+struct Drivers(HashMap<SessionId, PathBuf>);
+
+impl DriverLocator for Drivers {
+    fn driver_socket(&self, session_id: &SessionId) -> Option<PathBuf> {
+        self.0.get(session_id).cloned()
+    }
+}
+
+fn build_scripted_agent() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let status = std::process::Command::new(cargo)
+        .args(["build", "--quiet", "-p", "sortie-scripted-agent"])
+        .current_dir(root)
+        .status()
+        .expect("cargo");
+    assert!(status.success());
+}
+
+fn now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+struct World {
+    _temp: tempfile::TempDir,
+    _database: TestDatabase,
+    driver: std::process::Child,
+    driver_client: reqwest::Client,
+    store: Arc<SqlStore>,
+    workspace_id: String,
+    session: SessionId,
+    base: String,
+    client: reqwest::Client,
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        let _ = self.driver.kill();
+        let _ = self.driver.wait();
+    }
+}
+
+impl World {
+    async fn start() -> World {
+        build_scripted_agent();
+        let temp = tempfile::tempdir().expect("temp");
+        let database = TestDatabase::sqlite(temp.path());
+        let store = Arc::new(SqlStore::connect(&database.url).await.expect("store"));
+        let workspace = store
+            .create_workspace("default", RepoAccess::default())
+            .await
+            .expect("workspace");
+        let session = SessionId::generate();
+        store
+            .create_session(NewSession {
+                id: session.clone(),
+                workspace_id: workspace.id.clone(),
+                repo: "https://github.com/o/r.git".into(),
+                base: None,
+                agent: "scripted".into(),
+                model: None,
+                title: "t".into(),
+                egress_allow: Vec::new(),
+                setup: None,
+                task: "t".into(),
+            })
+            .await
+            .expect("session");
+        let socket = temp.path().join("driver.sock");
+        let workspace_dir = temp.path().join("ws");
+        std::fs::create_dir_all(&workspace_dir).expect("ws");
+        let mut driver = support::sortie(temp.path())
+            .arg("driver")
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--workspace")
+            .arg(&workspace_dir)
+            .arg("--home")
+            .arg(temp.path().join("home"))
+            .args(["--agent", "scripted", "--session", session.as_str()])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("driver");
+        let stdout = driver.stdout.take().expect("stdout");
+        let (said, listening) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = said.send(line);
+            }
+        });
+        assert!(
+            listening.recv_timeout(Duration::from_secs(30)).is_ok(),
+            "the driver did not start"
+        );
+
+        let state = AttachState {
+            store: store.clone(),
+            ticket_secret: Arc::from(SECRET),
+            drivers: Arc::new(Drivers([(session.clone(), socket.clone())].into_iter().collect())),
+            allowed_origins: Arc::new(vec!["http://dashboard.local".into()]),
+            heartbeat: Duration::from_secs(15),
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let base = format!("http://{}", listener.local_addr().expect("addr"));
+        tokio::spawn(sortie_gateway::attach::run(listener, state, std::future::pending()));
+        let driver_client = reqwest::Client::builder().unix_socket(socket).build().expect("client");
+        World {
+            _temp: temp,
+            _database: database,
+            driver,
+            driver_client,
+            store,
+            workspace_id: workspace.id,
+            session,
+            base,
+            client: reqwest::Client::new(),
+        }
+    }
+
+    fn ticket(&self, nonce: &str) -> String {
+        let claims = TicketClaims {
+            v: TICKET_VERSION,
+            sub: "tok_test".into(),
+            ws: self.workspace_id.clone(),
+            ses: self.session.to_string(),
+            act: TicketAction::Attach,
+            exp: now() + 60,
+            nonce: nonce.into(),
+        };
+        mint(SECRET, &claims)
+    }
+
+    /// Attaches and returns only the status (a waiting stream never ends by itself).
+    async fn attach_status(&self, nonce: &str) -> u16 {
+        let reply = self
+            .client
+            .get(self.url())
+            .header("authorization", format!("Ticket {}", self.ticket(nonce)))
+            .send()
+            .await
+            .expect("get");
+        reply.status().as_u16()
+    }
+
+    fn url(&self) -> String {
+        format!("{}/v1/sessions/{}/stream", self.base, self.session)
+    }
+
+    async fn attach(&self, nonce: &str) -> (u16, String) {
+        let reply = self
+            .client
+            .get(self.url())
+            .header("authorization", format!("Ticket {}", self.ticket(nonce)))
+            .send()
+            .await
+            .expect("get");
+        let status = reply.status().as_u16();
+        (status, reply.text().await.unwrap_or_default())
+    }
+
+    /// Runs turn `n` in the store (claimed, as a worker would) and on the driver.
+    async fn run_turn(&self, n: u32, script: &str) {
+        let claimed = self
+            .store
+            .claim_turn(&self.session, true, "test")
+            .await
+            .expect("claim")
+            .expect("a turn");
+        assert_eq!(claimed.n, n);
+        let reply = self
+            .driver_client
+            .post("http://driver/turns")
+            .json(&json!({"n": n, "prompt": format!("#!scripted\n{script}")}))
+            .send()
+            .await
+            .expect("turn");
+        assert_eq!(reply.status().as_u16(), 202);
+    }
+
+    async fn driver_parts(&self, n: u32) -> u64 {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let status: Value = self
+                .driver_client
+                .get("http://driver/status")
+                .send()
+                .await
+                .expect("status")
+                .json()
+                .await
+                .expect("json");
+            if let Some(turn) = status["turns"].as_array().and_then(|t| t.iter().find(|t| t["n"] == n))
+                && turn["state"] != "running"
+            {
+                return turn["parts"].as_u64().expect("parts");
+            }
+            assert!(Instant::now() < deadline, "turn {n} did not end");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+fn ids(stream: &str) -> Vec<u64> {
+    stream
+        .lines()
+        .filter_map(|l| l.strip_prefix("id: "))
+        .filter_map(|id| id.parse().ok())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_joining_at_any_moment_get_the_whole_turn_exactly_once() {
+    let world = Arc::new(World::start().await);
+    // Turn 1 waits in the store: the stream answers at once and waits for it (only the head is read).
+    assert_eq!(world.attach_status("early").await, 200);
+
+    world
+        .run_turn(
+            1,
+            "say: begin\nsleep: 400\nflood: 5000\nsleep: 400\nflood: 5000\nsay: end",
+        )
+        .await;
+    let mut readers = Vec::new();
+    let mut seed: u64 = 0xA076_1D64_78BD_642F;
+    for trial in 0..100 {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let delay = Duration::from_millis(seed % 1500);
+        let world = world.clone();
+        readers.push(tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let (status, body) = world.attach(&format!("trial-{trial}")).await;
+            (trial, delay, status, body)
+        }));
+    }
+    let total = world.driver_parts(1).await;
+    assert!(total > 10_000, "{total}");
+    for reader in readers {
+        let (trial, delay, status, body) = reader.await.expect("join");
+        assert_eq!(status, 200, "trial {trial}");
+        assert_eq!(
+            ids(&body),
+            (0..total).collect::<Vec<_>>(),
+            "trial {trial} joined after {delay:?}: no gap, no duplicate"
+        );
+        assert!(
+            body.contains(&format!(r#""messageId":"{}-t1""#, world.session)),
+            "starts at `start`"
+        );
+        assert!(body.ends_with("data: [DONE]\n\n"), "trial {trial}");
+    }
+
+    // The real AI SDK accepts the stream.
+    let kit = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/ai-sdk");
+    if !kit.join("node_modules/ai").exists() {
+        assert!(
+            std::process::Command::new("npm")
+                .args(["ci", "--no-audit", "--no-fund"])
+                .current_dir(&kit)
+                .status()
+                .expect("npm")
+                .success()
+        );
+    }
+    let validated = std::process::Command::new("node")
+        .arg(kit.join("validate.mjs"))
+        .args([
+            "--url",
+            &world.url(),
+            "--header",
+            &format!("Authorization: Ticket {}", world.ticket("validate")),
+        ])
+        .output()
+        .expect("node");
+    assert!(
+        validated.status.success(),
+        "{}",
+        String::from_utf8_lossy(&validated.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_clients_attach_to_one_turn() {
+    let world = Arc::new(World::start().await);
+    world.run_turn(1, "sleep: 1500\nflood: 200\nsay: done").await;
+    let mut readers = Vec::new();
+    for client in 0..1000 {
+        let world = world.clone();
+        readers.push(tokio::spawn(
+            async move { world.attach(&format!("client-{client}")).await },
+        ));
+    }
+    let total = world.driver_parts(1).await;
+    for reader in readers {
+        let (status, body) = reader.await.expect("join");
+        assert_eq!(status, 200);
+        assert_eq!(ids(&body).len() as u64, total, "every client got every part");
+        assert!(body.ends_with("data: [DONE]\n\n"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tickets_guard_the_stream_and_idle_sessions_answer_204() {
+    let world = World::start().await;
+    let unauthenticated = world.client.get(world.url()).send().await.expect("get");
+    assert_eq!(unauthenticated.status().as_u16(), 401);
+    let body: Value = unauthenticated.json().await.expect("json");
+    assert_eq!(body["error"]["code"], "TICKET_INVALID");
+    let ticket = world.ticket("once");
+    let in_url = world
+        .client
+        .get(format!("{}?ticket={ticket}", world.url()))
+        .send()
+        .await
+        .expect("get");
+    assert_eq!(in_url.status().as_u16(), 401);
+    assert_eq!(world.attach_status("replayed").await, 200);
+    let replay = world
+        .client
+        .get(world.url())
+        .header("authorization", format!("Ticket {}", world.ticket("replayed")))
+        .send()
+        .await
+        .expect("get");
+    let body: Value = replay.json().await.expect("json");
+    assert_eq!(body["error"]["code"], "TICKET_REPLAYED");
+
+    // Finish turn 1 in the store: nothing is active any more → 204; ?turn=1 replays it.
+    world.run_turn(1, "say: only turn").await;
+    world.driver_parts(1).await;
+    let done = TurnOutcome {
+        status: TurnStatus::Completed,
+        head_sha: None,
+        failure: None,
+    };
+    assert!(world.store.finish_turn(&world.session, 1, done).await.expect("finish"));
+    world
+        .store
+        .transition_session(&world.session, SessionPhase::Running, SessionPhase::Delivering)
+        .await
+        .expect("deliver");
+    world
+        .store
+        .transition_session(&world.session, SessionPhase::Delivering, SessionPhase::Idle)
+        .await
+        .expect("idle");
+    let (status, body) = world.attach("idle").await;
+    assert_eq!((status, body.as_str()), (204, ""));
+    let replayed = world
+        .client
+        .get(format!("{}?turn=1", world.url()))
+        .header("authorization", format!("Ticket {}", world.ticket("turn-1")))
+        .header("origin", "http://dashboard.local")
+        .send()
+        .await
+        .expect("get");
+    assert_eq!(replayed.status().as_u16(), 200);
+    assert_eq!(
+        replayed
+            .headers()
+            .get("access-control-allow-origin")
+            .and_then(|v| v.to_str().ok()),
+        Some("http://dashboard.local")
+    );
+    assert_eq!(
+        replayed
+            .headers()
+            .get("x-vercel-ai-ui-message-stream")
+            .and_then(|v| v.to_str().ok()),
+        Some("v1")
+    );
+    let text = replayed.text().await.expect("body");
+    assert!(
+        text.contains("only turn") && text.ends_with("data: [DONE]\n\n"),
+        "{text}"
+    );
+    let _ = world
+        .store
+        .steer(
+            &world.workspace_id,
+            &world.session,
+            NewTurn {
+                prompt: "x".into(),
+                mode: Default::default(),
+            },
+        )
+        .await;
+}
