@@ -15,7 +15,7 @@ use sortie_protocol::api::TicketAction;
 use sortie_protocol::ticket::{TICKET_VERSION, TicketClaims, mint};
 use sortie_protocol::{SessionId, SessionPhase, TurnStatus};
 use sortie_store::testing::TestDatabase;
-use sortie_store::{NewSession, NewTurn, RepoAccess, SqlStore, Store, TurnOutcome};
+use sortie_store::{NewSession, RepoAccess, SqlStore, Store, TurnOutcome};
 
 const SECRET: &[u8] = b"attach-test-secret";
 
@@ -399,15 +399,4 @@ async fn tickets_guard_the_stream_and_idle_sessions_answer_204() {
         text.contains("only turn") && text.ends_with("data: [DONE]\n\n"),
         "{text}"
     );
-    let _ = world
-        .store
-        .steer(
-            &world.workspace_id,
-            &world.session,
-            NewTurn {
-                prompt: "x".into(),
-                mode: Default::default(),
-            },
-        )
-        .await;
 }
