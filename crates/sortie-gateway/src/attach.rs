@@ -214,6 +214,7 @@ fn live_tail(
             let _ = sender.send(Bytes::from_static(SSE_DONE)).await;
             return;
         }
+        let mut quiet_since = std::time::Instant::now();
         loop {
             if let Some(socket) = &driver
                 && let Some(mut body) = open_driver_stream(socket, n, after).await
@@ -248,8 +249,11 @@ fn live_tail(
                 let _ = sender.send(Bytes::from_static(SSE_DONE)).await;
                 return;
             }
-            if sender.send(Bytes::from_static(b": keep-alive\n\n")).await.is_err() {
-                return;
+            if quiet_since.elapsed() >= heartbeat {
+                if sender.send(Bytes::from_static(b": keep-alive\n\n")).await.is_err() {
+                    return;
+                }
+                quiet_since = std::time::Instant::now();
             }
             tokio::time::sleep(heartbeat.min(Duration::from_millis(250))).await;
         }

@@ -104,8 +104,19 @@ pub async fn run(
     state: ApiState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    run_with(listener, state, Router::new(), shutdown).await
+}
+
+/// Serves the api role together with routes of other roles in the same process (the gateway's
+/// `/v1/sessions/{id}/stream` in `sortie serve`).
+pub async fn run_with(
+    listener: TcpListener,
+    state: ApiState,
+    others: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     metrics_layer::install_recorder();
-    axum::serve(listener, router(state))
+    axum::serve(listener, others.merge(router(state)))
         .with_graceful_shutdown(shutdown)
         .await
 }

@@ -54,16 +54,38 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
     println!("sortie listening on http://{address}");
     tracing::info!(%address, data_dir = %data_dir.display(), backend = ?store.backend(), "serving");
 
+    let attach = sortie_gateway::attach::AttachState {
+        store: store.clone(),
+        ticket_secret: Arc::from(ticket_secret.expose()),
+        // Sandboxes and their drivers come with the worker; until then a stream waits for its turn.
+        drivers: Arc::new(NoDrivers),
+        allowed_origins: Arc::new(Vec::new()),
+        heartbeat: std::time::Duration::from_secs(15),
+    };
     let state = ApiState {
         store: store.clone(),
         agents: Arc::new(agents),
         ticket_secret,
     };
-    sortie_server::run(listener, state, shutdown_signal())
-        .await
-        .context("the server failed")?;
+    sortie_server::run_with(
+        listener,
+        state,
+        sortie_gateway::attach::router(attach),
+        shutdown_signal(),
+    )
+    .await
+    .context("the server failed")?;
     store.close().await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// No session has a driver yet: the worker that starts sandboxes is not part of this build.
+struct NoDrivers;
+
+impl sortie_gateway::attach::DriverLocator for NoDrivers {
+    fn driver_socket(&self, _session_id: &sortie_protocol::SessionId) -> Option<std::path::PathBuf> {
+        None
+    }
 }
 
 /// On first start: workspace `default` and an admin token, printed once and saved mode 0600.

@@ -278,3 +278,74 @@ fn serve_runs_on_postgres_too() {
     drop(server);
     drop(database);
 }
+
+#[test]
+fn serve_answers_the_stream_with_single_use_tickets() {
+    let temp = tempfile::tempdir().expect("temp");
+    let data_dir = temp.path().join("data");
+    let server = Server::start(temp.path(), &data_dir, None);
+    let token = std::fs::read_to_string(data_dir.join("admin-token"))
+        .expect("token")
+        .trim()
+        .to_owned();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let client = reqwest::Client::new();
+        let created: Value = client
+            .post(format!("{}/v1/sessions", server.url))
+            .bearer_auth(&token)
+            .json(&serde_json::json!({"repo": "https://github.com/o/r.git", "task": "watch me"}))
+            .send()
+            .await
+            .expect("create")
+            .json()
+            .await
+            .expect("json");
+        let id = created["id"].as_str().expect("id");
+        let minted: Value = client
+            .post(format!("{}/v1/sessions/{id}/attach-ticket", server.url))
+            .bearer_auth(&token)
+            .send()
+            .await
+            .expect("ticket")
+            .json()
+            .await
+            .expect("json");
+        let stream_url = format!("{}{}", server.url, minted["stream_url"].as_str().expect("url"));
+        let ticket = minted["ticket"].as_str().expect("ticket");
+        // The queued turn has no driver yet: the stream opens and waits (only its head is read).
+        let open = client
+            .get(&stream_url)
+            .header("authorization", format!("Ticket {ticket}"))
+            .send()
+            .await
+            .expect("stream");
+        assert_eq!(open.status().as_u16(), 200);
+        assert_eq!(
+            open.headers()
+                .get("x-vercel-ai-ui-message-stream")
+                .and_then(|v| v.to_str().ok()),
+            Some("v1")
+        );
+        drop(open);
+        let replay = client
+            .get(&stream_url)
+            .header("authorization", format!("Ticket {ticket}"))
+            .send()
+            .await
+            .expect("stream");
+        assert_eq!(replay.status().as_u16(), 401);
+        let refusal: Value = replay.json().await.expect("json");
+        assert_eq!(refusal["error"]["code"], "TICKET_REPLAYED");
+        let bearer = client
+            .get(&stream_url)
+            .bearer_auth(&token)
+            .send()
+            .await
+            .expect("stream");
+        assert_eq!(bearer.status().as_u16(), 401, "a bearer token is not a ticket");
+    });
+}
