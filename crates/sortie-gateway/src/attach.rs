@@ -42,7 +42,7 @@ pub struct AttachState {
 
 pub fn router(state: AttachState) -> Router {
     Router::new()
-        .route("/v1/sessions/{id}/stream", get(attach).options(preflight))
+        .route("/v1/sessions/{id}/stream", get(attach).post(submit).options(preflight))
         .with_state(state)
 }
 
@@ -156,6 +156,113 @@ async fn attach(
         return response;
     };
 
+    turn_stream(&state, &session, &claims.ws, &turn, &headers).await
+}
+
+/// The body useChat's `DefaultChatTransport` posts.
+#[derive(Debug, Deserialize)]
+struct ChatSubmit {
+    #[serde(default)]
+    messages: Vec<serde_json::Value>,
+}
+
+/// The text of the last user message of a useChat submit.
+fn last_user_text(messages: &[serde_json::Value]) -> Option<String> {
+    let message = messages.iter().rev().find(|m| m["role"] == "user")?;
+    let text: Vec<&str> = message["parts"]
+        .as_array()?
+        .iter()
+        .filter(|p| p["type"] == "text")
+        .filter_map(|p| p["text"].as_str())
+        .collect();
+    Some(text.join("\n")).filter(|t| !t.trim().is_empty())
+}
+
+/// `POST …/stream` (useChat submit): the last user message becomes a steer, answered with its stream.
+async fn submit(
+    State(state): State<AttachState>,
+    UrlPath(id): UrlPath<String>,
+    OriginalUri(uri): OriginalUri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let Ok(session) = SessionId::parse(&id) else {
+        return refuse(ErrorCode::SessionNotFound, "no session with this id");
+    };
+    let claims = match tickets::check(
+        state.store.as_ref(),
+        &state.ticket_secret,
+        &headers,
+        &uri,
+        &session,
+        TicketAction::Turn,
+        now_seconds(),
+    )
+    .await
+    {
+        Ok(claims) => claims,
+        Err(refusal) => return refuse(refusal.code, &refusal.message),
+    };
+    if body.len() > 4 * 1024 * 1024 {
+        return refuse(ErrorCode::BodyTooLarge, "the request body is too large");
+    }
+    let Ok(request) = serde_json::from_slice::<ChatSubmit>(&body) else {
+        return refuse(
+            ErrorCode::InvalidRequest,
+            "the body is not a useChat request ({id, messages, trigger})",
+        );
+    };
+    let Some(prompt) = last_user_text(&request.messages) else {
+        return refuse(ErrorCode::InvalidRequest, "no user message with text to send");
+    };
+    if let Err(refusal) = sortie_protocol::validate::check_prompt("prompt", &prompt) {
+        return refuse(refusal.code, &refusal.message);
+    }
+    let turn = match state
+        .store
+        .steer(
+            &claims.ws,
+            &session,
+            sortie_store::NewTurn {
+                prompt,
+                mode: Default::default(),
+            },
+        )
+        .await
+    {
+        Ok(turn) => turn,
+        Err(StoreError::NotFound) => {
+            return refuse(ErrorCode::SessionNotFound, "no session with this id in your workspace");
+        }
+        Err(StoreError::NotSteerable(why)) => {
+            return refuse(ErrorCode::SessionNotSteerable, &format!("the session is {why}"));
+        }
+        Err(StoreError::TurnQueueFull(_)) => {
+            return refuse(
+                ErrorCode::TurnQueueFull,
+                "the session has the most turns waiting it may have",
+            );
+        }
+        Err(StoreError::PromptsTooLarge { .. }) => {
+            return refuse(
+                ErrorCode::SessionPromptsTooLarge,
+                "the session's prompts would pass 8 MiB",
+            );
+        }
+        Err(_) => return refuse(ErrorCode::StoreUnavailable, "the store did not answer; try again"),
+    };
+    turn_stream(&state, &session, &claims.ws, &turn, &headers).await
+}
+
+/// Answers turn `turn`'s stream: its stored parts, then the driver's live tail, then `[DONE]`.
+async fn turn_stream(
+    state: &AttachState,
+    session: &SessionId,
+    workspace_id: &str,
+    turn: &TurnRow,
+    headers: &HeaderMap,
+) -> Response {
+    let session = session.clone();
     let stored: Vec<(u64, String)> = match state.store.parts(&session).await {
         Ok(parts) => parts
             .into_iter()
@@ -179,7 +286,7 @@ async fn attach(
         ended && last_stored.is_some(),
         state.heartbeat,
         state.store.clone(),
-        claims.ws.clone(),
+        workspace_id.to_owned(),
     );
     let body = futures::stream::once(async move { Ok::<_, std::convert::Infallible>(Bytes::from(prefix)) }).chain(tail);
     let mut response = Response::new(Body::from_stream(body));
@@ -191,7 +298,7 @@ async fn attach(
             response.headers_mut().insert(name, value);
         }
     }
-    cors(&state, &headers, &mut response);
+    cors(state, headers, &mut response);
     response
 }
 

@@ -142,12 +142,16 @@ impl World {
     }
 
     fn ticket(&self, nonce: &str) -> String {
+        self.ticket_for(nonce, TicketAction::Attach)
+    }
+
+    fn ticket_for(&self, nonce: &str, action: TicketAction) -> String {
         let claims = TicketClaims {
             v: TICKET_VERSION,
             sub: "tok_test".into(),
             ws: self.workspace_id.clone(),
             ses: self.session.to_string(),
-            act: TicketAction::Attach,
+            act: action,
             exp: now() + 60,
             nonce: nonce.into(),
         };
@@ -397,6 +401,109 @@ async fn tickets_guard_the_stream_and_idle_sessions_answer_204() {
     let text = replayed.text().await.expect("body");
     assert!(
         text.contains("only turn") && text.ends_with("data: [DONE]\n\n"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_submit_becomes_a_steer_answered_with_its_stream() {
+    let world = Arc::new(World::start().await);
+    world.run_turn(1, "say: first").await;
+    world.driver_parts(1).await;
+    let done = TurnOutcome {
+        status: TurnStatus::Completed,
+        head_sha: None,
+        failure: None,
+    };
+    assert!(world.store.finish_turn(&world.session, 1, done).await.expect("finish"));
+    world
+        .store
+        .transition_session(&world.session, SessionPhase::Running, SessionPhase::Delivering)
+        .await
+        .expect("deliver");
+    world
+        .store
+        .transition_session(&world.session, SessionPhase::Delivering, SessionPhase::Idle)
+        .await
+        .expect("idle");
+
+    let body = json!({
+        "id": world.session.to_string(),
+        "trigger": "submit-message",
+        "messages": [
+            {"id": "u1", "role": "user", "parts": [{"type": "text", "text": "the first task"}]},
+            {"id": "a1", "role": "assistant", "parts": [{"type": "text", "text": "first"}]},
+            {"id": "u2", "role": "user", "parts": [{"type": "text", "text": "#!scripted\nsay: steered through the chat"}]},
+        ],
+    });
+    let attach_ticket = world.ticket("attach-not-turn");
+    let wrong = world
+        .client
+        .post(world.url())
+        .header("authorization", format!("Ticket {attach_ticket}"))
+        .json(&body)
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(wrong.status().as_u16(), 401, "an attach ticket cannot submit a turn");
+    let submit = {
+        let world = world.clone();
+        let body = body.clone();
+        tokio::spawn(async move {
+            let reply = world
+                .client
+                .post(world.url())
+                .header(
+                    "authorization",
+                    format!("Ticket {}", world.ticket_for("submit", TicketAction::Turn)),
+                )
+                .json(&body)
+                .send()
+                .await
+                .expect("post");
+            (reply.status().as_u16(), reply.text().await.unwrap_or_default())
+        })
+    };
+    // Play the worker: wait for the steer to land in the store, then run it on the driver.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let prompt = loop {
+        let turns = world
+            .store
+            .turns(&world.workspace_id, &world.session)
+            .await
+            .expect("turns");
+        if let Some(turn) = turns.iter().find(|t| t.n == 2) {
+            break turn.prompt.clone();
+        }
+        assert!(Instant::now() < deadline, "the submit never became a turn");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(prompt, "#!scripted\nsay: steered through the chat");
+    world
+        .store
+        .claim_turn(&world.session, true, "test")
+        .await
+        .expect("claim")
+        .expect("turn 2");
+    let reply = world
+        .driver_client
+        .post("http://driver/turns")
+        .json(&json!({"n": 2, "prompt": prompt}))
+        .send()
+        .await
+        .expect("turn");
+    assert_eq!(reply.status().as_u16(), 202);
+    let (status, text) = tokio::time::timeout(Duration::from_secs(30), submit)
+        .await
+        .expect("in time")
+        .expect("join");
+    assert_eq!(status, 200);
+    assert!(
+        text.contains(&format!(r#""messageId":"{}-t2""#, world.session)),
+        "{text}"
+    );
+    assert!(
+        text.contains("steered through the chat") && text.ends_with("data: [DONE]\n\n"),
         "{text}"
     );
 }
