@@ -44,6 +44,7 @@ pub fn router(driver: Driver) -> Router {
         .route("/turns/{n}/stream", get(stream_turn))
         .route("/turns/{n}/cancel", post(cancel_turn))
         .route("/status", get(status))
+        .route("/parts", post(own_part))
         .layer(axum::extract::DefaultBodyLimit::max(TURN_BODY_MAX))
         .with_state(driver)
 }
@@ -87,6 +88,46 @@ async fn start_turn(State(driver): State<Driver>, body: Bytes) -> Response {
         Err(error @ StartError::AnotherTurnRunning(_)) => {
             refuse(StatusCode::CONFLICT, "TURN_RUNNING", error.to_string())
         }
+    }
+}
+
+/// `POST /parts`: a part of sortie's own for the running turn (`data-sortie-*` only).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OwnPart {
+    /// The part's type without `data-`, e.g. `sortie-egress-denied`.
+    pub name: String,
+    pub data: serde_json::Value,
+}
+
+async fn own_part(State(driver): State<Driver>, body: Bytes) -> Response {
+    let part: OwnPart = match serde_json::from_slice(&body) {
+        Ok(part) => part,
+        Err(error) => {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                "INVALID_REQUEST",
+                format!("the body is not a part: {error}"),
+            );
+        }
+    };
+    if !part.name.starts_with("sortie-") || !part.name.bytes().all(|b| b.is_ascii_lowercase() || b == b'-') {
+        return refuse(
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+            "only data-sortie-* parts may be added",
+        );
+    }
+    let chunk = sortie_protocol::chunk::UiChunk::Data {
+        name: part.name,
+        id: None,
+        data: part.data,
+        transient: false,
+    };
+    if driver.push_own(chunk) {
+        (StatusCode::ACCEPTED, Json(json!({"added": true}))).into_response()
+    } else {
+        refuse(StatusCode::CONFLICT, "NO_TURN_RUNNING", "no turn is running")
     }
 }
 

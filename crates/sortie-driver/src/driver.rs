@@ -64,6 +64,8 @@ struct TurnRecord {
     hub: Arc<TurnHub>,
     report: TurnReport,
     cancel: Arc<Notify>,
+    /// Parts of sortie's own (an egress denial) to put into the turn's stream, in order.
+    own: tokio::sync::mpsc::UnboundedSender<UiChunk>,
 }
 
 struct Shared {
@@ -148,17 +150,19 @@ impl Driver {
             parts: 0,
         };
         let cancel = Arc::new(Notify::new());
+        let (own, own_parts) = tokio::sync::mpsc::unbounded_channel();
         turns.insert(
             n,
             TurnRecord {
                 hub: hub.clone(),
                 report: report.clone(),
                 cancel: cancel.clone(),
+                own,
             },
         );
         drop(turns);
         let shared = self.shared.clone();
-        tokio::spawn(async move { run_turn(shared, n, prompt, hub, cancel).await });
+        tokio::spawn(async move { run_turn(shared, n, prompt, hub, cancel, own_parts).await });
         Ok(report)
     }
 
@@ -172,6 +176,15 @@ impl Driver {
             }
             _ => false,
         }
+    }
+
+    /// Adds a part of sortie's own (`data-sortie-*`) to the running turn; `false` if none runs.
+    pub fn push_own(&self, chunk: UiChunk) -> bool {
+        let turns = lock(&self.shared.turns);
+        turns
+            .values()
+            .find(|t| t.report.state == TurnState::Running)
+            .is_some_and(|t| t.own.send(chunk).is_ok())
     }
 
     /// The hub of turn `n`, if this driver ran it.
@@ -220,7 +233,14 @@ fn with_stderr(reason: String, agent: &AgentHandle) -> String {
     }
 }
 
-async fn run_turn(shared: Arc<Shared>, n: u32, prompt: String, hub: Arc<TurnHub>, cancel: Arc<Notify>) {
+async fn run_turn(
+    shared: Arc<Shared>,
+    n: u32,
+    prompt: String,
+    hub: Arc<TurnHub>,
+    cancel: Arc<Notify>,
+    mut own_parts: tokio::sync::mpsc::UnboundedReceiver<UiChunk>,
+) {
     let config = shared.config.clone();
     let mut mapper = Mapper::new(format!("{}-t{n}", config.session_id));
     let mut chunks = Vec::new();
@@ -343,6 +363,11 @@ async fn run_turn(shared: Arc<Shared>, n: u32, prompt: String, hub: Arc<TurnHub>
                 agent.kill_group(config.kill_grace).await;
                 *agent_slot = None;
                 break Outcome::failed("TURN_TIMEOUT", format!("the turn ran past its limit of {}s; the agent was stopped", config.turn_timeout.as_secs()));
+            }
+            Some(chunk) = own_parts.recv() => {
+                mapper.push_own(chunk, &mut chunks);
+                hub.publish(&chunks);
+                chunks.clear();
             }
             () = cancel.notified(), if kill_at.is_none() => {
                 canceled = true;

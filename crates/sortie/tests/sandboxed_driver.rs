@@ -5,6 +5,7 @@ mod support;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -165,4 +166,124 @@ async fn a_turn_runs_inside_the_sandbox_and_reaches_out_only_through_the_relay()
     runtime.stop(&name, Duration::from_secs(2)).await.expect("stop");
     let usage = runtime.destroy(&name).await.expect("destroy");
     assert!(usage.cpu_seconds > 0.0, "{usage:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocked_connection_shows_up_in_the_stream_at_once() {
+    use sortie_gateway::egress::proxy::{EgressProxy, FixedAllowlist, SystemResolver, report_to_driver};
+    build_scripted_agent();
+    let temp = tempfile::tempdir().expect("temp");
+    std::fs::set_permissions(temp.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let dirs = ["workspace", "home", "run", "egress", "state", "bin"].map(|d| {
+        let path = temp.path().join(d);
+        std::fs::create_dir_all(&path).expect("dir");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        path
+    });
+    let [workspace, home, run_dir, egress_dir, state, bin_dir] = dirs;
+    let runtime = LocalRuntime::new(LocalConfig::new(state)).expect("runtime");
+    let built = Path::new(support::BINARY).parent().expect("bin dir").to_owned();
+    for binary in ["sortie", "sortie-scripted-agent"] {
+        std::fs::copy(built.join(binary), bin_dir.join(binary)).expect("copy binary");
+    }
+
+    // The real egress proxy with an empty allowlist; its denials go into the turn's stream.
+    let driver_socket = run_dir.join("driver.sock");
+    let proxy = EgressProxy::new(
+        FixedAllowlist::new(Vec::new()),
+        Vec::new(),
+        Arc::new(SystemResolver),
+        None,
+        Some(report_to_driver(driver_socket.clone())),
+    );
+    let egress_socket = egress_dir.join("egress.sock");
+    let listener = tokio::net::UnixListener::bind(&egress_socket).expect("egress");
+    runtime.grant_socket(&egress_socket).expect("grant");
+    tokio::spawn(proxy.serve(listener));
+
+    let sortie = bin_dir.join("sortie").display().to_string();
+    let command = [
+        sortie.as_str(),
+        "driver",
+        "--socket",
+        inside::DRIVER_SOCKET,
+        "--workspace",
+        inside::WORKSPACE,
+        "--home",
+        inside::HOME,
+        "--agent",
+        "scripted",
+        "--session",
+        "ses_blocked",
+        "--egress-socket",
+        inside::EGRESS_SOCKET,
+    ];
+    let name = format!("blocked-{}", std::process::id());
+    let spec = SandboxSpec {
+        name: name.clone(),
+        workspace,
+        home,
+        run_dir,
+        egress_dir: Some(egress_dir),
+        read_only: vec![bin_dir],
+        env: Vec::new(),
+        command: command.iter().map(|s| (*s).to_owned()).collect(),
+        limits: Limits::default(),
+        stdio: SandboxStdio::Null,
+    };
+    runtime.create(spec).await.expect("create");
+    runtime.start(&name).await.expect("start");
+    let client = reqwest::Client::builder()
+        .unix_socket(driver_socket.clone())
+        .build()
+        .expect("client");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !client
+        .get("http://driver/status")
+        .send()
+        .await
+        .map(|r| r.status().is_success())
+        .unwrap_or(false)
+    {
+        assert!(Instant::now() < deadline, "the driver inside never answered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let script = "#!scripted\nrun: python3 -c \"import urllib.request; urllib.request.urlopen('http://blocked.example.org/')\"\nsleep: 300\nsay: done";
+    let started = client
+        .post("http://driver/turns")
+        .json(&json!({"n": 1, "prompt": script}))
+        .send()
+        .await
+        .expect("turn");
+    assert_eq!(started.status().as_u16(), 202);
+    let stream = client
+        .get("http://driver/turns/1/stream")
+        .send()
+        .await
+        .expect("stream")
+        .text()
+        .await
+        .expect("body");
+    let denied: Vec<Value> = stream
+        .lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .filter_map(|json| serde_json::from_str::<Value>(json).ok())
+        .filter(|chunk| chunk["type"] == "data-sortie-egress-denied")
+        .collect();
+    assert_eq!(denied.len(), 1, "{stream}");
+    assert_eq!(denied[0]["data"]["host"], "blocked.example.org");
+    assert_eq!(denied[0]["data"]["port"], 80);
+    assert!(
+        denied[0]["data"]["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("allowlist"),
+        "{stream}"
+    );
+    assert!(
+        stream.contains("HTTP Error 403"),
+        "the agent saw the refusal too: {stream}"
+    );
+    runtime.stop(&name, Duration::from_secs(2)).await.expect("stop");
+    runtime.destroy(&name).await.expect("destroy");
 }

@@ -112,6 +112,34 @@ impl AllowlistSource for SessionAllowlist {
 /// Called for every refusal (the gateway publishes a `data-sortie-egress-denied` part from it).
 pub type DenialHook = Arc<dyn Fn(&Denial) + Send + Sync>;
 
+/// A hook that puts every denial into the running turn's stream as a `data-sortie-egress-denied`
+/// part, through the driver's `POST /parts`, so the user sees a blocked connection at once.
+pub fn report_to_driver(driver_socket: std::path::PathBuf) -> DenialHook {
+    Arc::new(move |denial: &Denial| {
+        let socket = driver_socket.clone();
+        let part = serde_json::json!({
+            "name": "sortie-egress-denied",
+            "data": {"host": denial.host, "port": denial.port, "reason": denial.reason},
+        });
+        tokio::spawn(async move {
+            let Ok(stream) = tokio::net::UnixStream::connect(&socket).await else {
+                return;
+            };
+            let Ok((mut sender, connection)) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await else {
+                return;
+            };
+            tokio::spawn(connection);
+            let request = Request::post("/parts")
+                .header(header::HOST, "driver")
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(http_body_util::Full::new(axum::body::Bytes::from(part.to_string())));
+            if let Ok(request) = request {
+                let _ = sender.send_request(request).await;
+            }
+        });
+    })
+}
+
 /// One sandbox's egress proxy.
 pub struct EgressProxy {
     allowlist: Arc<dyn AllowlistSource>,
