@@ -40,6 +40,9 @@ pub struct AttachState {
     pub heartbeat: Duration,
 }
 
+/// How long a client may leave its buffer full before it is disconnected.
+pub const SLOW_CLIENT_LIMIT: Duration = Duration::from_secs(30);
+
 pub fn router(state: AttachState) -> Router {
     Router::new()
         .route("/v1/sessions/{id}/stream", get(attach).post(submit).options(preflight))
@@ -329,8 +332,13 @@ fn live_tail(
                 loop {
                     match tokio::time::timeout(heartbeat, body.frame()).await {
                         Ok(Some(Ok(frame))) => {
+                            // A client that takes nothing for this long is dropped (it can attach again);
+                            // only its own connection to the driver ever waited for it.
                             if let Ok(data) = frame.into_data()
-                                && sender.send(data).await.is_err()
+                                && !matches!(
+                                    tokio::time::timeout(SLOW_CLIENT_LIMIT, sender.send(data)).await,
+                                    Ok(Ok(()))
+                                )
                             {
                                 return;
                             }

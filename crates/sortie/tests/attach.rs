@@ -507,3 +507,31 @@ async fn a_chat_submit_becomes_a_steer_answered_with_its_stream() {
         "{text}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_slows_no_one() {
+    let world = Arc::new(World::start().await);
+    world.run_turn(1, "sleep: 300\nflood: 100000").await;
+    // Attached, then never reads a byte of the body.
+    let stalled = world
+        .client
+        .get(world.url())
+        .header("authorization", format!("Ticket {}", world.ticket("stalled")))
+        .send()
+        .await
+        .expect("get");
+    assert_eq!(stalled.status().as_u16(), 200);
+    let started = Instant::now();
+    let (status, body) = tokio::time::timeout(Duration::from_secs(60), world.attach("reader"))
+        .await
+        .expect("the reader was not held up");
+    assert_eq!(status, 200);
+    let total = world.driver_parts(1).await;
+    assert_eq!(ids(&body).len() as u64, total);
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "read in {:?}",
+        started.elapsed()
+    );
+    drop(stalled);
+}
