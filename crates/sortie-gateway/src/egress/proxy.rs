@@ -185,6 +185,7 @@ impl EgressProxy {
 
     fn deny(&self, denial: Denial) -> Response<Body> {
         tracing::info!(host = %denial.host, port = denial.port, reason = %denial.reason, "egress denied");
+        metrics::counter!("sortie_egress_decisions_total", "decision" => "denied").increment(1);
         if let Some(hook) = &self.on_denied {
             hook(&denial);
         }
@@ -225,6 +226,8 @@ impl EgressProxy {
                 reason: format!("the name resolves to {reason}"),
             }));
         }
+        metrics::counter!("sortie_egress_decisions_total", "decision" => "allowed").increment(1);
+        tracing::debug!(%host, port, "egress allowed");
         let mut last_error = None;
         for address in addresses {
             match TcpStream::connect(address).await {

@@ -155,6 +155,7 @@ async fn receive_pack_route(
             side_band,
         } => {
             tracing::warn!(session = %session, %reason, "push refused");
+            metrics::counter!("sortie_git_pushes_total", "decision" => "refused").increment(1);
             // Read the rest before answering: git reports a broken pipe instead of the reason otherwise.
             while let Some(Ok(_)) = stream.next().await {}
             let answer = receive_pack::refusal(&reason, &refnames, side_band);
@@ -169,6 +170,7 @@ async fn receive_pack_route(
                 .into_response()
         }
         Decision::Probe | Decision::Allow { .. } => {
+            metrics::counter!("sortie_git_pushes_total", "decision" => "forwarded").increment(1);
             let rest = Body::from_stream(stream);
             cgi(
                 &proxy.git,
