@@ -117,6 +117,31 @@ fn active_turn(turns: &[TurnRow], asked: Option<u32>) -> Option<&TurnRow> {
     }
 }
 
+/// The session a stream request names, and the claims of its ticket for `action`.
+async fn admit(
+    state: &AttachState,
+    id: &str,
+    uri: &axum::http::Uri,
+    headers: &HeaderMap,
+    action: TicketAction,
+) -> Result<(SessionId, sortie_protocol::ticket::TicketClaims), tickets::TicketRefusal> {
+    let session = SessionId::parse(id).map_err(|_| tickets::TicketRefusal {
+        code: ErrorCode::SessionNotFound,
+        message: "no session with this id".into(),
+    })?;
+    let claims = tickets::check(
+        state.store.as_ref(),
+        &state.ticket_secret,
+        headers,
+        uri,
+        &session,
+        action,
+        now_seconds(),
+    )
+    .await?;
+    Ok((session, claims))
+}
+
 async fn attach(
     State(state): State<AttachState>,
     UrlPath(id): UrlPath<String>,
@@ -124,21 +149,8 @@ async fn attach(
     Query(query): Query<AttachQuery>,
     headers: HeaderMap,
 ) -> Response {
-    let Ok(session) = SessionId::parse(&id) else {
-        return refuse(ErrorCode::SessionNotFound, "no session with this id");
-    };
-    let claims = match tickets::check(
-        state.store.as_ref(),
-        &state.ticket_secret,
-        &headers,
-        &uri,
-        &session,
-        TicketAction::Attach,
-        now_seconds(),
-    )
-    .await
-    {
-        Ok(claims) => claims,
+    let (session, claims) = match admit(&state, &id, &uri, &headers, TicketAction::Attach).await {
+        Ok(admitted) => admitted,
         Err(refusal) => return refuse(refusal.code, &refusal.message),
     };
     let turns = match state.store.turns(&claims.ws, &session).await {
@@ -189,21 +201,8 @@ async fn submit(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let Ok(session) = SessionId::parse(&id) else {
-        return refuse(ErrorCode::SessionNotFound, "no session with this id");
-    };
-    let claims = match tickets::check(
-        state.store.as_ref(),
-        &state.ticket_secret,
-        &headers,
-        &uri,
-        &session,
-        TicketAction::Turn,
-        now_seconds(),
-    )
-    .await
-    {
-        Ok(claims) => claims,
+    let (session, claims) = match admit(&state, &id, &uri, &headers, TicketAction::Turn).await {
+        Ok(admitted) => admitted,
         Err(refusal) => return refuse(refusal.code, &refusal.message),
     };
     if body.len() > 4 * 1024 * 1024 {
