@@ -285,3 +285,163 @@ async fn only_smart_http_of_known_sessions_is_served() {
         200
     );
 }
+
+/// Maps one session to a forge URL with a token.
+struct Forge(SessionId, String, String);
+
+impl Upstreams for Forge {
+    fn upstream(&self, session_id: &SessionId) -> Option<Upstream> {
+        (session_id == &self.0).then(|| Upstream::Remote {
+            url: self.1.clone(),
+            token: self.2.clone(),
+        })
+    }
+}
+
+/// A fake forge: smart HTTP (the git router over a local repository) behind Basic auth, as GitHub
+/// takes installation tokens (`x-access-token:<token>`). Answers 401 to anything else.
+/// (The fake reuses sortie's own git router, so it serves the repository under the same session id
+/// and confines pushes the same way a forge's branch protection would not; tests push the own branch.)
+async fn fake_forge(
+    upstream: PathBuf,
+    token: &str,
+    redirect: bool,
+    session: &SessionId,
+) -> (String, Arc<std::sync::Mutex<Vec<String>>>) {
+    use base64::Engine;
+    let session = session.clone();
+    let expected = format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(format!("x-access-token:{token}"))
+    );
+    let seen: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+    let record = seen.clone();
+    let inner = router(
+        Arc::new(OneRepo {
+            session: session.clone(),
+            path: upstream,
+        }),
+        PathBuf::from("git"),
+    );
+    let app = inner.layer(axum::middleware::from_fn(
+        move |request: axum::extract::Request, next: axum::middleware::Next| {
+            let expected = expected.clone();
+            let record = record.clone();
+            async move {
+                let auth = request
+                    .headers()
+                    .get("authorization")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_owned();
+                record.lock().expect("lock").push(format!(
+                    "{} {} auth={}",
+                    request.method(),
+                    request.uri(),
+                    auth == expected
+                ));
+                if redirect {
+                    return axum::response::Response::builder()
+                        .status(302)
+                        .header("location", "http://127.0.0.1:9/elsewhere")
+                        .body(axum::body::Body::empty())
+                        .expect("response");
+                }
+                if auth != expected {
+                    return axum::response::Response::builder()
+                        .status(401)
+                        .header("www-authenticate", "Basic realm=forge")
+                        .body(axum::body::Body::empty())
+                        .expect("response");
+                }
+                next.run(request).await
+            }
+        },
+    ));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!(
+        "http://{}/_sortie/git/{session}.git",
+        listener.local_addr().expect("addr")
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, seen)
+}
+
+async fn proxy_for(upstreams: Arc<dyn Upstreams>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let app = router(upstreams, PathBuf::from("git"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    base
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forge_gets_the_credential_and_the_client_never_does() {
+    let setup = setup().await;
+    let token = "ghs_s3cr3t-installation-token";
+    let session = SessionId::generate();
+    let (forge_url, seen) = fake_forge(setup.upstream.clone(), token, false, &session).await;
+    let base = proxy_for(Arc::new(Forge(session.clone(), forge_url, token.to_owned()))).await;
+    let url = format!("{base}/_sortie/git/{session}.git");
+    let work = setup.root.join("forge-work");
+    let cloned = ok(git(
+        &setup.root,
+        &setup.root,
+        &["clone", &url, work.to_str().expect("utf-8")],
+    ));
+    let own = format!("refs/heads/sortie/{session}");
+    commit(&work, &setup.root, "f.txt", b"f\n");
+    let pushed = ok(git(&work, &setup.root, &["push", "origin", &format!("HEAD:{own}")]));
+    assert_eq!(rev(&setup.upstream, &setup.root, &own), rev(&work, &setup.root, "HEAD"));
+    let refused = git(&work, &setup.root, &["push", "origin", "HEAD:refs/heads/main"]);
+    assert!(!refused.status.success() && String::from_utf8_lossy(&refused.stderr).contains("sortie: push refused"));
+    let requests = seen.lock().expect("lock").clone();
+    assert!(
+        !requests.is_empty() && requests.iter().all(|r| r.ends_with("auth=true")),
+        "the forge saw the credential every time: {requests:?}"
+    );
+    let config = std::fs::read_to_string(work.join(".git/config")).expect("config");
+    for text in [
+        config,
+        String::from_utf8_lossy(&cloned.stderr).into_owned(),
+        String::from_utf8_lossy(&pushed.stderr).into_owned(),
+    ] {
+        assert!(!text.contains(token) && !text.contains("x-access-token"), "{text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forge_that_refuses_or_redirects_is_not_relayed() {
+    let setup = setup().await;
+    let session = SessionId::generate();
+    let (forge_url, _) = fake_forge(setup.upstream.clone(), "the-right-token", false, &session).await;
+    let base = proxy_for(Arc::new(Forge(session.clone(), forge_url, "a-wrong-token".into()))).await;
+    let refused = git(
+        &setup.root,
+        &setup.root,
+        &["clone", &format!("{base}/_sortie/git/{session}.git"), "nope"],
+    );
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && said.contains("upstream rejected the proxy's credentials"),
+        "{said}"
+    );
+    assert!(
+        !said.contains("Username"),
+        "git must not be asked for a password: {said}"
+    );
+
+    let session = SessionId::generate();
+    let (redirecting, _) = fake_forge(setup.upstream.clone(), "t", true, &session).await;
+    let base = proxy_for(Arc::new(Forge(session.clone(), redirecting, "t".into()))).await;
+    let redirected = git(
+        &setup.root,
+        &setup.root,
+        &["clone", &format!("{base}/_sortie/git/{session}.git"), "nope2"],
+    );
+    let said = String::from_utf8_lossy(&redirected.stderr);
+    assert!(
+        !redirected.status.success() && said.contains("redirect; not followed"),
+        "{said}"
+    );
+}

@@ -22,10 +22,26 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use crate::git::receive_pack::{self, Decision};
 
 /// Where a session's repository lives.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub enum Upstream {
     /// A repository on this machine (a bare repository or a `.git` directory), served by `git http-backend`.
     Local(PathBuf),
+    /// A forge's smart-HTTP URL (`https://host/owner/repo.git`) and the token the gateway injects on
+    /// every request; the sandbox never sees it.
+    Remote { url: String, token: String },
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Local(path) => f.debug_tuple("Local").field(path).finish(),
+            Self::Remote { url, .. } => f
+                .debug_struct("Remote")
+                .field("url", url)
+                .field("token", &"[redacted]")
+                .finish(),
+        }
+    }
 }
 
 /// Which upstream a session pushes to and fetches from.
@@ -37,15 +53,23 @@ pub trait Upstreams: Send + Sync + 'static {
 struct GitProxy {
     upstreams: Arc<dyn Upstreams>,
     git: PathBuf,
+    /// For remote upstreams: no redirect is ever followed (the token would travel with it).
+    http: reqwest::Client,
 }
 
 /// The routes of the git proxy; `git` is the git binary that provides `http-backend`.
 pub fn router(upstreams: Arc<dyn Upstreams>, git: PathBuf) -> Router {
+    // One TLS provider for the process (ring); installing it twice is harmless.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap_or_default();
     Router::new()
         .route("/_sortie/git/{repo}/info/refs", get(info_refs))
         .route("/_sortie/git/{repo}/git-upload-pack", post(upload_pack))
         .route("/_sortie/git/{repo}/git-receive-pack", post(receive_pack_route))
-        .with_state(GitProxy { upstreams, git })
+        .with_state(GitProxy { upstreams, git, http })
 }
 
 /// A refusal git shows to its user: text/plain, never 401 (git would ask for a password).
@@ -60,11 +84,113 @@ fn plain(status: StatusCode, message: &str) -> Response {
 
 /// The session a repository path names and its upstream; `None` answers 404 (unknown and foreign
 /// sessions look the same).
-fn session_of(proxy: &GitProxy, repo: &str) -> Option<(SessionId, PathBuf)> {
+fn session_of(proxy: &GitProxy, repo: &str) -> Option<(SessionId, Upstream)> {
     let session = SessionId::parse(repo.strip_suffix(".git")?).ok()?;
-    match proxy.upstreams.upstream(&session)? {
-        Upstream::Local(path) => Some((session, path)),
+    let upstream = proxy.upstreams.upstream(&session)?;
+    Some((session, upstream))
+}
+
+/// Sends the request on to wherever the session's repository lives.
+async fn forward(
+    proxy: &GitProxy,
+    upstream: &Upstream,
+    method: &str,
+    tail: &str,
+    query: &str,
+    headers: &HeaderMap,
+    prefix: Bytes,
+    body: Option<Body>,
+) -> Response {
+    match upstream {
+        Upstream::Local(path) => cgi(&proxy.git, path, method, tail, query, headers, prefix, body).await,
+        Upstream::Remote { url, token } => {
+            remote(&proxy.http, url, token, method, tail, query, headers, prefix, body).await
+        }
     }
+}
+
+/// A forge upstream: the credential is injected here, the client's own `Authorization` and cookies
+/// are dropped, and neither a 401 nor a redirect is relayed (git would prompt for a password, or
+/// follow the redirect around the proxy).
+#[allow(clippy::too_many_arguments)]
+async fn remote(
+    http: &reqwest::Client,
+    url: &str,
+    token: &str,
+    method: &str,
+    tail: &str,
+    query: &str,
+    headers: &HeaderMap,
+    prefix: Bytes,
+    body: Option<Body>,
+) -> Response {
+    use base64::Engine;
+    let mut target = format!("{}/{tail}", url.trim_end_matches('/'));
+    if !query.is_empty() {
+        target.push('?');
+        target.push_str(query);
+    }
+    let credential = base64::engine::general_purpose::STANDARD.encode(format!("x-access-token:{token}"));
+    let method = if method == "POST" {
+        reqwest::Method::POST
+    } else {
+        reqwest::Method::GET
+    };
+    let mut request = http
+        .request(method, target)
+        .header(header::AUTHORIZATION, format!("Basic {credential}"));
+    for name in [header::CONTENT_TYPE, header::ACCEPT, header::CONTENT_ENCODING] {
+        if let Some(value) = headers.get(&name) {
+            request = request.header(name, value);
+        }
+    }
+    if tail != "git-receive-pack"
+        && let Some(protocol) = headers.get("git-protocol")
+    {
+        request = request.header("git-protocol", protocol);
+    }
+    if let Some(body) = body {
+        let rest = body.into_data_stream();
+        let stream = futures::stream::once(async move { Ok::<_, axum::Error>(prefix) }).chain(rest);
+        request = request.body(reqwest::Body::wrap_stream(stream));
+    }
+    let answer = match request.send().await {
+        Ok(answer) => answer,
+        Err(error) => {
+            tracing::warn!(%error, "forge unreachable");
+            return plain(StatusCode::BAD_GATEWAY, "the repository's forge did not answer");
+        }
+    };
+    let status = answer.status();
+    if status == reqwest::StatusCode::UNAUTHORIZED || status == reqwest::StatusCode::FORBIDDEN {
+        return plain(StatusCode::BAD_GATEWAY, "upstream rejected the proxy's credentials");
+    }
+    if status.is_redirection() {
+        return plain(
+            StatusCode::BAD_GATEWAY,
+            "upstream answered with a redirect; not followed",
+        );
+    }
+    // git checks the content type (`application/x-git-*-advertisement|result`); cookies stay out.
+    let mut kept = HeaderMap::new();
+    for name in [
+        header::CONTENT_TYPE,
+        header::CACHE_CONTROL,
+        header::EXPIRES,
+        header::PRAGMA,
+    ] {
+        if let Some(value) = answer
+            .headers()
+            .get(name.as_str())
+            .and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok())
+        {
+            kept.insert(name, value);
+        }
+    }
+    let mut response = Response::new(Body::from_stream(answer.bytes_stream()));
+    *response.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    *response.headers_mut() = kept;
+    response
 }
 
 fn no_such_repository() -> Response {
@@ -84,17 +210,7 @@ async fn info_refs(
     let Some((_, path)) = session_of(&proxy, &repo) else {
         return no_such_repository();
     };
-    cgi(
-        &proxy.git,
-        &path,
-        "GET",
-        "info/refs",
-        &query,
-        &headers,
-        Bytes::new(),
-        None,
-    )
-    .await
+    forward(&proxy, &path, "GET", "info/refs", &query, &headers, Bytes::new(), None).await
 }
 
 async fn upload_pack(
@@ -106,8 +222,8 @@ async fn upload_pack(
     let Some((_, path)) = session_of(&proxy, &repo) else {
         return no_such_repository();
     };
-    cgi(
-        &proxy.git,
+    forward(
+        &proxy,
         &path,
         "POST",
         "git-upload-pack",
@@ -172,8 +288,8 @@ async fn receive_pack_route(
         Decision::Probe | Decision::Allow { .. } => {
             metrics::counter!("sortie_git_pushes_total", "decision" => "forwarded").increment(1);
             let rest = Body::from_stream(stream);
-            cgi(
-                &proxy.git,
+            forward(
+                &proxy,
                 &path,
                 "POST",
                 "git-receive-pack",
