@@ -91,39 +91,36 @@ fn session_of(proxy: &GitProxy, repo: &str) -> Option<(SessionId, Upstream)> {
 }
 
 /// Sends the request on to wherever the session's repository lives.
-async fn forward(
-    proxy: &GitProxy,
-    upstream: &Upstream,
-    method: &str,
-    tail: &str,
-    query: &str,
-    headers: &HeaderMap,
+async fn forward(proxy: &GitProxy, upstream: &Upstream, request: Forwarded<'_>) -> Response {
+    match upstream {
+        Upstream::Local(path) => cgi(&proxy.git, path, request).await,
+        Upstream::Remote { url, token } => remote(&proxy.http, url, token, request).await,
+    }
+}
+
+/// One request on its way upstream: what the client asked for, and the body (the bytes already read
+/// to decide on it, then the rest).
+struct Forwarded<'a> {
+    method: &'a str,
+    tail: &'a str,
+    query: &'a str,
+    headers: &'a HeaderMap,
     prefix: Bytes,
     body: Option<Body>,
-) -> Response {
-    match upstream {
-        Upstream::Local(path) => cgi(&proxy.git, path, method, tail, query, headers, prefix, body).await,
-        Upstream::Remote { url, token } => {
-            remote(&proxy.http, url, token, method, tail, query, headers, prefix, body).await
-        }
-    }
 }
 
 /// A forge upstream: the credential is injected here, the client's own `Authorization` and cookies
 /// are dropped, and neither a 401 nor a redirect is relayed (git would prompt for a password, or
 /// follow the redirect around the proxy).
-#[allow(clippy::too_many_arguments)]
-async fn remote(
-    http: &reqwest::Client,
-    url: &str,
-    token: &str,
-    method: &str,
-    tail: &str,
-    query: &str,
-    headers: &HeaderMap,
-    prefix: Bytes,
-    body: Option<Body>,
-) -> Response {
+async fn remote(http: &reqwest::Client, url: &str, token: &str, request: Forwarded<'_>) -> Response {
+    let Forwarded {
+        method,
+        tail,
+        query,
+        headers,
+        prefix,
+        body,
+    } = request;
     use base64::Engine;
     let mut target = format!("{}/{tail}", url.trim_end_matches('/'));
     if !query.is_empty() {
@@ -210,7 +207,15 @@ async fn info_refs(
     let Some((_, path)) = session_of(&proxy, &repo) else {
         return no_such_repository();
     };
-    forward(&proxy, &path, "GET", "info/refs", &query, &headers, Bytes::new(), None).await
+    let request = Forwarded {
+        method: "GET",
+        tail: "info/refs",
+        query: &query,
+        headers: &headers,
+        prefix: Bytes::new(),
+        body: None,
+    };
+    forward(&proxy, &path, request).await
 }
 
 async fn upload_pack(
@@ -222,17 +227,15 @@ async fn upload_pack(
     let Some((_, path)) = session_of(&proxy, &repo) else {
         return no_such_repository();
     };
-    forward(
-        &proxy,
-        &path,
-        "POST",
-        "git-upload-pack",
-        "",
-        &headers,
-        Bytes::new(),
-        Some(body),
-    )
-    .await
+    let request = Forwarded {
+        method: "POST",
+        tail: "git-upload-pack",
+        query: "",
+        headers: &headers,
+        prefix: Bytes::new(),
+        body: Some(body),
+    };
+    forward(&proxy, &path, request).await
 }
 
 async fn receive_pack_route(
@@ -288,17 +291,15 @@ async fn receive_pack_route(
         Decision::Probe | Decision::Allow { .. } => {
             metrics::counter!("sortie_git_pushes_total", "decision" => "forwarded").increment(1);
             let rest = Body::from_stream(stream);
-            forward(
-                &proxy,
-                &path,
-                "POST",
-                "git-receive-pack",
-                "",
-                &headers,
-                Bytes::from(head),
-                Some(rest),
-            )
-            .await
+            let request = Forwarded {
+                method: "POST",
+                tail: "git-receive-pack",
+                query: "",
+                headers: &headers,
+                prefix: Bytes::from(head),
+                body: Some(rest),
+            };
+            forward(&proxy, &path, request).await
         }
         Decision::NeedMore => plain(StatusCode::BAD_REQUEST, "the push request ended early"),
     }
@@ -306,17 +307,15 @@ async fn receive_pack_route(
 
 /// Runs `git http-backend` for one request: `prefix` then `body` go to its stdin; its CGI answer is
 /// turned into the response, its body streamed.
-#[allow(clippy::too_many_arguments)]
-async fn cgi(
-    git: &Path,
-    repo: &Path,
-    method: &str,
-    tail: &str,
-    query: &str,
-    headers: &HeaderMap,
-    prefix: Bytes,
-    body: Option<Body>,
-) -> Response {
+async fn cgi(git: &Path, repo: &Path, request: Forwarded<'_>) -> Response {
+    let Forwarded {
+        method,
+        tail,
+        query,
+        headers,
+        prefix,
+        body,
+    } = request;
     let (Some(root), Some(name)) = (repo.parent(), repo.file_name()) else {
         return plain(StatusCode::BAD_GATEWAY, "the upstream repository path is not usable");
     };
