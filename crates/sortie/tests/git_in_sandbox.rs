@@ -103,7 +103,10 @@ git -c user.name=agent -c user.email=agent@sortie.invalid commit -q --allow-empt
 git push -q origin HEAD:{own} && echo "own push ok"
 git -c user.name=agent -c user.email=agent@sortie.invalid commit -q --amend --allow-empty -m rewritten
 git push -q --force origin HEAD:{own} && echo "force push ok"
+head -c 3000000 /dev/urandom > big.bin && git add big.bin && git -c user.name=agent -c user.email=agent@sortie.invalid commit -q -m big
+git push -q origin HEAD:{own} && echo "big push ok"
 git push origin HEAD:refs/heads/main 2>&1 | grep -q "sortie: push refused" && echo "main refused"
+git push origin HEAD:refs/heads/sortie/ses_01jd8x3k4m5n6p7q8r9s0t1v2w 2>&1 | grep -q "sortie: push refused" && echo "other session refused"
 git tag v1 && git push origin v1 2>&1 | grep -q "remote rejected" && echo "tag refused"
 git push origin :{own} 2>&1 | grep -q "may not be deleted" && echo "delete refused"
 git fetch -q origin && echo "fetch ok"
