@@ -94,7 +94,13 @@ fn main() {
             driver.clone(),
             std::future::pending(),
         ));
-        let client = reqwest::Client::builder().unix_socket(socket).build().expect("client");
+        let client = {
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            reqwest::Client::builder()
+        }
+        .unix_socket(socket)
+        .build()
+        .expect("client");
 
         // Warm the agent up so the measured turn does not include its start.
         client

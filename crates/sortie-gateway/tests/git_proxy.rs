@@ -226,7 +226,10 @@ async fn a_push_cert_block_naming_main_is_refused_raw() {
     );
     let mut body = pktline::encode(cert.as_bytes());
     body.extend_from_slice(pktline::FLUSH);
-    let client = reqwest::Client::new();
+    let client = {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        reqwest::Client::new()
+    };
     let reply = client
         .post(format!("{}/git-receive-pack", setup.url))
         .header("content-type", "application/x-git-receive-pack-request")
@@ -251,7 +254,10 @@ async fn a_push_cert_block_naming_main_is_refused_raw() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_smart_http_of_known_sessions_is_served() {
     let setup = setup().await;
-    let client = reqwest::Client::new();
+    let client = {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        reqwest::Client::new()
+    };
     let status = |path: String| {
         let client = client.clone();
         async move { client.get(path).send().await.expect("get").status().as_u16() }

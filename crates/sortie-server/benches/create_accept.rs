@@ -78,7 +78,10 @@ async fn measure(backend: TestBackend, requests: usize) -> (Figures, Figures) {
         let _ = stopped.await;
     }));
 
-    let client = reqwest::Client::new();
+    let client = {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        reqwest::Client::new()
+    };
     let body = json!({"repo": repo, "task": "Fix the flaky test in the parser and add a regression test.", "egress": {"allow": ["github.com"]}});
     let create = || async {
         let reply = client

@@ -128,10 +128,13 @@ impl World {
             .env("SORTIE_LOG", "warn")
             .spawn()
             .expect("driver");
-        let driver_client = reqwest::Client::builder()
-            .unix_socket(socket.clone())
-            .build()
-            .expect("client");
+        let driver_client = {
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            reqwest::Client::builder()
+        }
+        .unix_socket(socket.clone())
+        .build()
+        .expect("client");
         let deadline = Instant::now() + Duration::from_secs(30);
         while driver_client.get("http://driver/status").send().await.is_err() {
             assert!(Instant::now() < deadline);
@@ -157,7 +160,10 @@ impl World {
             driver,
             driver_client,
             gateway,
-            client: reqwest::Client::new(),
+            client: {
+                let _ = rustls::crypto::ring::default_provider().install_default();
+                reqwest::Client::new()
+            },
             _temp: temp,
             _database: database,
         }

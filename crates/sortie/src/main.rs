@@ -17,6 +17,8 @@ use clap::Parser;
 use crate::cli::{Cli, Command};
 
 fn main() -> ExitCode {
+    // One TLS provider for the whole process (ref/deps.md §3): reqwest and the gateway share it.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
     init_tracing(matches!(cli.command, Command::Serve(_) | Command::Driver(_)));
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {

@@ -127,7 +127,7 @@ impl World {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let base = format!("http://{}", listener.local_addr().expect("addr"));
         tokio::spawn(sortie_gateway::attach::run(listener, state, std::future::pending()));
-        let driver_client = reqwest::Client::builder().unix_socket(socket).build().expect("client");
+        let driver_client = support::http_builder().unix_socket(socket).build().expect("client");
         World {
             _temp: temp,
             _database: database,
@@ -137,7 +137,7 @@ impl World {
             workspace_id: workspace.id,
             session,
             base,
-            client: reqwest::Client::new(),
+            client: support::http_client(),
         }
     }
 

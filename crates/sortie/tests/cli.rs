@@ -293,7 +293,7 @@ fn serve_answers_the_stream_with_single_use_tickets() {
         .build()
         .expect("runtime");
     runtime.block_on(async {
-        let client = reqwest::Client::new();
+        let client = support::http_client();
         let created: Value = client
             .post(format!("{}/v1/sessions", server.url))
             .bearer_auth(&token)

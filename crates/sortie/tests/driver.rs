@@ -99,7 +99,7 @@ impl DriverProcess {
                 }
             }
         });
-        let client = reqwest::Client::builder()
+        let client = support::http_builder()
             .unix_socket(socket.clone())
             .build()
             .expect("client");

@@ -24,7 +24,7 @@ fn create_then_kill(database_url: Option<&str>) {
         .build()
         .expect("runtime");
     let accepted: Vec<String> = runtime.block_on(async {
-        let client = reqwest::Client::new();
+        let client = support::http_client();
         let mut tasks = Vec::new();
         for i in 0..100 {
             let (client, url, token, repo) = (client.clone(), server.url.clone(), token.clone(), repo.clone());

@@ -105,7 +105,7 @@ impl Layout {
         };
         self.runtime.create(spec).await.expect("create");
         self.runtime.start(name).await.expect("start");
-        let client = reqwest::Client::builder()
+        let client = support::http_builder()
             .unix_socket(self.driver_socket())
             .build()
             .expect("client");

@@ -134,7 +134,14 @@ impl Harness {
                 tokio::spawn(sortie_server::run(listener, state, async move {
                     let _ = stopped.await;
                 }));
-                Some((format!("http://{address}"), reqwest::Client::new(), stop))
+                Some((
+                    format!("http://{address}"),
+                    {
+                        let _ = rustls::crypto::ring::default_provider().install_default();
+                        reqwest::Client::new()
+                    },
+                    stop,
+                ))
             }
         };
         Self {

@@ -10,6 +10,16 @@ use std::time::{Duration, Instant};
 
 pub const BINARY: &str = env!("CARGO_BIN_EXE_sortie");
 
+/// An HTTP client builder; the process's TLS provider (ring) is installed first, as reqwest needs.
+pub fn http_builder() -> reqwest::ClientBuilder {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
+}
+
+pub fn http_client() -> reqwest::Client {
+    http_builder().build().expect("http client")
+}
+
 /// A command of the binary with a clean environment: no inherited SORTIE_* settings, a private HOME.
 pub fn sortie(home: &Path) -> Command {
     let mut command = Command::new(BINARY);
