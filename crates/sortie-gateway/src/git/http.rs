@@ -204,7 +204,7 @@ async fn info_refs(
     if query != "service=git-upload-pack" && query != "service=git-receive-pack" {
         return plain(StatusCode::FORBIDDEN, "only smart HTTP is served");
     }
-    let Some((_, path)) = session_of(&proxy, &repo) else {
+    let Some((_, upstream)) = session_of(&proxy, &repo) else {
         return no_such_repository();
     };
     let request = Forwarded {
@@ -215,7 +215,7 @@ async fn info_refs(
         prefix: Bytes::new(),
         body: None,
     };
-    forward(&proxy, &path, request).await
+    forward(&proxy, &upstream, request).await
 }
 
 async fn upload_pack(
@@ -224,7 +224,7 @@ async fn upload_pack(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let Some((_, path)) = session_of(&proxy, &repo) else {
+    let Some((_, upstream)) = session_of(&proxy, &repo) else {
         return no_such_repository();
     };
     let request = Forwarded {
@@ -235,7 +235,7 @@ async fn upload_pack(
         prefix: Bytes::new(),
         body: Some(body),
     };
-    forward(&proxy, &path, request).await
+    forward(&proxy, &upstream, request).await
 }
 
 async fn receive_pack_route(
@@ -244,7 +244,7 @@ async fn receive_pack_route(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let Some((session, path)) = session_of(&proxy, &repo) else {
+    let Some((session, upstream)) = session_of(&proxy, &repo) else {
         return no_such_repository();
     };
     if headers.get(header::CONTENT_ENCODING).is_some() {
@@ -299,7 +299,7 @@ async fn receive_pack_route(
                 prefix: Bytes::from(head),
                 body: Some(rest),
             };
-            forward(&proxy, &path, request).await
+            forward(&proxy, &upstream, request).await
         }
         Decision::NeedMore => plain(StatusCode::BAD_REQUEST, "the push request ended early"),
     }
