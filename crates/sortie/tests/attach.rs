@@ -205,6 +205,29 @@ impl World {
         assert_eq!(reply.status().as_u16(), 202);
     }
 
+    /// Waits for turn `n` on the driver, then completes it in the store and rests the session (as
+    /// the worker will).
+    async fn complete_turn(&self, n: u32) {
+        self.driver_parts(n).await;
+        let done = TurnOutcome {
+            status: TurnStatus::Completed,
+            head_sha: None,
+            failure: None,
+        };
+        assert!(self.store.finish_turn(&self.session, n, done).await.expect("finish"));
+        for (from, to) in [
+            (SessionPhase::Running, SessionPhase::Delivering),
+            (SessionPhase::Delivering, SessionPhase::Idle),
+        ] {
+            assert!(
+                self.store
+                    .transition_session(&self.session, from, to)
+                    .await
+                    .expect("transition")
+            );
+        }
+    }
+
     async fn driver_parts(&self, n: u32) -> u64 {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -356,23 +379,7 @@ async fn tickets_guard_the_stream_and_idle_sessions_answer_204() {
 
     // Finish turn 1 in the store: nothing is active any more → 204; ?turn=1 replays it.
     world.run_turn(1, "say: only turn").await;
-    world.driver_parts(1).await;
-    let done = TurnOutcome {
-        status: TurnStatus::Completed,
-        head_sha: None,
-        failure: None,
-    };
-    assert!(world.store.finish_turn(&world.session, 1, done).await.expect("finish"));
-    world
-        .store
-        .transition_session(&world.session, SessionPhase::Running, SessionPhase::Delivering)
-        .await
-        .expect("deliver");
-    world
-        .store
-        .transition_session(&world.session, SessionPhase::Delivering, SessionPhase::Idle)
-        .await
-        .expect("idle");
+    world.complete_turn(1).await;
     let (status, body) = world.attach("idle").await;
     assert_eq!((status, body.as_str()), (204, ""));
     let replayed = world
@@ -409,23 +416,7 @@ async fn tickets_guard_the_stream_and_idle_sessions_answer_204() {
 async fn a_chat_submit_becomes_a_steer_answered_with_its_stream() {
     let world = Arc::new(World::start().await);
     world.run_turn(1, "say: first").await;
-    world.driver_parts(1).await;
-    let done = TurnOutcome {
-        status: TurnStatus::Completed,
-        head_sha: None,
-        failure: None,
-    };
-    assert!(world.store.finish_turn(&world.session, 1, done).await.expect("finish"));
-    world
-        .store
-        .transition_session(&world.session, SessionPhase::Running, SessionPhase::Delivering)
-        .await
-        .expect("deliver");
-    world
-        .store
-        .transition_session(&world.session, SessionPhase::Delivering, SessionPhase::Idle)
-        .await
-        .expect("idle");
+    world.complete_turn(1).await;
 
     let body = json!({
         "id": world.session.to_string(),
