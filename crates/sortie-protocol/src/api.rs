@@ -193,6 +193,9 @@ pub struct Turn {
     pub failure: Option<Failure>,
     /// Which rung of the context ladder primed the agent for this turn (DESIGN §6.4).
     pub priming: Option<String>,
+    /// Milliseconds by phase: queued, sandbox, clone, setup, agent_ready, first_part, agent_turn, delivery.
+    #[serde(default)]
+    pub timings: Option<std::collections::BTreeMap<String, u64>>,
 }
 
 /// `GET /v1/sessions`.
@@ -298,6 +301,149 @@ impl std::str::FromStr for Role {
     }
 }
 
+/// A vendor model API whose key a workspace keeps for the model proxy (DESIGN §7.4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum ModelApi {
+    /// Anthropic's Messages API.
+    Anthropic,
+    /// OpenAI's API.
+    Openai,
+    /// Google's Gemini API.
+    Gemini,
+}
+
+impl ModelApi {
+    pub const ALL: [ModelApi; 3] = [ModelApi::Anthropic, ModelApi::Openai, ModelApi::Gemini];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Anthropic => "anthropic",
+            Self::Openai => "openai",
+            Self::Gemini => "gemini",
+        }
+    }
+}
+
+impl std::fmt::Display for ModelApi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for ModelApi {
+    type Err = crate::phase::UnknownName;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|api| api.as_str() == s)
+            .ok_or_else(|| crate::phase::UnknownName {
+                kind: "model api",
+                value: s.to_owned(),
+            })
+    }
+}
+
+/// The longest model key the control plane takes, in bytes.
+pub const MODEL_KEY_MAX_BYTES: usize = 4096;
+/// The longest label of a model key, in characters.
+pub const MODEL_KEY_LABEL_MAX_CHARS: usize = 200;
+
+/// `PUT /v1/model-keys/{api}`: the workspace's key for one model API, replacing any earlier one.
+/// Its `Debug` never shows the key.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct SetModelKeyRequest {
+    /// The vendor key: 1 to 4096 bytes of printable ASCII, no whitespace. Never answered back.
+    pub key: String,
+    /// A note for people (at most 200 characters), e.g. which account the key belongs to.
+    #[serde(default)]
+    pub label: Option<String>,
+}
+
+impl std::fmt::Debug for SetModelKeyRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SetModelKeyRequest")
+            .field("key", &"[redacted]")
+            .field("label", &self.label)
+            .finish()
+    }
+}
+
+/// A model key as the control plane shows it: which API, its label, when it was set and its
+/// fingerprint. Never the key.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ModelKey {
+    pub api: ModelApi,
+    pub label: Option<String>,
+    /// RFC 3339 UTC: when this key was set.
+    pub created_at: String,
+    /// The key's last characters (at most 4, never more than a quarter of it), to tell keys apart;
+    /// null when the server's master key cannot decrypt the stored key (set it again).
+    pub fingerprint: Option<String>,
+}
+
+/// `GET /v1/model-keys`: the keys the token's workspace keeps, one per model API.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ModelKeyList {
+    /// The workspace's name.
+    pub workspace: String,
+    pub keys: Vec<ModelKey>,
+}
+
+/// A model key: 1 to 4096 bytes, each printable ASCII other than space. The refusal never quotes it.
+pub fn check_model_key(key: &str) -> Result<(), crate::validate::Refusal> {
+    let refuse = |message: String| crate::validate::Refusal {
+        code: crate::error::ErrorCode::ModelKeyInvalid,
+        message,
+    };
+    if key.is_empty() {
+        return Err(refuse("key is empty".to_owned()));
+    }
+    if key.len() > MODEL_KEY_MAX_BYTES {
+        return Err(refuse(format!(
+            "key is {} bytes; the limit is {MODEL_KEY_MAX_BYTES} bytes",
+            key.len()
+        )));
+    }
+    if let Some(position) = key.bytes().position(|b| !b.is_ascii_graphic()) {
+        return Err(refuse(format!(
+            "key has a character that is whitespace or not printable ASCII at byte {position}; \
+             a model key is printable ASCII without spaces or newlines"
+        )));
+    }
+    Ok(())
+}
+
+/// A model key's label: at most 200 characters, no control characters.
+pub fn check_model_key_label(label: &str) -> Result<(), crate::validate::Refusal> {
+    let chars = label.chars().count();
+    let refuse = |message: String| crate::validate::Refusal {
+        code: crate::error::ErrorCode::InvalidRequest,
+        message,
+    };
+    if chars > MODEL_KEY_LABEL_MAX_CHARS {
+        return Err(refuse(format!(
+            "label is {chars} characters; the limit is {MODEL_KEY_LABEL_MAX_CHARS}"
+        )));
+    }
+    if label.chars().any(char::is_control) {
+        return Err(refuse("label has control characters".to_owned()));
+    }
+    Ok(())
+}
+
+/// The fingerprint of a model key: its last characters, 4 for a key of 16 bytes or more and never
+/// more than a quarter of it (a key shorter than 4 bytes has an empty fingerprint).
+pub fn model_key_fingerprint(key: &[u8]) -> String {
+    let shown = (key.len() / 4).min(4);
+    String::from_utf8_lossy(&key[key.len() - shown..]).into_owned()
+}
+
 /// Formats epoch milliseconds as RFC 3339 UTC with millisecond precision, e.g. `2026-12-02T13:50:31.123Z`.
 pub fn rfc3339_from_epoch_ms(epoch_ms: i64) -> String {
     let seconds = epoch_ms.div_euclid(1000);
@@ -359,6 +505,71 @@ mod tests {
         assert_eq!(rfc3339_from_epoch_ms(1_796_219_431_123), "2026-12-02T13:50:31.123Z");
         assert_eq!(rfc3339_from_epoch_ms(-1), "1969-12-31T23:59:59.999Z");
         assert_eq!(utc_day_from_epoch_ms(1_796_219_431_123), "2026-12-02");
+    }
+
+    #[test]
+    fn model_apis_round_trip_and_unknown_ones_are_refused() {
+        for api in ModelApi::ALL {
+            assert_eq!(api.as_str().parse::<ModelApi>(), Ok(api));
+            assert_eq!(
+                serde_json::to_value(api).expect("json"),
+                serde_json::json!(api.as_str())
+            );
+        }
+        for unknown in ["Anthropic", "open-ai", "", "azure", "anthropic "] {
+            assert!(unknown.parse::<ModelApi>().is_err(), "{unknown:?}");
+        }
+    }
+
+    #[test]
+    fn model_keys_are_printable_ascii_without_whitespace() {
+        let too_long = "k".repeat(MODEL_KEY_MAX_BYTES + 1);
+        let longest = "k".repeat(MODEL_KEY_MAX_BYTES);
+        for (key, ok) in [
+            ("sk-ant-api03-abcdEFGH_1234", true),
+            ("x", true),
+            (longest.as_str(), true),
+            ("", false),
+            (too_long.as_str(), false),
+            ("sk-ant abc", false),
+            ("sk-ant\nabc", false),
+            ("sk-ant\tabc", false),
+            ("sk-\u{7f}abc", false),
+            ("sk-é", false),
+        ] {
+            let checked = check_model_key(key);
+            assert_eq!(checked.is_ok(), ok, "{key:?}");
+            if let Err(refusal) = checked {
+                assert_eq!(refusal.code, crate::ErrorCode::ModelKeyInvalid);
+                if key.len() > 3 {
+                    assert!(!refusal.message.contains(key), "the refusal never quotes the key");
+                }
+            }
+        }
+        assert!(check_model_key_label("team account").is_ok());
+        assert!(check_model_key_label(&"l".repeat(MODEL_KEY_LABEL_MAX_CHARS + 1)).is_err());
+        assert!(check_model_key_label("a\nb").is_err());
+    }
+
+    #[test]
+    fn fingerprints_show_at_most_a_quarter_of_the_key() {
+        assert_eq!(model_key_fingerprint(b"sk-ant-api03-0123456789abcd"), "abcd");
+        assert_eq!(model_key_fingerprint(b"0123456789abcdef"), "cdef");
+        assert_eq!(model_key_fingerprint(b"01234567"), "67");
+        assert_eq!(model_key_fingerprint(b"abc"), "");
+        assert_eq!(model_key_fingerprint(b""), "");
+    }
+
+    #[test]
+    fn a_set_key_request_never_prints_its_key() {
+        let request: SetModelKeyRequest =
+            serde_json::from_str(r#"{"key":"sk-secret-value","label":"ops"}"#).expect("parse");
+        let printed = format!("{request:?}");
+        assert!(
+            !printed.contains("sk-secret-value") && printed.contains("ops"),
+            "{printed}"
+        );
+        assert!(serde_json::from_str::<SetModelKeyRequest>(r#"{"key":"k","extra":1}"#).is_err());
     }
 
     #[test]

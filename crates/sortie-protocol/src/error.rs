@@ -77,6 +77,12 @@ error_codes! {
     TicketExpired = 401,
     /// The attach ticket was already used.
     TicketReplayed = 401,
+    /// The path names no model API this server keeps keys for (`anthropic`, `openai`, `gemini`).
+    ModelApiUnknown = 404,
+    /// A model key is empty, longer than 4096 bytes, or has a character other than printable ASCII.
+    ModelKeyInvalid = 400,
+    /// The workspace keeps no key for this model API.
+    ModelKeyNotFound = 404,
     /// The store did not answer; try again.
     StoreUnavailable = 503,
     /// A fault of the server; the log has the detail.
@@ -201,6 +207,9 @@ mod tests {
             (TicketInvalid, 401),
             (TicketExpired, 401),
             (TicketReplayed, 401),
+            (ModelApiUnknown, 404),
+            (ModelKeyInvalid, 400),
+            (ModelKeyNotFound, 404),
             (Internal, 500),
         ];
         for (code, status) in expected {

@@ -8,11 +8,13 @@
 //! callers see [`StoreError`], never `sqlx::Error`.
 
 mod error;
+pub mod keys;
 mod model;
 mod sql;
 pub mod testing;
 
 pub use error::StoreError;
+pub use keys::{KeyError, KeyRing, Secret, workspace_model_key};
 pub use model::*;
 pub use sql::{Backend, SqlStore};
 
@@ -91,6 +93,48 @@ pub trait Store: Send + Sync + 'static {
     /// Ends a running turn; `false` if it was not running any more.
     async fn finish_turn(&self, session_id: &SessionId, n: u32, outcome: TurnOutcome) -> StoreResult<bool>;
 
+    /// Sessions with work for a worker (queued with a waiting turn or a resume request), oldest first.
+    async fn claimable_sessions(&self, limit: u32) -> StoreResult<Vec<SessionRow>>;
+    /// Every session in one of `phases`, of any workspace (the worker's reconciliation at start).
+    async fn sessions_in_phases(&self, phases: &[SessionPhase]) -> StoreResult<Vec<SessionRow>>;
+    /// One session of any workspace (the worker and gateway act for the system, not a token).
+    async fn session_by_id(&self, session_id: &SessionId) -> StoreResult<SessionRow>;
+    /// One turn of a session.
+    async fn turn(&self, session_id: &SessionId, n: u32) -> StoreResult<TurnRow>;
+    /// Says why a queued session waits (`None` clears it); a no-op unless the session is queued.
+    async fn set_queued_reason(&self, session_id: &SessionId, reason: Option<&str>) -> StoreResult<()>;
+    /// Ends a turn's phase of the session from `from`: `queued` if turns wait behind, else `failed`
+    /// when `failed`, else `idle`, all in one compare-and-set. `None` if the phase was not `from`.
+    async fn settle_session(
+        &self,
+        session_id: &SessionId,
+        from: SessionPhase,
+        failed: bool,
+    ) -> StoreResult<Option<SessionPhase>>;
+    /// Claims a resume without a prompt: `queued → provisioning` when no turn waits. `false` if lost.
+    async fn claim_resume(&self, session_id: &SessionId) -> StoreResult<bool>;
+    /// Records how a turn's agent was primed and how long its phases took.
+    async fn set_turn_details(
+        &self,
+        session_id: &SessionId,
+        n: u32,
+        priming: Option<&str>,
+        timings: Option<&std::collections::BTreeMap<String, u64>>,
+    ) -> StoreResult<()>;
+
+    // Live sandboxes (counted for the per-workspace limit, found again after a restart).
+
+    async fn put_sandbox(
+        &self,
+        session_id: &SessionId,
+        backend: &str,
+        handle: &str,
+        worker_id: &str,
+    ) -> StoreResult<()>;
+    async fn delete_sandbox(&self, session_id: &SessionId) -> StoreResult<()>;
+    /// Live sandboxes as `(session, workspace, handle, worker)`.
+    async fn sandboxes(&self) -> StoreResult<Vec<SandboxRow>>;
+
     // Transcript parts.
 
     /// Stores parts of one turn, ignoring any `part_index` already stored; returns how many were new.
@@ -117,6 +161,28 @@ pub trait Store: Send + Sync + 'static {
     async fn claim_ticket_nonce(&self, nonce: &str, expires_at_ms: i64) -> StoreResult<bool>;
     /// The instance-wide secret `name`, storing `candidate` if none exists yet (all replicas agree).
     async fn instance_secret(&self, name: &str, candidate: &str) -> StoreResult<String>;
+
+    // Model keys, sealed by a [`KeyRing`] before they get here.
+
+    /// Stores the workspace's sealed key for `api`, replacing any earlier one (`created_at` is now).
+    async fn put_model_key(
+        &self,
+        workspace_id: &str,
+        api: sortie_protocol::api::ModelApi,
+        key_ciphertext: &str,
+        key_nonce: &str,
+        label: Option<&str>,
+    ) -> StoreResult<ModelKeyRow>;
+    /// The workspace's sealed key for `api`, if it has one.
+    async fn model_key(
+        &self,
+        workspace_id: &str,
+        api: sortie_protocol::api::ModelApi,
+    ) -> StoreResult<Option<ModelKeyRow>>;
+    /// Every sealed key of the workspace, by API name.
+    async fn model_keys(&self, workspace_id: &str) -> StoreResult<Vec<ModelKeyRow>>;
+    /// Forgets the workspace's key for `api`; `false` if it had none.
+    async fn delete_model_key(&self, workspace_id: &str, api: sortie_protocol::api::ModelApi) -> StoreResult<bool>;
 }
 
 /// Milliseconds since the Unix epoch, from the system clock.

@@ -124,6 +124,10 @@ pub struct TurnRow {
     pub priming: Option<String>,
     pub head_sha: Option<String>,
     pub failure: Option<(FailureCode, String)>,
+    /// Milliseconds by phase (queued, sandbox, clone, setup, agent_ready, first_part, agent_turn, delivery).
+    pub timings: Option<std::collections::BTreeMap<String, u64>>,
+    /// The worker that claimed the turn to run it.
+    pub claimed_by: Option<String>,
     pub created_at: i64,
     pub started_at: Option<i64>,
     pub completed_at: Option<i64>,
@@ -186,4 +190,26 @@ pub struct UsageRecords {
     pub tokens: Vec<(SessionId, String, String, u64, u64)>,
     /// `(session, day, compute ms)`.
     pub compute: Vec<(SessionId, String, u64)>,
+}
+
+/// A live sandbox as the store knows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SandboxRow {
+    pub session_id: SessionId,
+    pub workspace_id: String,
+    pub backend: String,
+    pub handle: String,
+    pub worker_id: Option<String>,
+    pub created_at: i64,
+}
+
+/// A workspace's sealed key for one model API (see [`crate::keys`]): only ciphertext and nonce, base64.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelKeyRow {
+    pub workspace_id: String,
+    pub api: sortie_protocol::api::ModelApi,
+    pub key_ciphertext: String,
+    pub key_nonce: String,
+    pub label: Option<String>,
+    pub created_at: i64,
 }

@@ -9,7 +9,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sortie_protocol::api::Role;
+use sortie_protocol::api::{ModelApi, Role};
 use sortie_protocol::limits::{SESSION_PROMPTS_MAX_BYTES, TURN_QUEUE_MAX};
 use sortie_protocol::phase::TurnMode;
 use sortie_protocol::{FailureCode, SessionId, SessionPhase, TurnStatus};
@@ -159,7 +159,7 @@ macro_rules! turn_select {
     ($tail:literal) => {
         concat!(
             "SELECT session_id, n, prompt, status, mode, stop_requested, priming, head_sha, failure_code, ",
-            "failure_reason, created_at, started_at, completed_at FROM turns ",
+            "failure_reason, timings, claimed_by, created_at, started_at, completed_at FROM turns ",
             $tail
         )
     };
@@ -259,6 +259,11 @@ fn turn_from_row(row: &AnyRow) -> StoreResult<TurnRow> {
         priming: row.try_get("priming")?,
         head_sha: row.try_get("head_sha")?,
         failure: parse_failure(row.try_get("failure_code")?, row.try_get("failure_reason")?)?,
+        timings: match row.try_get::<Option<String>, _>("timings")? {
+            Some(text) => Some(serde_json::from_str(&text).map_err(internal)?),
+            None => None,
+        },
+        claimed_by: row.try_get("claimed_by")?,
         created_at: row.try_get("created_at")?,
         started_at: row.try_get("started_at")?,
         completed_at: row.try_get("completed_at")?,
@@ -274,6 +279,32 @@ fn workspace_from_row(row: &AnyRow) -> StoreResult<WorkspaceRow> {
             any_local_path: row.try_get::<i64, _>("allow_any_local")? != 0,
             allowed_roots: serde_json::from_str(&roots).map_err(internal)?,
         },
+        created_at: row.try_get("created_at")?,
+    })
+}
+
+/// The columns of a model key: `model_key_select!("SELECT", "FROM …")`, or after an
+/// `INSERT … RETURNING`.
+macro_rules! model_key_select {
+    ($head:literal) => {
+        concat!(
+            $head,
+            " workspace_id, api, key_ciphertext, key_nonce, label, created_at"
+        )
+    };
+    ($head:literal, $tail:literal) => {
+        concat!(model_key_select!($head), " ", $tail)
+    };
+}
+
+fn model_key_from_row(row: &AnyRow) -> StoreResult<ModelKeyRow> {
+    let api: String = row.try_get("api")?;
+    Ok(ModelKeyRow {
+        workspace_id: row.try_get("workspace_id")?,
+        api: ModelApi::from_str(&api).map_err(|_| internal(format!("unknown model api {api:?} in model_keys")))?,
+        key_ciphertext: row.try_get("key_ciphertext")?,
+        key_nonce: row.try_get("key_nonce")?,
+        label: row.try_get("label")?,
         created_at: row.try_get("created_at")?,
     })
 }
@@ -678,6 +709,18 @@ impl Store for SqlStore {
         };
         let now = now_ms();
         let mut tx = self.begin_write().await?;
+        if self.backend == Backend::Postgres {
+            // Another worker claiming this session right now holds its row: move on to the next
+            // session instead of queueing behind its lock (SQLite's BEGIN IMMEDIATE already serialises).
+            let free = sqlx::query("SELECT id FROM sessions WHERE id = $1 AND phase = 'queued' FOR UPDATE SKIP LOCKED")
+                .bind(session_id.as_str())
+                .fetch_optional(&mut *tx)
+                .await?;
+            if free.is_none() {
+                tx.rollback().await?;
+                return Ok(None);
+            }
+        }
         let session_claimed = sqlx::query(
             "UPDATE sessions SET phase = $2, n_waiting = n_waiting - 1, current_turn = $3, queued_reason = NULL, \
              resume_requested = 0, updated_at = $4 WHERE id = $1 AND phase = 'queued' AND n_waiting > 0 \
@@ -733,6 +776,170 @@ impl Store for SqlStore {
             .await?
             .rows_affected();
         Ok(changed == 1)
+    }
+
+    async fn claimable_sessions(&self, limit: u32) -> StoreResult<Vec<SessionRow>> {
+        let rows = sqlx::query(session_select!(
+            "WHERE s.phase = 'queued' AND (s.n_waiting > 0 OR s.resume_requested = 1) ORDER BY s.updated_at, s.id LIMIT $1"
+        ))
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(session_from_row).collect()
+    }
+
+    async fn sessions_in_phases(&self, phases: &[SessionPhase]) -> StoreResult<Vec<SessionRow>> {
+        let mut found = Vec::new();
+        for phase in phases {
+            let rows = sqlx::query(session_select!("WHERE s.phase = $1 ORDER BY s.id"))
+                .bind(phase.as_str())
+                .fetch_all(&self.pool)
+                .await?;
+            for row in &rows {
+                found.push(session_from_row(row)?);
+            }
+        }
+        Ok(found)
+    }
+
+    async fn session_by_id(&self, session_id: &SessionId) -> StoreResult<SessionRow> {
+        self.fetch_session_any_workspace(session_id).await
+    }
+
+    async fn turn(&self, session_id: &SessionId, n: u32) -> StoreResult<TurnRow> {
+        self.fetch_turn(session_id, n).await
+    }
+
+    async fn set_queued_reason(&self, session_id: &SessionId, reason: Option<&str>) -> StoreResult<()> {
+        sqlx::query(
+            "UPDATE sessions SET queued_reason = $2 WHERE id = $1 AND phase = 'queued' \
+             AND COALESCE(queued_reason, '') <> COALESCE($2, '')",
+        )
+        .bind(session_id.as_str())
+        .bind(reason)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn settle_session(
+        &self,
+        session_id: &SessionId,
+        from: SessionPhase,
+        failed: bool,
+    ) -> StoreResult<Option<SessionPhase>> {
+        for to in [SessionPhase::Queued, SessionPhase::Failed, SessionPhase::Idle] {
+            if !from.can_become(to) {
+                return Err(StoreError::IllegalTransition {
+                    from: from.to_string(),
+                    to: to.to_string(),
+                });
+            }
+        }
+        let row = sqlx::query(
+            "UPDATE sessions SET phase = CASE WHEN n_waiting > 0 THEN 'queued' WHEN $3 = 1 THEN 'failed' ELSE 'idle' END, \
+             updated_at = $4 WHERE id = $1 AND phase = $2 RETURNING phase",
+        )
+        .bind(session_id.as_str())
+        .bind(from.as_str())
+        .bind(i64::from(failed))
+        .bind(now_ms())
+        .fetch_optional(&self.pool)
+        .await?;
+        match row {
+            None => Ok(None),
+            Some(row) => {
+                let phase: String = row.try_get("phase")?;
+                Ok(Some(SessionPhase::from_str(&phase).map_err(internal)?))
+            }
+        }
+    }
+
+    async fn claim_resume(&self, session_id: &SessionId) -> StoreResult<bool> {
+        let changed = sqlx::query(
+            "UPDATE sessions SET phase = 'provisioning', resume_requested = 0, queued_reason = NULL, updated_at = $2 \
+             WHERE id = $1 AND phase = 'queued' AND resume_requested = 1 AND n_waiting = 0",
+        )
+        .bind(session_id.as_str())
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(changed == 1)
+    }
+
+    async fn set_turn_details(
+        &self,
+        session_id: &SessionId,
+        n: u32,
+        priming: Option<&str>,
+        timings: Option<&std::collections::BTreeMap<String, u64>>,
+    ) -> StoreResult<()> {
+        let timings = timings.map(serde_json::to_string).transpose().map_err(internal)?;
+        sqlx::query(
+            "UPDATE turns SET priming = COALESCE($3, priming), timings = COALESCE($4, timings) \
+             WHERE session_id = $1 AND n = $2",
+        )
+        .bind(session_id.as_str())
+        .bind(i64::from(n))
+        .bind(priming)
+        .bind(timings.as_deref())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn put_sandbox(
+        &self,
+        session_id: &SessionId,
+        backend: &str,
+        handle: &str,
+        worker_id: &str,
+    ) -> StoreResult<()> {
+        let now = now_ms();
+        sqlx::query(
+            "INSERT INTO sandboxes (session_id, backend, handle, state, worker_id, created_at, updated_at) \
+             VALUES ($1, $2, $3, 'live', $4, $5, $5) ON CONFLICT (session_id) DO UPDATE SET backend = $2, \
+             handle = $3, state = 'live', worker_id = $4, updated_at = $5",
+        )
+        .bind(session_id.as_str())
+        .bind(backend)
+        .bind(handle)
+        .bind(worker_id)
+        .bind(now)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn delete_sandbox(&self, session_id: &SessionId) -> StoreResult<()> {
+        sqlx::query("DELETE FROM sandboxes WHERE session_id = $1")
+            .bind(session_id.as_str())
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn sandboxes(&self) -> StoreResult<Vec<SandboxRow>> {
+        let rows = sqlx::query(
+            "SELECT b.session_id, s.workspace_id, b.backend, b.handle, b.worker_id, b.created_at \
+             FROM sandboxes b JOIN sessions s ON s.id = b.session_id ORDER BY b.created_at",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                let id: String = row.try_get("session_id")?;
+                Ok(SandboxRow {
+                    session_id: SessionId::parse(&id).map_err(internal)?,
+                    workspace_id: row.try_get("workspace_id")?,
+                    backend: row.try_get("backend")?,
+                    handle: row.try_get("handle")?,
+                    worker_id: row.try_get("worker_id")?,
+                    created_at: row.try_get("created_at")?,
+                })
+            })
+            .collect()
     }
 
     async fn finish_turn(&self, session_id: &SessionId, n: u32, outcome: TurnOutcome) -> StoreResult<bool> {
@@ -966,5 +1173,64 @@ impl Store for SqlStore {
             .fetch_one(&self.pool)
             .await?;
         Ok(row.try_get("value")?)
+    }
+
+    async fn put_model_key(
+        &self,
+        workspace_id: &str,
+        api: ModelApi,
+        key_ciphertext: &str,
+        key_nonce: &str,
+        label: Option<&str>,
+    ) -> StoreResult<ModelKeyRow> {
+        let row = sqlx::query(model_key_select!(
+            "INSERT INTO model_keys (workspace_id, api, key_ciphertext, key_nonce, label, created_at) \
+             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (workspace_id, api) DO UPDATE SET \
+             key_ciphertext = $3, key_nonce = $4, label = $5, created_at = $6 RETURNING"
+        ))
+        .bind(workspace_id)
+        .bind(api.as_str())
+        .bind(key_ciphertext)
+        .bind(key_nonce)
+        .bind(label)
+        .bind(now_ms())
+        .fetch_one(&self.pool)
+        .await?;
+        model_key_from_row(&row)
+    }
+
+    async fn model_key(&self, workspace_id: &str, api: ModelApi) -> StoreResult<Option<ModelKeyRow>> {
+        sqlx::query(model_key_select!(
+            "SELECT",
+            "FROM model_keys WHERE workspace_id = $1 AND api = $2"
+        ))
+        .bind(workspace_id)
+        .bind(api.as_str())
+        .fetch_optional(&self.pool)
+        .await?
+        .as_ref()
+        .map(model_key_from_row)
+        .transpose()
+    }
+
+    async fn model_keys(&self, workspace_id: &str) -> StoreResult<Vec<ModelKeyRow>> {
+        let rows = sqlx::query(model_key_select!(
+            "SELECT",
+            "FROM model_keys WHERE workspace_id = $1 ORDER BY api"
+        ))
+        .bind(workspace_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(model_key_from_row).collect()
+    }
+
+    async fn delete_model_key(&self, workspace_id: &str, api: ModelApi) -> StoreResult<bool> {
+        let deleted = sqlx::query("DELETE FROM model_keys WHERE workspace_id = $1 AND api = $2")
+            .bind(workspace_id)
+            .bind(api.as_str())
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        Ok(deleted > 0)
     }
 }

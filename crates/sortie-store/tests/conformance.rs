@@ -91,7 +91,325 @@ on_both_databases!(
     instance_secrets_are_stable,
     reconnecting_keeps_everything,
     egress_allowlists_are_amended_until_cancel,
+    worker_finds_work_settles_sessions_and_counts_sandboxes,
+    model_keys_are_sealed_per_workspace_and_api,
 );
+
+async fn model_keys_are_sealed_per_workspace_and_api(backend: TestBackend) {
+    use sortie_protocol::api::ModelApi;
+    let f = fixture(backend).await;
+    let ws = f.workspace.id.clone();
+    let other = f
+        .store
+        .create_workspace("other", RepoAccess::default())
+        .await
+        .expect("other workspace");
+    let ring = KeyRing::generate().expect("ring");
+    let plaintext = b"sk-ant-api03-conformance-key-0123456789";
+
+    assert_eq!(f.store.model_key(&ws, ModelApi::Anthropic).await.expect("read"), None);
+    assert_eq!(f.store.model_keys(&ws).await.expect("list"), vec![]);
+    assert!(
+        workspace_model_key(f.store.as_ref(), &ring, &ws, ModelApi::Anthropic)
+            .await
+            .expect("none")
+            .is_none()
+    );
+
+    let sealed = ring.seal(&ws, ModelApi::Anthropic, plaintext).expect("seal");
+    let stored = f
+        .store
+        .put_model_key(
+            &ws,
+            ModelApi::Anthropic,
+            &sealed.ciphertext,
+            &sealed.nonce,
+            Some("team"),
+        )
+        .await
+        .expect("put");
+    assert_eq!(
+        (stored.workspace_id.as_str(), stored.api, stored.label.as_deref()),
+        (ws.as_str(), ModelApi::Anthropic, Some("team"))
+    );
+    assert_eq!(
+        (stored.key_ciphertext.as_str(), stored.key_nonce.as_str()),
+        (sealed.ciphertext.as_str(), sealed.nonce.as_str())
+    );
+    assert!(stored.created_at > 0);
+    let opened = workspace_model_key(f.store.as_ref(), &ring, &ws, ModelApi::Anthropic)
+        .await
+        .expect("open")
+        .expect("a key");
+    assert_eq!(opened.expose(), plaintext);
+
+    // Replacing keeps one row per (workspace, api); another api is another row.
+    let replacement = ring.seal(&ws, ModelApi::Anthropic, b"sk-ant-second").expect("seal");
+    let replaced = f
+        .store
+        .put_model_key(
+            &ws,
+            ModelApi::Anthropic,
+            &replacement.ciphertext,
+            &replacement.nonce,
+            None,
+        )
+        .await
+        .expect("replace");
+    assert_eq!(replaced.label, None);
+    assert!(replaced.created_at >= stored.created_at);
+    let openai = ring.seal(&ws, ModelApi::Openai, b"sk-proj-openai").expect("seal");
+    f.store
+        .put_model_key(&ws, ModelApi::Openai, &openai.ciphertext, &openai.nonce, None)
+        .await
+        .expect("put openai");
+    let listed = f.store.model_keys(&ws).await.expect("list");
+    assert_eq!(
+        listed.iter().map(|row| row.api).collect::<Vec<_>>(),
+        vec![ModelApi::Anthropic, ModelApi::Openai]
+    );
+    assert_eq!(listed[0], replaced);
+    assert_eq!(
+        workspace_model_key(f.store.as_ref(), &ring, &ws, ModelApi::Anthropic)
+            .await
+            .expect("open")
+            .expect("a key")
+            .expose(),
+        b"sk-ant-second"
+    );
+
+    // Another workspace sees none of it, and a row moved there does not open.
+    assert_eq!(f.store.model_keys(&other.id).await.expect("list"), vec![]);
+    assert_eq!(
+        f.store.model_key(&other.id, ModelApi::Anthropic).await.expect("read"),
+        None
+    );
+    assert!(
+        !f.store
+            .delete_model_key(&other.id, ModelApi::Anthropic)
+            .await
+            .expect("delete")
+    );
+    f.store
+        .put_model_key(
+            &other.id,
+            ModelApi::Anthropic,
+            &replacement.ciphertext,
+            &replacement.nonce,
+            None,
+        )
+        .await
+        .expect("put copied row");
+    assert!(matches!(
+        workspace_model_key(f.store.as_ref(), &ring, &other.id, ModelApi::Anthropic).await,
+        Err(KeyError::Open)
+    ));
+
+    assert!(
+        f.store
+            .delete_model_key(&ws, ModelApi::Anthropic)
+            .await
+            .expect("delete")
+    );
+    assert!(!f.store.delete_model_key(&ws, ModelApi::Anthropic).await.expect("again"));
+    assert_eq!(f.store.model_key(&ws, ModelApi::Anthropic).await.expect("read"), None);
+    assert_eq!(
+        f.store
+            .model_keys(&ws)
+            .await
+            .expect("list")
+            .iter()
+            .map(|row| row.api)
+            .collect::<Vec<_>>(),
+        vec![ModelApi::Openai]
+    );
+    assert_eq!(f.store.model_keys(&other.id).await.expect("list").len(), 1);
+}
+
+async fn worker_finds_work_settles_sessions_and_counts_sandboxes(backend: TestBackend) {
+    let f = fixture(backend).await;
+    let ws = f.workspace.id.clone();
+    let first = f
+        .store
+        .create_session(new_session(&ws, "/srv/a.git", "one"))
+        .await
+        .expect("create");
+    let second = f
+        .store
+        .create_session(new_session(&ws, "/srv/b.git", "two"))
+        .await
+        .expect("create");
+    let waiting: Vec<SessionId> = f
+        .store
+        .claimable_sessions(10)
+        .await
+        .expect("claimable")
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
+    assert_eq!(waiting, vec![first.id.clone(), second.id.clone()], "oldest first");
+
+    f.store
+        .set_queued_reason(&second.id, Some("SANDBOX_CAPACITY_LIMIT"))
+        .await
+        .expect("reason");
+    assert_eq!(
+        f.store
+            .session_by_id(&second.id)
+            .await
+            .expect("session")
+            .queued_reason
+            .as_deref(),
+        Some("SANDBOX_CAPACITY_LIMIT")
+    );
+
+    let turn = f
+        .store
+        .claim_turn(&first.id, false, "w")
+        .await
+        .expect("claim")
+        .expect("claimed");
+    assert!(
+        f.store
+            .claimable_sessions(10)
+            .await
+            .expect("claimable")
+            .iter()
+            .all(|s| s.id != first.id)
+    );
+    assert_eq!(
+        f.store
+            .sessions_in_phases(&[SessionPhase::Provisioning])
+            .await
+            .expect("phases")
+            .len(),
+        1
+    );
+    assert!(
+        f.store
+            .transition_session(&first.id, SessionPhase::Provisioning, SessionPhase::Running)
+            .await
+            .expect("cas")
+    );
+    // A steer while the turn runs: the session keeps its phase, and settling queues it for the next turn.
+    f.store.steer(&ws, &first.id, queue("next")).await.expect("steer");
+    assert!(
+        f.store
+            .transition_session(&first.id, SessionPhase::Running, SessionPhase::Delivering)
+            .await
+            .expect("cas")
+    );
+    let timings = std::collections::BTreeMap::from([("clone".to_owned(), 12_u64), ("setup".to_owned(), 3)]);
+    f.store
+        .set_turn_details(&first.id, turn.n, Some("transcript"), Some(&timings))
+        .await
+        .expect("details");
+    let stored = f.store.turn(&first.id, turn.n).await.expect("turn");
+    assert_eq!(stored.priming.as_deref(), Some("transcript"));
+    assert_eq!(stored.timings, Some(timings));
+    f.store
+        .finish_turn(
+            &first.id,
+            turn.n,
+            TurnOutcome {
+                status: TurnStatus::Completed,
+                head_sha: Some("abc".into()),
+                failure: None,
+            },
+        )
+        .await
+        .expect("finish");
+    assert_eq!(
+        f.store
+            .settle_session(&first.id, SessionPhase::Delivering, false)
+            .await
+            .expect("settle"),
+        Some(SessionPhase::Queued)
+    );
+    assert_eq!(
+        f.store
+            .settle_session(&first.id, SessionPhase::Delivering, false)
+            .await
+            .expect("settle"),
+        None,
+        "a CAS"
+    );
+    let turn = f
+        .store
+        .claim_turn(&first.id, true, "w")
+        .await
+        .expect("claim")
+        .expect("claimed");
+    assert_eq!(turn.n, 2);
+    assert!(
+        f.store
+            .transition_session(&first.id, SessionPhase::Running, SessionPhase::Delivering)
+            .await
+            .expect("cas")
+    );
+    f.store
+        .finish_turn(
+            &first.id,
+            2,
+            TurnOutcome {
+                status: TurnStatus::Failed,
+                head_sha: None,
+                failure: Some((FailureCode::AgentError, "boom".into())),
+            },
+        )
+        .await
+        .expect("finish");
+    assert_eq!(
+        f.store
+            .settle_session(&first.id, SessionPhase::Delivering, true)
+            .await
+            .expect("settle"),
+        Some(SessionPhase::Failed)
+    );
+    assert!(matches!(
+        f.store.settle_session(&first.id, SessionPhase::Running, true).await,
+        Err(StoreError::IllegalTransition { .. })
+    ));
+
+    // A resume without a prompt is claimed on its own.
+    assert!(
+        f.store
+            .transition_session(&first.id, SessionPhase::Failed, SessionPhase::Hibernated)
+            .await
+            .expect("cas")
+    );
+    f.store.resume(&ws, &first.id).await.expect("resume");
+    assert!(
+        f.store
+            .claimable_sessions(10)
+            .await
+            .expect("claimable")
+            .iter()
+            .any(|s| s.id == first.id)
+    );
+    assert!(f.store.claim_resume(&first.id).await.expect("claim resume"));
+    assert!(!f.store.claim_resume(&first.id).await.expect("claim resume"), "once");
+    assert_eq!(
+        f.store
+            .settle_session(&first.id, SessionPhase::Provisioning, false)
+            .await
+            .expect("settle"),
+        Some(SessionPhase::Idle)
+    );
+
+    f.store.put_sandbox(&first.id, "local", "h1", "w").await.expect("put");
+    f.store
+        .put_sandbox(&first.id, "local", "h1b", "w")
+        .await
+        .expect("put again");
+    f.store.put_sandbox(&second.id, "local", "h2", "w").await.expect("put");
+    let live = f.store.sandboxes().await.expect("sandboxes");
+    assert_eq!(live.len(), 2);
+    assert!(live.iter().all(|row| row.workspace_id == ws));
+    assert!(live.iter().any(|row| row.handle == "h1b"));
+    f.store.delete_sandbox(&first.id).await.expect("delete");
+    assert_eq!(f.store.sandboxes().await.expect("sandboxes").len(), 1);
+}
 
 async fn egress_allowlists_are_amended_until_cancel(backend: TestBackend) {
     let f = fixture(backend).await;
@@ -105,7 +423,7 @@ async fn egress_allowlists_are_amended_until_cancel(backend: TestBackend) {
         .create_session(new_session(&f.workspace.id, "/r", "t"))
         .await
         .expect("create");
-    let amended = vec!["github.com".to_owned(), "pypi.org".to_owned()];
+    let amended = vec!["github.com".to_owned(), "example.org".to_owned()];
     let row = f
         .store
         .set_egress_allow(&f.workspace.id, &session.id, &amended)
@@ -531,6 +849,11 @@ async fn worker_ledger_claims_stops_and_finishes_turns(backend: TestBackend) {
     let winners = [a.expect("a"), b.expect("b")].into_iter().flatten().collect::<Vec<_>>();
     assert_eq!(winners.len(), 1);
     assert_eq!((winners[0].n, winners[0].status), (1, TurnStatus::Running));
+    assert!(
+        matches!(winners[0].claimed_by.as_deref(), Some("w1" | "w2")),
+        "{:?}",
+        winners[0].claimed_by
+    );
     let provisioning = f.store.session(ws, &session.id).await.expect("session");
     assert_eq!(
         (provisioning.phase, provisioning.current_turn, provisioning.n_waiting),
