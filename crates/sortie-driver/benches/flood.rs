@@ -86,6 +86,8 @@ fn main() {
             turn_timeout: Duration::from_secs(600),
             start_timeout: Duration::from_secs(30),
             kill_grace: Duration::from_secs(5),
+            persist_dir: home.join(".sortie"),
+            delivery: None,
         });
         let socket = temp.path().join("driver.sock");
         let listener = tokio::net::UnixListener::bind(&socket).expect("bind");

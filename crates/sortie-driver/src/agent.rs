@@ -11,6 +11,7 @@
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -68,8 +69,18 @@ pub enum AgentEvent {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AgentState {
     Starting,
-    Ready { session_id: String, load_session: bool },
-    Failed { reason: String },
+    Ready {
+        session_id: String,
+        /// The agent advertises `loadSession`.
+        load_session: bool,
+        /// The ACP session is the earlier one (`session/load` succeeded), not a new one.
+        loaded: bool,
+        /// Why `session/load` of the earlier session failed (then the session is a new one).
+        load_error: Option<String>,
+    },
+    Failed {
+        reason: String,
+    },
 }
 
 enum AgentCommand {
@@ -128,11 +139,19 @@ impl AgentHandle {
 
         let (events_tx, events) = mpsc::channel(1024);
         let (lines_tx, lines_rx) = futures::channel::mpsc::channel::<std::io::Result<String>>(64);
-        tokio::spawn(tee_stdout(stdout, events_tx, lines_tx));
+        let replaying = Arc::new(AtomicBool::new(false));
+        tokio::spawn(tee_stdout(stdout, events_tx, lines_tx, replaying.clone()));
 
         let (state_tx, state) = watch::channel(AgentState::Starting);
         let (commands, commands_rx) = mpsc::unbounded_channel();
-        tokio::spawn(run_connection(launch, stdin, lines_rx, commands_rx, state_tx));
+        tokio::spawn(run_connection(
+            launch,
+            stdin,
+            lines_rx,
+            commands_rx,
+            state_tx,
+            replaying,
+        ));
 
         Ok(Self {
             commands,
@@ -230,11 +249,13 @@ async fn keep_stderr_tail(stderr: tokio::process::ChildStderr, tail: Arc<Mutex<V
 }
 
 /// Reads the agent's stdout line by line (bounded), hands the turn what it must see, and forwards
-/// every line to the ACP connection.
+/// every line to the ACP connection. While `replaying` (a `session/load` in flight), updates are the
+/// replay of earlier turns, already in their own logs: they are not the turn's.
 async fn tee_stdout(
     stdout: tokio::process::ChildStdout,
     events: mpsc::Sender<AgentEvent>,
     mut lines: futures::channel::mpsc::Sender<std::io::Result<String>>,
+    replaying: Arc<AtomicBool>,
 ) {
     let mut reader = BufReader::with_capacity(64 * 1024, stdout);
     let mut line = Vec::new();
@@ -267,6 +288,7 @@ async fn tee_stdout(
             }
         };
         let event = match message.get("method").and_then(Value::as_str) {
+            Some("session/update") if replaying.load(Ordering::Acquire) => None,
             Some("session/update") => message
                 .get("params")
                 .and_then(|p| p.get("update"))
@@ -331,6 +353,7 @@ async fn run_connection(
     incoming: futures::channel::mpsc::Receiver<std::io::Result<String>>,
     mut commands: mpsc::UnboundedReceiver<AgentCommand>,
     state: watch::Sender<AgentState>,
+    replaying: Arc<AtomicBool>,
 ) {
     let outgoing = futures::sink::unfold(stdin, |mut stdin: ChildStdin, line: String| async move {
         stdin.write_all(line.as_bytes()).await?;
@@ -381,16 +404,31 @@ async fn run_connection(
                 .block_task()
                 .await?;
             let load_session = initialized.agent_capabilities.load_session;
-            let session_id: SessionId = match (&launch.resume_session, load_session) {
-                (Some(previous), true) => {
-                    let id = SessionId::new(previous.as_str());
-                    connection
-                        .send_request(LoadSessionRequest::new(id.clone(), launch.cwd.clone()))
-                        .block_task()
-                        .await?;
-                    id
+            let mut loaded = None;
+            let mut load_error = None;
+            if let (Some(previous), true) = (&launch.resume_session, load_session) {
+                let id = SessionId::new(previous.as_str());
+                // The tee reads the replay before the crate sees the answer, so the flag is set first
+                // and cleared only once the answer is in.
+                replaying.store(true, Ordering::Release);
+                let answer = connection
+                    .send_request(LoadSessionRequest::new(id.clone(), launch.cwd.clone()))
+                    .block_task()
+                    .await;
+                replaying.store(false, Ordering::Release);
+                match answer {
+                    Ok(_) => loaded = Some(id),
+                    Err(error) => {
+                        // Its state did not survive (or never existed): a new session, and the turn
+                        // primes it another way (DESIGN §6.4).
+                        tracing::warn!(%error, session = previous.as_str(), "session/load failed; starting a new session");
+                        load_error = Some(error.to_string());
+                    }
                 }
-                _ => {
+            }
+            let session_id: SessionId = match &loaded {
+                Some(id) => id.clone(),
+                None => {
                     connection
                         .send_request(NewSessionRequest::new(launch.cwd.clone()))
                         .block_task()
@@ -407,6 +445,8 @@ async fn run_connection(
             state_for_handshake.send_replace(AgentState::Ready {
                 session_id: session_id.0.to_string(),
                 load_session,
+                loaded: loaded.is_some(),
+                load_error,
             });
             while let Some(command) = commands.recv().await {
                 match command {

@@ -1,7 +1,8 @@
 //! The driver's local HTTP API on `driver.sock` (DESIGN §6.2): start a turn (idempotent on `n`),
-//! stream a turn's parts as SSE from any index, cancel, status.
+//! stream a turn's parts as SSE from any index, cancel, status, run the setup script.
 
 use std::future::Future;
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
@@ -13,13 +14,17 @@ use serde::Deserialize;
 use serde_json::json;
 use sortie_protocol::chunk::{SSE_DONE, STREAM_HEADERS, write_sse_event};
 
-use crate::driver::{Driver, StartError};
+use crate::driver::{Driver, SetupRefused, StartError, TurnRequest};
 use crate::hub::{Part, Subscription, read_log};
+use crate::priming::PrimingContext;
 
 /// The largest prompt the driver takes (the api enforces 100 KiB; priming may add a preamble).
 const TURN_BODY_MAX: usize = 1024 * 1024;
 /// Parts encoded into one body chunk at most: large enough for throughput, small enough for latency.
 const PARTS_PER_WRITE: usize = 256;
+/// A setup script's deadline when the request names none, and the longest it may name.
+const SETUP_TIMEOUT_DEFAULT_SECS: u64 = 600;
+const SETUP_TIMEOUT_MAX_SECS: u64 = 24 * 60 * 60;
 
 /// `POST /turns`.
 #[derive(Debug, Deserialize)]
@@ -27,9 +32,24 @@ const PARTS_PER_WRITE: usize = 256;
 pub struct StartTurn {
     pub n: u32,
     pub prompt: String,
-    /// The rung of the context ladder used to prime the agent (DESIGN §6.4), if any.
+    /// The branch's last delivered commit; absent or null: the branch must not exist remotely yet.
     #[serde(default)]
-    pub priming: Option<String>,
+    pub baseline: Option<String>,
+    /// The session's context, used only when a fresh agent process needs priming (DESIGN §6.4).
+    #[serde(default)]
+    pub priming_context: Option<PrimingContext>,
+    /// The worker's timings so far in milliseconds (queued, sandbox, clone, setup), passed through.
+    #[serde(default)]
+    pub host_timings: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+/// `POST /setup`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunSetup {
+    pub script: String,
+    #[serde(default)]
+    pub timeout_secs: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -45,6 +65,7 @@ pub fn router(driver: Driver) -> Router {
         .route("/turns/{n}/cancel", post(cancel_turn))
         .route("/status", get(status))
         .route("/parts", post(own_part))
+        .route("/setup", post(run_setup))
         .layer(axum::extract::DefaultBodyLimit::max(TURN_BODY_MAX))
         .with_state(driver)
 }
@@ -82,11 +103,61 @@ async fn start_turn(State(driver): State<Driver>, body: Bytes) -> Response {
     if request.n == 0 {
         return refuse(StatusCode::BAD_REQUEST, "INVALID_REQUEST", "turns are numbered from 1");
     }
-    let _ = request.priming;
-    match driver.start_turn(request.n, request.prompt) {
+    let baseline = request.baseline.map(|sha| sha.to_ascii_lowercase());
+    if let Some(sha) = &baseline
+        && !(matches!(sha.len(), 40 | 64) && sha.bytes().all(|b| b.is_ascii_hexdigit()))
+    {
+        return refuse(
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+            format!("baseline {sha:?} is not a commit id (40 or 64 hex digits)"),
+        );
+    }
+    let host_timings = request.host_timings.unwrap_or_default();
+    if let Some((name, _)) = host_timings.iter().find(|(_, value)| !value.is_number()) {
+        return refuse(
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+            format!("host_timings.{name} is not a number of milliseconds"),
+        );
+    }
+    let turn = TurnRequest {
+        prompt: request.prompt,
+        baseline,
+        priming: request.priming_context.unwrap_or_default(),
+        host_timings,
+    };
+    match driver.start_turn(request.n, turn) {
         Ok(report) => (StatusCode::ACCEPTED, Json(report)).into_response(),
         Err(error @ StartError::AnotherTurnRunning(_)) => {
             refuse(StatusCode::CONFLICT, "TURN_RUNNING", error.to_string())
+        }
+        Err(error @ StartError::SetupRunning) => refuse(StatusCode::CONFLICT, "SETUP_RUNNING", error.to_string()),
+    }
+}
+
+/// `POST /setup`: runs the script to its end and answers its outcome.
+async fn run_setup(State(driver): State<Driver>, body: Bytes) -> Response {
+    let request: RunSetup = match serde_json::from_slice(&body) {
+        Ok(request) => request,
+        Err(error) => {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                "INVALID_REQUEST",
+                format!("the body is not a setup request: {error}"),
+            );
+        }
+    };
+    let seconds = request
+        .timeout_secs
+        .unwrap_or(SETUP_TIMEOUT_DEFAULT_SECS)
+        .clamp(1, SETUP_TIMEOUT_MAX_SECS);
+    match driver.run_setup(&request.script, Duration::from_secs(seconds)).await {
+        Ok(outcome) => (StatusCode::OK, Json(outcome)).into_response(),
+        Err(error @ SetupRefused::TurnRunning(_)) => refuse(StatusCode::CONFLICT, "TURN_RUNNING", error.to_string()),
+        Err(error @ SetupRefused::SetupRunning) => refuse(StatusCode::CONFLICT, "SETUP_RUNNING", error.to_string()),
+        Err(error @ SetupRefused::Failed(_)) => {
+            refuse(StatusCode::INTERNAL_SERVER_ERROR, "SETUP_FAILED", error.to_string())
         }
     }
 }
@@ -154,7 +225,13 @@ async fn stream_turn(State(driver): State<Driver>, Path(n): Path<u32>, Query(que
     } else {
         // A turn of an earlier driver process: its log is all there is.
         let path = driver.log_path(n);
-        match tokio::task::spawn_blocking(move || read_log(&path, after, None)).await {
+        let read = tokio::task::spawn_blocking(move || read_log(&path, after, None)).await;
+        // The turn may have started since the hub was looked up: its log, created with the hub, is
+        // then a live turn's (empty) beginning, not a finished turn.
+        if let Some(hub) = driver.hub(n) {
+            return stream_response(Body::from_stream(hub_stream(hub.subscribe(after))));
+        }
+        match read {
             Ok(Ok(parts)) => {
                 let mut out = Vec::new();
                 for (index, json) in &parts {
@@ -166,6 +243,10 @@ async fn stream_turn(State(driver): State<Driver>, Path(n): Path<u32>, Query(que
             _ => return refuse(StatusCode::NOT_FOUND, "TURN_NOT_FOUND", format!("no turn {n} here")),
         }
     };
+    stream_response(body)
+}
+
+fn stream_response(body: Body) -> Response {
     let mut response = Response::new(body);
     for (name, value) in STREAM_HEADERS {
         if let (Ok(name), Ok(value)) = (

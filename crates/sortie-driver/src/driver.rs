@@ -1,20 +1,25 @@
 //! The driver's turn engine: one turn at a time on one agent process, each turn mapped into its hub
-//! and log, with a timeout and a cancel that end in a killed process group if the agent will not stop.
+//! and log, with a timeout and a cancel that end in a killed process group if the agent will not stop;
+//! a fresh agent primed with the session's context (§6.4); the work delivered when the agent stops
+//! (§7.3); the turn's timings measured and published.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use serde_json::Value;
+use serde_json::{Map, Value, json};
 use sortie_protocol::api::rfc3339_from_epoch_ms;
 use sortie_protocol::chunk::UiChunk;
 use tokio::sync::Notify;
 
 use crate::agent::{AgentEvent, AgentHandle, AgentLaunch, AgentState};
+use crate::delivery::{DeliveryConfig, DeliveryInput, DeliveryReport, Git};
 use crate::hub::{HUB_MEMORY_LIMIT, TurnHub, log_path};
 use crate::mapping::{Mapped, Mapper, TurnEnd};
+use crate::priming::{AgentOrigin, PrimingContext, prime};
+use crate::setup::{SetupError, SetupOutcome};
 
 /// How often a cancel is repeated until the agent ends its turn or the grace runs out.
 const CANCEL_RESEND: Duration = Duration::from_millis(250);
@@ -33,16 +38,36 @@ pub struct DriverConfig {
     pub start_timeout: Duration,
     /// After a cancel (or SIGTERM), how long the agent has before the next step (SIGTERM, SIGKILL).
     pub kill_grace: Duration,
+    /// What must outlive the driver and its sandbox (`$HOME/.sortie`, kept across hibernation): the
+    /// agent's ACP session id, and the workspace's HEAD when the first turn started.
+    pub persist_dir: PathBuf,
+    /// Commit and push at the end of each turn; `None`: the work stays in the workspace.
+    pub delivery: Option<DeliveryConfig>,
 }
 
+/// The file under `persist_dir` that holds the agent's ACP session id.
+const ACP_SESSION_FILE: &str = "acp-session";
+/// The file under `persist_dir` that holds HEAD at the first turn (empty: an unborn branch).
+const START_HEAD_FILE: &str = "start-head";
+
 /// A turn's status as `/status` reports it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TurnState {
+    /// The agent works.
     Running,
+    /// The agent stopped; its work is being committed, scanned and pushed.
+    Delivering,
     Completed,
     Cancelled,
     Failed,
+}
+
+impl TurnState {
+    /// Running or delivering: no other turn (nor a setup script) may start.
+    pub fn is_active(self) -> bool {
+        matches!(self, Self::Running | Self::Delivering)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -58,6 +83,25 @@ pub struct TurnReport {
     pub stop_reason: Option<String>,
     pub failure: Option<TurnFailure>,
     pub parts: u64,
+    /// The rung that primed a fresh agent (`session_load`, `transcript`, `task`, `none`); `None` on a
+    /// warm agent or the session's first agent.
+    pub priming: Option<&'static str>,
+    /// What the delivery did, once it ran (not when the agent never started, nor without delivery).
+    pub delivery: Option<DeliveryReport>,
+    /// Milliseconds: the worker's figures as given, then `agent_ready_ms`, `first_part_ms`,
+    /// `agent_turn_ms`, `delivery_ms` as measured.
+    pub timings: Map<String, Value>,
+}
+
+/// What a turn is asked to do.
+#[derive(Clone, Debug, Default)]
+pub struct TurnRequest {
+    pub prompt: String,
+    /// The branch's last delivered commit; `None`: the branch must not exist on the remote yet.
+    pub baseline: Option<String>,
+    pub priming: PrimingContext,
+    /// The worker's timings so far (queued, sandbox, clone, setup), opaque to the driver.
+    pub host_timings: Map<String, Value>,
 }
 
 struct TurnRecord {
@@ -68,13 +112,23 @@ struct TurnRecord {
     own: tokio::sync::mpsc::UnboundedSender<UiChunk>,
 }
 
+#[derive(Default)]
+struct Activity {
+    turns: BTreeMap<u32, TurnRecord>,
+    /// A setup script runs: no turn may start (and no second script).
+    setup_running: bool,
+}
+
 struct Shared {
     config: DriverConfig,
-    turns: Mutex<BTreeMap<u32, TurnRecord>>,
+    activity: Mutex<Activity>,
     agent: tokio::sync::Mutex<Option<AgentHandle>>,
     agent_state: Mutex<AgentStatus>,
-    /// The agent's ACP session, to `session/load` into a fresh process.
+    /// The agent's ACP session, to `session/load` into a fresh process (read from `persist_dir` at start).
     acp_session: Mutex<Option<String>>,
+    /// HEAD when the first turn started (`Some(None)`: unborn): where a never-delivered branch's
+    /// changes begin. Unset when it could not be read.
+    start_head: tokio::sync::OnceCell<Option<String>>,
 }
 
 /// The agent as `/status` reports it.
@@ -91,6 +145,19 @@ pub struct AgentStatus {
 pub enum StartError {
     #[error("turn {0} is running; wait for it or cancel it")]
     AnotherTurnRunning(u32),
+    #[error("the setup script is running; start the turn when it is done")]
+    SetupRunning,
+}
+
+/// Why a setup script did not run to an outcome.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupRefused {
+    #[error("turn {0} is running; a setup script runs only between turns")]
+    TurnRunning(u32),
+    #[error("another setup script is running")]
+    SetupRunning,
+    #[error(transparent)]
+    Failed(#[from] SetupError),
 }
 
 #[derive(Clone)]
@@ -110,30 +177,37 @@ fn now() -> String {
 }
 
 impl Driver {
+    /// A driver; the agent's ACP session persisted by an earlier driver on this home is resumed.
     pub fn new(config: DriverConfig) -> Self {
+        let acp_session = read_persisted_session(&config.persist_dir.join(ACP_SESSION_FILE));
         Self {
             shared: Arc::new(Shared {
                 config,
-                turns: Mutex::new(BTreeMap::new()),
+                activity: Mutex::new(Activity::default()),
                 agent: tokio::sync::Mutex::new(None),
                 agent_state: Mutex::new(AgentStatus {
                     state: "not_started",
                     reason: None,
                     pid: None,
                 }),
-                acp_session: Mutex::new(None),
+                acp_session: Mutex::new(acp_session),
+                start_head: tokio::sync::OnceCell::new(),
             }),
         }
     }
 
     /// Starts turn `n`, or answers with the turn already known under `n` (idempotent).
-    pub fn start_turn(&self, n: u32, prompt: String) -> Result<TurnReport, StartError> {
-        let mut turns = lock(&self.shared.turns);
-        if let Some(existing) = turns.get(&n) {
+    pub fn start_turn(&self, n: u32, request: TurnRequest) -> Result<TurnReport, StartError> {
+        let started = Instant::now();
+        let mut activity = lock(&self.shared.activity);
+        if let Some(existing) = activity.turns.get(&n) {
             return Ok(existing.report.clone());
         }
-        if let Some((running, _)) = turns.iter().find(|(_, t)| t.report.state == TurnState::Running) {
+        if let Some((running, _)) = activity.turns.iter().find(|(_, t)| t.report.state.is_active()) {
             return Err(StartError::AnotherTurnRunning(*running));
+        }
+        if activity.setup_running {
+            return Err(StartError::SetupRunning);
         }
         let hub = match TurnHub::new(n, Some(log_path(&self.shared.config.turns_dir, n)), HUB_MEMORY_LIMIT) {
             Ok(hub) => hub,
@@ -148,10 +222,13 @@ impl Driver {
             stop_reason: None,
             failure: None,
             parts: 0,
+            priming: None,
+            delivery: None,
+            timings: request.host_timings.clone(),
         };
         let cancel = Arc::new(Notify::new());
         let (own, own_parts) = tokio::sync::mpsc::unbounded_channel();
-        turns.insert(
+        activity.turns.insert(
             n,
             TurnRecord {
                 hub: hub.clone(),
@@ -160,36 +237,70 @@ impl Driver {
                 own,
             },
         );
-        drop(turns);
-        let shared = self.shared.clone();
-        tokio::spawn(async move { run_turn(shared, n, prompt, hub, cancel, own_parts).await });
+        drop(activity);
+        let turn = Turn {
+            shared: self.shared.clone(),
+            n,
+            mapper: Mapper::new(format!("{}-t{n}", self.shared.config.session_id)),
+            hub,
+            timings: request.host_timings.clone(),
+            started,
+        };
+        tokio::spawn(run_turn(turn, request, cancel, own_parts));
         Ok(report)
     }
 
-    /// Asks turn `n` to stop; `false` if there is no such running turn.
+    /// Asks turn `n` to stop; `false` if there is no such running turn. A turn already delivering
+    /// answers `true` and goes on: a stopped turn's work is delivered anyway.
     pub fn cancel_turn(&self, n: u32) -> bool {
-        let turns = lock(&self.shared.turns);
-        match turns.get(&n) {
+        let activity = lock(&self.shared.activity);
+        match activity.turns.get(&n) {
             Some(turn) if turn.report.state == TurnState::Running => {
                 turn.cancel.notify_one();
                 true
             }
-            _ => false,
+            Some(turn) => turn.report.state == TurnState::Delivering,
+            None => false,
         }
     }
 
-    /// Adds a part of sortie's own (`data-sortie-*`) to the running turn; `false` if none runs.
+    /// Adds a part of sortie's own (`data-sortie-*`) to the active turn; `false` if none is active.
     pub fn push_own(&self, chunk: UiChunk) -> bool {
-        let turns = lock(&self.shared.turns);
-        turns
+        let activity = lock(&self.shared.activity);
+        activity
+            .turns
             .values()
-            .find(|t| t.report.state == TurnState::Running)
+            .find(|t| t.report.state.is_active())
             .is_some_and(|t| t.own.send(chunk).is_ok())
+    }
+
+    /// Runs the setup script between turns (§2 step 2) and answers its outcome.
+    pub async fn run_setup(&self, script: &str, timeout: Duration) -> Result<SetupOutcome, SetupRefused> {
+        {
+            let mut activity = lock(&self.shared.activity);
+            if let Some((running, _)) = activity.turns.iter().find(|(_, t)| t.report.state.is_active()) {
+                return Err(SetupRefused::TurnRunning(*running));
+            }
+            if activity.setup_running {
+                return Err(SetupRefused::SetupRunning);
+            }
+            activity.setup_running = true;
+        }
+        // Cleared however this future ends (an HTTP client that goes away drops it).
+        struct Running<'a>(&'a Shared);
+        impl Drop for Running<'_> {
+            fn drop(&mut self) {
+                lock(&self.0.activity).setup_running = false;
+            }
+        }
+        let _running = Running(&self.shared);
+        let launch = &self.shared.config.launch;
+        Ok(crate::setup::run(script, &launch.cwd, &launch.env, timeout).await?)
     }
 
     /// The hub of turn `n`, if this driver ran it.
     pub fn hub(&self, n: u32) -> Option<Arc<TurnHub>> {
-        lock(&self.shared.turns).get(&n).map(|t| t.hub.clone())
+        lock(&self.shared.activity).turns.get(&n).map(|t| t.hub.clone())
     }
 
     /// Where turn `n`'s log is (it may exist from an earlier driver process).
@@ -198,7 +309,8 @@ impl Driver {
     }
 
     pub fn turns(&self) -> Vec<TurnReport> {
-        lock(&self.shared.turns)
+        lock(&self.shared.activity)
+            .turns
             .values()
             .map(|t| TurnReport {
                 parts: t.hub.len(),
@@ -220,6 +332,71 @@ impl Driver {
     }
 }
 
+/// The ACP session id an earlier driver persisted, if it looks like one.
+fn read_persisted_session(path: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let id = text.trim();
+    // $HOME is the agent's too: take only what can be an id.
+    (!id.is_empty() && id.len() <= 256 && !id.chars().any(char::is_control)).then(|| id.to_owned())
+}
+
+/// Writes `contents` to `path` through a temporary file and a rename: a reader never sees half.
+async fn write_atomically(path: &Path, contents: &str) -> std::io::Result<()> {
+    if let Some(parent) = path.parent() {
+        tokio::fs::create_dir_all(parent).await?;
+    }
+    let temporary = path.with_extension("tmp");
+    tokio::fs::write(&temporary, contents).await?;
+    tokio::fs::rename(&temporary, path).await
+}
+
+/// Keeps the agent's ACP session for the next fresh process, in this driver and the next one.
+async fn remember_session(shared: &Shared, session_id: String) {
+    {
+        let mut current = lock(&shared.acp_session);
+        if current.as_deref() == Some(session_id.as_str()) {
+            return;
+        }
+        *current = Some(session_id.clone());
+    }
+    let path = shared.config.persist_dir.join(ACP_SESSION_FILE);
+    if let Err(error) = write_atomically(&path, &session_id).await {
+        tracing::warn!(%error, path = %path.display(), "cannot persist the agent's session; a fresh sandbox will prime it another way");
+    }
+}
+
+fn is_commit_id(text: &str) -> bool {
+    matches!(text.len(), 40 | 64) && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// Records HEAD at the first turn of this workspace (persisted, so that a later driver on the same
+/// home starts from the same point); a failure leaves it unset.
+async fn record_start_head(shared: &Shared, git: &Git) {
+    let path = shared.config.persist_dir.join(START_HEAD_FILE);
+    let recorded = shared
+        .start_head
+        .get_or_try_init(|| async {
+            if let Ok(text) = tokio::fs::read_to_string(&path).await {
+                let head = text.trim();
+                if head.is_empty() {
+                    return Ok(None);
+                }
+                if is_commit_id(head) {
+                    return Ok(Some(head.to_owned()));
+                }
+            }
+            let head = git.head().await?;
+            if let Err(error) = write_atomically(&path, head.as_deref().unwrap_or("")).await {
+                tracing::warn!(%error, path = %path.display(), "cannot persist the workspace's starting point");
+            }
+            Ok::<_, crate::delivery::GitError>(head)
+        })
+        .await;
+    if let Err(error) = recorded {
+        tracing::warn!(%error, "cannot read the workspace's HEAD at the first turn");
+    }
+}
+
 fn set_agent_status(shared: &Shared, state: &'static str, reason: Option<String>, pid: Option<i32>) {
     *lock(&shared.agent_state) = AgentStatus { state, reason, pid };
 }
@@ -233,30 +410,135 @@ fn with_stderr(reason: String, agent: &AgentHandle) -> String {
     }
 }
 
-async fn run_turn(
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// One turn on its way: the stream it writes and the clock it keeps.
+struct Turn {
     shared: Arc<Shared>,
     n: u32,
-    prompt: String,
+    mapper: Mapper,
     hub: Arc<TurnHub>,
+    timings: Map<String, Value>,
+    started: Instant,
+}
+
+impl Turn {
+    /// A part of sortie's own, in stream order.
+    fn publish_own(&mut self, chunk: UiChunk) {
+        let mut chunks = Vec::new();
+        self.mapper.push_own(chunk, &mut chunks);
+        self.hub.publish(&chunks);
+    }
+
+    fn update(&self, change: impl FnOnce(&mut TurnReport)) {
+        if let Some(record) = lock(&self.shared.activity).turns.get_mut(&self.n) {
+            change(&mut record.report);
+        }
+    }
+
+    /// Records a timing, in the report as well.
+    fn time(&mut self, name: &str, duration: Duration) {
+        self.timings.insert(name.to_owned(), Value::from(millis(duration)));
+        let timings = self.timings.clone();
+        self.update(|report| report.timings = timings);
+    }
+
+    /// `data-sortie-phase` with the timings so far: one part (same id) that clients update in place.
+    fn publish_phase(&mut self, phase: &str) {
+        let mut data = self.timings.clone();
+        data.insert("phase".into(), Value::from(phase));
+        self.publish_own(UiChunk::Data {
+            name: "sortie-phase".into(),
+            id: Some("phase".into()),
+            data: Value::Object(data),
+            transient: false,
+        });
+    }
+}
+
+async fn run_turn(
+    mut turn: Turn,
+    request: TurnRequest,
     cancel: Arc<Notify>,
     mut own_parts: tokio::sync::mpsc::UnboundedReceiver<UiChunk>,
 ) {
-    let config = shared.config.clone();
-    let mut mapper = Mapper::new(format!("{}-t{n}", config.session_id));
     let mut chunks = Vec::new();
-    mapper.start(&mut chunks);
-    hub.publish(&chunks);
-    chunks.clear();
+    turn.mapper.start(&mut chunks);
+    turn.hub.publish(&chunks);
+    turn.publish_phase("running");
+    let shared = turn.shared.clone();
+    let delivery = shared.config.delivery.as_ref().map(|config| {
+        let git = Git {
+            workspace: shared.config.launch.cwd.clone(),
+            env: shared.config.launch.env.clone(),
+            timeout: config.git_timeout,
+        };
+        (config, git)
+    });
+    if let Some((_, git)) = &delivery {
+        record_start_head(&shared, git).await;
+    }
 
+    let ran = run_agent(&mut turn, &request, &cancel, &mut own_parts).await;
+    let mut ending = Ending::from(ran.outcome);
+    if ran.agent_started
+        && let Some((config, git)) = &delivery
+    {
+        let report = deliver(&mut turn, config, git, &request).await;
+        // A turn that failed already keeps its failure; one that went well fails with the delivery.
+        if let Some(failure) = report.error
+            && ending.state != TurnState::Failed
+        {
+            ending.state = TurnState::Failed;
+            ending.failure = Some(failure);
+        }
+    }
+    // Parts of sortie's own that came while the turn was delivering.
+    while let Ok(chunk) = own_parts.try_recv() {
+        turn.publish_own(chunk);
+    }
+    turn.publish_phase("done");
+    end(turn, ending);
+}
+
+/// How the agent part of a turn went.
+struct AgentRun {
+    outcome: Outcome,
+    /// The agent was ready and got the prompt: there may be work to deliver.
+    agent_started: bool,
+}
+
+impl AgentRun {
+    fn not_started(code: &'static str, reason: String) -> Self {
+        Self {
+            outcome: Outcome::failed(code, reason),
+            agent_started: false,
+        }
+    }
+}
+
+async fn run_agent(
+    turn: &mut Turn,
+    request: &TurnRequest,
+    cancel: &Notify,
+    own_parts: &mut tokio::sync::mpsc::UnboundedReceiver<UiChunk>,
+) -> AgentRun {
+    let shared = turn.shared.clone();
+    let config = &shared.config;
+    let mut chunks = Vec::new();
     let mut agent_slot = shared.agent.lock().await;
     if let Some(agent) = agent_slot.as_ref()
         && agent.try_exit_status().await.is_some()
     {
         *agent_slot = None;
     }
-    if agent_slot.is_none() {
+    let fresh = agent_slot.is_none();
+    let resume_session = lock(&shared.acp_session).clone();
+    if fresh {
         let launch = AgentLaunch {
-            resume_session: lock(&shared.acp_session).clone(),
+            resume_session: resume_session.clone(),
             ..config.launch.clone()
         };
         set_agent_status(&shared, "starting", None, None);
@@ -267,40 +549,57 @@ async fn run_turn(
             }
             Err(error) => {
                 set_agent_status(&shared, "failed", Some(error.to_string()), None);
-                end(
-                    &shared,
-                    &hub,
-                    &mut mapper,
-                    n,
-                    Outcome::failed("AGENT_START_FAILED", error.to_string()),
-                );
-                return;
+                return AgentRun::not_started("AGENT_START_FAILED", error.to_string());
             }
         }
     }
-    let Some(agent) = agent_slot.as_mut() else { return };
-    match agent.ready(config.start_timeout).await {
-        AgentState::Ready { session_id, .. } => {
-            *lock(&shared.acp_session) = Some(session_id);
+    let Some(agent) = agent_slot.as_mut() else {
+        return AgentRun::not_started("INTERNAL", "the agent process was lost before the turn".into());
+    };
+    let (loaded, load_error) = match agent.ready(config.start_timeout).await {
+        AgentState::Ready {
+            session_id,
+            loaded,
+            load_error,
+            ..
+        } => {
+            remember_session(&shared, session_id).await;
             set_agent_status(&shared, "ready", None, agent.pid());
+            (loaded, load_error)
         }
         AgentState::Failed { reason } => {
             let reason = with_stderr(format!("the agent did not start: {reason}"), agent);
             agent.kill_group(config.kill_grace).await;
             *agent_slot = None;
             set_agent_status(&shared, "failed", Some(reason.clone()), None);
-            end(
-                &shared,
-                &hub,
-                &mut mapper,
-                n,
-                Outcome::failed("AGENT_START_FAILED", reason),
-            );
-            return;
+            return AgentRun::not_started("AGENT_START_FAILED", reason);
         }
-        AgentState::Starting => {}
+        AgentState::Starting => (false, None),
+    };
+    turn.time("agent_ready_ms", turn.started.elapsed());
+
+    let origin = AgentOrigin {
+        fresh,
+        had_session: resume_session.is_some(),
+        loaded,
+    };
+    let (rung, prompt) = prime(turn.n, origin, &request.priming, &request.prompt);
+    if let Some(rung) = rung {
+        turn.update(|report| report.priming = Some(rung.as_str()));
+        let mut data = json!({ "rung": rung.as_str() });
+        if let Some(error) = load_error {
+            data["load_error"] = Value::from(error);
+        }
+        turn.publish_own(UiChunk::Data {
+            name: "sortie-priming".into(),
+            id: Some("priming".into()),
+            data,
+            transient: false,
+        });
     }
 
+    let prompted = Instant::now();
+    let mut first_part: Option<Duration> = None;
     let mut prompt_done = agent.prompt(prompt);
     let timeout = tokio::time::sleep(config.turn_timeout);
     tokio::pin!(timeout);
@@ -315,7 +614,10 @@ async fn run_turn(
         };
         tokio::select! {
             event = agent.events.recv() => {
-                match handle_event(event, &mut mapper, &hub, &mut chunks) {
+                if first_part.is_none() && is_part(event.as_ref()) {
+                    first_part = Some(turn.started.elapsed());
+                }
+                match handle_event(event, &mut turn.mapper, &turn.hub, &mut chunks) {
                     Step::Continue => {}
                     Step::Finished(stop_reason) => break Outcome::stopped(stop_reason, canceled),
                     Step::Broken(reason) => {
@@ -330,7 +632,10 @@ async fn run_turn(
                 // The answer's line followed every update, so whatever is still queued came first.
                 let mut finished = None;
                 while let Ok(event) = agent.events.try_recv() {
-                    if let Step::Finished(stop_reason) = handle_event(Some(event), &mut mapper, &hub, &mut chunks) {
+                    if first_part.is_none() && is_part(Some(&event)) {
+                        first_part = Some(turn.started.elapsed());
+                    }
+                    if let Step::Finished(stop_reason) = handle_event(Some(event), &mut turn.mapper, &turn.hub, &mut chunks) {
                         finished = Some(stop_reason);
                     }
                 }
@@ -364,11 +669,7 @@ async fn run_turn(
                 *agent_slot = None;
                 break Outcome::failed("TURN_TIMEOUT", format!("the turn ran past its limit of {}s; the agent was stopped", config.turn_timeout.as_secs()));
             }
-            Some(chunk) = own_parts.recv() => {
-                mapper.push_own(chunk, &mut chunks);
-                hub.publish(&chunks);
-                chunks.clear();
-            }
+            Some(chunk) = own_parts.recv() => turn.publish_own(chunk),
             () = cancel.notified(), if kill_at.is_none() => {
                 canceled = true;
                 agent.cancel();
@@ -390,7 +691,73 @@ async fn run_turn(
         set_agent_status(&shared, "stopped", None, None);
     }
     drop(agent_slot);
-    end(&shared, &hub, &mut mapper, n, outcome);
+    if let Some(first_part) = first_part {
+        turn.time("first_part_ms", first_part);
+    }
+    turn.time("agent_turn_ms", prompted.elapsed());
+    AgentRun {
+        outcome,
+        agent_started: true,
+    }
+}
+
+/// Whether an event of the agent becomes a part of the turn (not the end, not a fault).
+fn is_part(event: Option<&AgentEvent>) -> bool {
+    matches!(event, Some(AgentEvent::Update(_) | AgentEvent::Permission(_)))
+}
+
+/// Commits, scans and pushes the turn's work; publishes and reports what happened.
+async fn deliver(turn: &mut Turn, config: &DeliveryConfig, git: &Git, request: &TurnRequest) -> DeliveryReport {
+    turn.update(|report| report.state = TurnState::Delivering);
+    turn.publish_phase("delivering");
+    let began = Instant::now();
+    let shared = turn.shared.clone();
+    let start_head = shared.start_head.get();
+    let report = if request.baseline.is_none() && start_head.is_none() {
+        DeliveryReport {
+            error: Some(TurnFailure {
+                code: "DELIVERY_FAILED".into(),
+                reason: "the workspace's commit could not be read when the first turn began (is it a git \
+                         repository?), so the changes to scan are unknown; nothing was pushed"
+                    .into(),
+            }),
+            ..DeliveryReport::default()
+        }
+    } else {
+        let input = DeliveryInput {
+            prompt: &request.prompt,
+            session_id: &shared.config.session_id,
+            baseline: request.baseline.as_deref(),
+            start_head: start_head.and_then(Option::as_deref),
+        };
+        crate::delivery::deliver(config, git, &input).await
+    };
+    turn.time("delivery_ms", began.elapsed());
+    let mut data = json!({
+        "branch": config.branch,
+        "pushed": report.pushed,
+        "changed": report.changed,
+        "diffStat": {"files": report.files, "insertions": report.insertions, "deletions": report.deletions},
+    });
+    // Absent, not null, when there is none (§5.1); keys as DESIGN §5.1 names them.
+    if let Some(head_sha) = &report.head_sha {
+        data["headSha"] = Value::from(head_sha.as_str());
+    }
+    if let Some(baseline) = &request.baseline {
+        data["baseline"] = Value::from(baseline.as_str());
+    }
+    if let Some(error) = &report.error {
+        data["error"] = json!({ "code": error.code, "reason": error.reason });
+    }
+    turn.publish_own(UiChunk::Data {
+        name: "sortie-delivery".into(),
+        id: Some("delivery".into()),
+        data,
+        transient: false,
+    });
+    let reported = report.clone();
+    turn.update(|record| record.delivery = Some(reported));
+    report
 }
 
 enum Step {
@@ -451,45 +818,65 @@ impl Outcome {
     }
 }
 
-fn end(shared: &Shared, hub: &TurnHub, mapper: &mut Mapper, n: u32, outcome: Outcome) {
-    let mut chunks = Vec::new();
-    let (state, stop_reason, failure, end) = match outcome {
-        Outcome::Stopped { stop_reason } => (
-            TurnState::Completed,
-            Some(stop_reason.clone()),
-            None,
-            TurnEnd::Stopped { stop_reason },
-        ),
-        Outcome::Canceled { reason } => (
-            TurnState::Cancelled,
-            Some("cancelled".to_owned()),
-            reason.map(|reason| TurnFailure {
-                code: "CANCELED".into(),
-                reason,
-            }),
-            TurnEnd::Stopped {
-                stop_reason: "cancelled".into(),
+/// How a turn ends, as `/status` reports it.
+struct Ending {
+    state: TurnState,
+    stop_reason: Option<String>,
+    failure: Option<TurnFailure>,
+}
+
+impl From<Outcome> for Ending {
+    fn from(outcome: Outcome) -> Self {
+        match outcome {
+            Outcome::Stopped { stop_reason } => Self {
+                state: TurnState::Completed,
+                stop_reason: Some(stop_reason),
+                failure: None,
             },
-        ),
-        Outcome::Failed { code, reason } => (
-            TurnState::Failed,
-            None,
-            Some(TurnFailure {
-                code: code.into(),
-                reason: reason.clone(),
-            }),
-            TurnEnd::Failed {
-                code: code.into(),
-                reason,
+            Outcome::Canceled { reason } => Self {
+                state: TurnState::Cancelled,
+                stop_reason: Some("cancelled".to_owned()),
+                failure: reason.map(|reason| TurnFailure {
+                    code: "CANCELED".into(),
+                    reason,
+                }),
             },
-        ),
-    };
-    mapper.finish(&end, &mut chunks);
-    hub.publish(&chunks);
-    hub.finish();
-    if let Some(record) = lock(&shared.turns).get_mut(&n) {
-        record.report.state = state;
-        record.report.stop_reason = stop_reason;
-        record.report.failure = failure;
+            Outcome::Failed { code, reason } => Self {
+                state: TurnState::Failed,
+                stop_reason: None,
+                failure: Some(TurnFailure {
+                    code: code.into(),
+                    reason,
+                }),
+            },
+        }
     }
+}
+
+impl Ending {
+    /// How the stream ends.
+    fn turn_end(&self) -> TurnEnd {
+        match (&self.state, &self.failure) {
+            (TurnState::Failed, Some(failure)) => TurnEnd::Failed {
+                code: failure.code.clone(),
+                reason: failure.reason.clone(),
+            },
+            _ => TurnEnd::Stopped {
+                stop_reason: self.stop_reason.clone().unwrap_or_else(|| "end_turn".to_owned()),
+            },
+        }
+    }
+}
+
+fn end(mut turn: Turn, ending: Ending) {
+    let mut chunks = Vec::new();
+    turn.mapper.finish(&ending.turn_end(), &mut chunks);
+    turn.hub.publish(&chunks);
+    // The report first: whoever saw the stream end and asks `/status` finds the turn ended too.
+    turn.update(|report| {
+        report.state = ending.state;
+        report.stop_reason = ending.stop_reason;
+        report.failure = ending.failure;
+    });
+    turn.hub.finish();
 }

@@ -1,13 +1,18 @@
 //! The driver: inside the sandbox it spawns the agent, speaks ACP to it, maps every update to AI SDK
-//! UI message chunks, keeps each turn in a hub (memory) and a log (file), and serves turns on a local
-//! HTTP API (DESIGN §6.2).
+//! UI message chunks, keeps each turn in a hub (memory) and a log (file), serves turns on a local
+//! HTTP API (DESIGN §6.2), primes a fresh agent with the session's context (§6.4), runs the setup
+//! script, and delivers each turn's work as a commit pushed to the session's branch (§7.3).
 //!
 //! It must never hold a credential: everything it reaches outside the sandbox goes through the gateway.
 
 pub mod agent;
 pub mod api;
+pub mod delivery;
 pub mod driver;
 pub mod hub;
 pub mod mapping;
+pub mod priming;
 pub mod profile;
 pub mod relay;
+pub mod secrets;
+pub mod setup;

@@ -13,7 +13,16 @@
 //! mode = "bypassPermissions"
 //! read_only_paths = ["/opt/agents"]
 //! state_dirs = [".my-agent"]
+//! npm_package = "my-agent@1.2.3"  # what `sortie agents install my-agent` installs
+//! default_model = "some-model"
+//! [[agent.files]]                  # written under $HOME before the agent starts
+//! path = ".my-agent/config.json"
+//! content = '{"baseUrl": "{model_base_url}", "model": "{model}"}'
 //! ```
+//!
+//! Values of `args`, `env` and `files` may name `{model_base_url}` (the gateway's model proxy for the
+//! profile's API, as the sandbox reaches it), `{model}` (the session's model, else `default_model`) and
+//! `{api_key}` (a placeholder: the proxy replaces whatever key the agent sends; no key enters a sandbox).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -58,6 +67,112 @@ pub struct AgentProfile {
     /// Directories under $HOME that hold the agent's state (kept across hibernation, for `session/load`).
     #[serde(default)]
     pub state_dirs: Vec<String>,
+    /// The pinned npm package `sortie agents install` puts under the data dir (`name@version`).
+    #[serde(default)]
+    pub npm_package: Option<String>,
+    /// The model when the session names none.
+    #[serde(default)]
+    pub default_model: Option<String>,
+    /// Files written under $HOME before the agent starts (its config pointing at the model proxy).
+    #[serde(default)]
+    pub files: Vec<BootstrapFile>,
+}
+
+/// A file a profile writes into the agent's $HOME.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BootstrapFile {
+    /// Relative to $HOME; no `..`.
+    pub path: String,
+    pub content: String,
+}
+
+/// The key every agent is given: a placeholder the model proxy replaces with the workspace's key.
+pub const API_KEY_PLACEHOLDER: &str = "sortie-proxy-injects-the-key";
+
+/// What `{…}` in a profile's args, env and files stand for.
+#[derive(Clone, Debug, Default)]
+pub struct Render {
+    /// The model proxy's base URL for all APIs (`…/_sortie/model`); the profile's API is appended.
+    pub model_proxy: String,
+    /// The session's model, if it named one.
+    pub model: Option<String>,
+}
+
+impl AgentProfile {
+    fn substitute(&self, text: &str, render: &Render) -> String {
+        let api = match self.model_api {
+            ModelApi::Anthropic => "anthropic",
+            ModelApi::Openai => "openai",
+            ModelApi::Gemini => "gemini",
+            ModelApi::None => "none",
+        };
+        let model = render
+            .model
+            .clone()
+            .or_else(|| self.default_model.clone())
+            .unwrap_or_default();
+        text.replace(
+            "{model_base_url}",
+            &format!("{}/{api}", render.model_proxy.trim_end_matches('/')),
+        )
+        .replace("{model}", &model)
+        .replace("{api_key}", API_KEY_PLACEHOLDER)
+    }
+
+    /// The profile with every placeholder of its args, env and files filled in.
+    pub fn rendered(&self, render: &Render) -> AgentProfile {
+        let mut out = self.clone();
+        out.args = self.args.iter().map(|a| self.substitute(a, render)).collect();
+        out.env = self
+            .env
+            .iter()
+            .map(|(k, v)| (k.clone(), self.substitute(v, render)))
+            .collect();
+        // A manifest agent may name its variables instead of spelling out their values.
+        if let Some(name) = &self.base_url_env {
+            out.env
+                .entry(name.clone())
+                .or_insert_with(|| self.substitute("{model_base_url}", render));
+        }
+        if let Some(name) = &self.key_env {
+            out.env
+                .entry(name.clone())
+                .or_insert_with(|| API_KEY_PLACEHOLDER.to_owned());
+        }
+        out.files = self
+            .files
+            .iter()
+            .map(|f| BootstrapFile {
+                path: f.path.clone(),
+                content: self.substitute(&f.content, render),
+            })
+            .collect();
+        out
+    }
+
+    /// Writes the profile's files under `home` (no path may leave it).
+    pub fn write_files(&self, home: &Path) -> std::io::Result<()> {
+        for file in &self.files {
+            let relative = Path::new(&file.path);
+            if relative.is_absolute()
+                || relative
+                    .components()
+                    .any(|c| matches!(c, std::path::Component::ParentDir))
+            {
+                return Err(std::io::Error::other(format!(
+                    "profile file {:?} must stay under $HOME",
+                    file.path
+                )));
+            }
+            let path = home.join(relative);
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            std::fs::write(&path, &file.content)?;
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -89,6 +204,9 @@ fn base(id: &str, command: &str, model_api: ModelApi) -> AgentProfile {
         mode: None,
         read_only_paths: Vec::new(),
         state_dirs: Vec::new(),
+        npm_package: None,
+        default_model: None,
+        files: Vec::new(),
     }
 }
 
@@ -103,35 +221,62 @@ fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// The profiles every install knows (facts in `ref/acp.md` §3).
+/// The profiles every install knows (facts in `ref/acp.md` §3): each points its agent at the model
+/// proxy with a placeholder key and turns off the traffic the agent would otherwise make.
 pub fn built_in() -> Vec<AgentProfile> {
     let some = |text: &str| Some(text.to_owned());
     vec![
         AgentProfile {
             env: env(&[
+                ("ANTHROPIC_BASE_URL", "{model_base_url}"),
+                ("ANTHROPIC_API_KEY", "{api_key}"),
+                ("ANTHROPIC_MODEL", "{model}"),
                 ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1"),
                 ("CLAUDE_CODE_ENABLE_PROMPT_SUGGESTION", "false"),
                 ("DISABLE_AUTOUPDATER", "1"),
+                ("DISABLE_TELEMETRY", "1"),
+                ("DISABLE_ERROR_REPORTING", "1"),
             ]),
             base_url_env: some("ANTHROPIC_BASE_URL"),
             key_env: some("ANTHROPIC_API_KEY"),
             mode: some("bypassPermissions"),
             state_dirs: strings(&[".claude"]),
+            npm_package: some("@agentclientprotocol/claude-agent-acp@0.101.0"),
+            default_model: some("claude-sonnet-4-5"),
             ..base("claude-code", "claude-agent-acp", ModelApi::Anthropic)
         },
         AgentProfile {
-            env: env(&[("NO_BROWSER", "1")]),
+            env: env(&[("NO_BROWSER", "1"), ("OPENAI_API_KEY", "{api_key}")]),
             key_env: some("OPENAI_API_KEY"),
             mode: some("agent-full-access"),
             state_dirs: strings(&[".codex"]),
+            npm_package: some("@agentclientprotocol/codex-acp@2.6.0"),
+            default_model: some("gpt-5.5"),
+            files: vec![BootstrapFile {
+                path: ".codex/config.toml".into(),
+                content:
+                    "model = \"{model}\"\nmodel_provider = \"sortie\"\n\n[model_providers.sortie]\nname = \"sortie\"\n\
+                          base_url = \"{model_base_url}/v1\"\nenv_key = \"OPENAI_API_KEY\"\nwire_api = \"responses\"\n"
+                        .into(),
+            }],
             ..base("codex", "codex-acp", ModelApi::Openai)
         },
         AgentProfile {
-            args: strings(&["--acp"]),
+            args: strings(&["--acp", "--model", "{model}"]),
+            env: env(&[
+                ("GOOGLE_GEMINI_BASE_URL", "{model_base_url}"),
+                ("GEMINI_API_KEY", "{api_key}"),
+            ]),
             base_url_env: some("GOOGLE_GEMINI_BASE_URL"),
             key_env: some("GEMINI_API_KEY"),
             mode: some("yolo"),
             state_dirs: strings(&[".gemini"]),
+            npm_package: some("@google/gemini-cli@0.61.0"),
+            default_model: some("gemini-2.5-pro"),
+            files: vec![BootstrapFile {
+                path: ".gemini/settings.json".into(),
+                content: "{\"privacy\": {\"usageStatisticsEnabled\": false}}\n".into(),
+            }],
             ..base("gemini", "gemini", ModelApi::Gemini)
         },
         AgentProfile {
@@ -139,8 +284,17 @@ pub fn built_in() -> Vec<AgentProfile> {
             env: env(&[
                 ("OPENCODE_DISABLE_AUTOUPDATE", "1"),
                 ("OPENCODE_DISABLE_MODELS_FETCH", "1"),
+                ("OPENCODE_DISABLE_DEFAULT_PLUGINS", "1"),
+                (
+                    "OPENCODE_CONFIG_CONTENT",
+                    "{\"model\": \"anthropic/{model}\", \"small_model\": \"anthropic/{model}\", \"autoupdate\": false, \
+                     \"share\": \"disabled\", \"provider\": {\"anthropic\": {\"options\": {\"baseURL\": \"{model_base_url}/v1\", \
+                     \"apiKey\": \"{api_key}\"}}}}",
+                ),
             ]),
             state_dirs: strings(&[".local/share/opencode"]),
+            npm_package: some("opencode-ai@1.18.33"),
+            default_model: some("claude-sonnet-4-5"),
             ..base("opencode", "opencode", ModelApi::Anthropic)
         },
         AgentProfile {
@@ -189,6 +343,20 @@ pub fn find(profiles: &[AgentProfile], id: &str) -> Result<AgentProfile, Profile
         })
 }
 
+/// Where `sortie agents install` puts a profile's npm package: `<agents_dir>/<id>`; its programs are in
+/// `node_modules/.bin` there.
+pub fn install_dir(agents_dir: &Path, id: &str) -> PathBuf {
+    agents_dir.join(id)
+}
+
+/// The installed program of `profile` under `agents_dir`, if it is installed there.
+pub fn installed_command(agents_dir: &Path, profile: &AgentProfile) -> Option<PathBuf> {
+    let candidate = install_dir(agents_dir, &profile.id)
+        .join("node_modules/.bin")
+        .join(&profile.command);
+    candidate.exists().then_some(candidate)
+}
+
 /// Resolves a profile's command: an absolute path as is; a bare name next to `beside` (the running
 /// binary's directory) first, then on `path` (a PATH value).
 pub fn resolve_command(command: &str, beside: Option<&Path>, path: Option<&str>) -> Option<PathBuf> {
@@ -234,6 +402,92 @@ mod tests {
         assert!(matches!(load(Some(&path)), Err(ProfileError::Invalid { .. })));
         std::fs::write(&path, "[[agent]]\nid = \"x\"\ncommand = \"x\"\nsurprise = 1\n").expect("write");
         assert!(matches!(load(Some(&path)), Err(ProfileError::Invalid { .. })));
+    }
+
+    #[test]
+    fn a_manifest_agent_that_names_its_variables_gets_the_proxy_and_the_placeholder() {
+        let dir = tempfile::tempdir().expect("temp");
+        let path = dir.path().join("agents.toml");
+        std::fs::write(
+            &path,
+            "[[agent]]\nid = \"mine\"\ncommand = \"mine\"\nmodel_api = \"openai\"\nbase_url_env = \"MINE_URL\"\n\
+             key_env = \"MINE_KEY\"\nenv = { MINE_KEY = \"{api_key}\", OTHER = \"2\" }\nread_only_paths = [\"/opt/mine\"]\n",
+        )
+        .expect("write");
+        let render = Render {
+            model_proxy: "http://127.0.0.1:3128/_sortie/model".into(),
+            model: None,
+        };
+        let mine = find(&load(Some(&path)).expect("load"), "mine")
+            .expect("mine")
+            .rendered(&render);
+        assert_eq!(
+            mine.env.get("MINE_URL").map(String::as_str),
+            Some("http://127.0.0.1:3128/_sortie/model/openai")
+        );
+        assert_eq!(mine.env.get("MINE_KEY").map(String::as_str), Some(API_KEY_PLACEHOLDER));
+        assert_eq!(mine.env.get("OTHER").map(String::as_str), Some("2"));
+        assert_eq!(mine.read_only_paths, vec!["/opt/mine".to_owned()]);
+    }
+
+    #[test]
+    fn profiles_point_agents_at_the_model_proxy_with_a_placeholder_key() {
+        let render = Render {
+            model_proxy: "http://127.0.0.1:3128/_sortie/model".into(),
+            model: None,
+        };
+        let profiles = built_in();
+        let claude = find(&profiles, "claude-code").expect("claude").rendered(&render);
+        assert_eq!(
+            claude.env.get("ANTHROPIC_BASE_URL").map(String::as_str),
+            Some("http://127.0.0.1:3128/_sortie/model/anthropic")
+        );
+        assert_eq!(
+            claude.env.get("ANTHROPIC_API_KEY").map(String::as_str),
+            Some(API_KEY_PLACEHOLDER)
+        );
+        assert_eq!(
+            claude.env.get("ANTHROPIC_MODEL").map(String::as_str),
+            Some("claude-sonnet-4-5")
+        );
+        let codex = find(&profiles, "codex").expect("codex").rendered(&Render {
+            model: Some("gpt-x".into()),
+            ..render.clone()
+        });
+        let config = &codex.files[0].content;
+        assert!(
+            config.contains("base_url = \"http://127.0.0.1:3128/_sortie/model/openai/v1\""),
+            "{config}"
+        );
+        assert!(config.contains("model = \"gpt-x\""), "{config}");
+        let gemini = find(&profiles, "gemini").expect("gemini").rendered(&render);
+        assert_eq!(gemini.args, vec!["--acp", "--model", "gemini-2.5-pro"]);
+        let opencode = find(&profiles, "opencode").expect("opencode").rendered(&render);
+        let content: serde_json::Value =
+            serde_json::from_str(opencode.env.get("OPENCODE_CONFIG_CONTENT").expect("config")).expect("json");
+        assert_eq!(
+            content["provider"]["anthropic"]["options"]["baseURL"],
+            "http://127.0.0.1:3128/_sortie/model/anthropic/v1"
+        );
+        for profile in &profiles {
+            let rendered = profile.rendered(&render);
+            let all = format!("{:?}{:?}{:?}", rendered.args, rendered.env, rendered.files);
+            assert!(!all.contains("{model") && !all.contains("{api_key}"), "{all}");
+        }
+    }
+
+    #[test]
+    fn bootstrap_files_stay_under_home() {
+        let dir = tempfile::tempdir().expect("temp");
+        let mut profile = base("x", "x", ModelApi::None);
+        profile.files = vec![BootstrapFile {
+            path: "../escape".into(),
+            content: String::new(),
+        }];
+        assert!(profile.write_files(dir.path()).is_err());
+        profile.files[0].path = ".x/config".into();
+        profile.write_files(dir.path()).expect("write");
+        assert!(dir.path().join(".x/config").is_file());
     }
 
     #[test]

@@ -27,7 +27,10 @@ pub async fn run(listener: TcpListener, socket: PathBuf) {
 }
 
 /// The environment that sends a process's traffic through the relay: the proxy variables every
-/// HTTP client (curl, git, npm, pip, node, Python) honours, with nothing exempted.
+/// HTTP client (curl, git, npm, pip, node, Python) honours. Loopback is exempt: the sandbox has no other
+/// network, so a direct connection reaches only the sandbox itself or the relay (which serves the
+/// internal routes in origin form too), and agents that talk to a server of their own on 127.0.0.1
+/// (opencode) break when that traffic is sent to a proxy.
 pub fn proxy_env(relay: &str) -> Vec<(String, String)> {
     let url = format!("http://{relay}");
     let mut env: Vec<(String, String)> = [
@@ -44,8 +47,9 @@ pub fn proxy_env(relay: &str) -> Vec<(String, String)> {
     .iter()
     .map(|name| ((*name).to_owned(), url.clone()))
     .collect();
-    env.push(("NO_PROXY".into(), String::new()));
-    env.push(("no_proxy".into(), String::new()));
+    let loopback = "127.0.0.1,localhost,::1".to_owned();
+    env.push(("NO_PROXY".into(), loopback.clone()));
+    env.push(("no_proxy".into(), loopback));
     env
 }
 

@@ -163,4 +163,18 @@ pub trait SandboxRuntime: Send + Sync {
     async fn stop(&self, name: &str, grace: Duration) -> Result<(), SandboxError>;
     /// Kills whatever is left, reports the usage and forgets the sandbox (its workspace and home stay).
     async fn destroy(&self, name: &str) -> Result<Usage, SandboxError>;
+
+    /// The host uid and gid that must own a sandbox's writable directories, when the runtime maps
+    /// its uid onto a dedicated host uid (the local runtime as root); `None` when no hand-over is needed.
+    fn host_owner(&self) -> Option<(u32, u32)> {
+        None
+    }
+    /// Lets the sandbox connect to a Unix socket the host created for it (its `egress.sock`).
+    fn grant_socket(&self, _socket: &std::path::Path) -> Result<(), SandboxError> {
+        Ok(())
+    }
+    /// Whether the sandbox can bind `path` (every ancestor searchable by its uid).
+    fn is_reachable(&self, _path: &std::path::Path) -> bool {
+        true
+    }
 }

@@ -239,6 +239,19 @@ fn child_pid(status_file: &Path) -> Option<u32> {
 
 #[async_trait]
 impl SandboxRuntime for LocalRuntime {
+    fn host_owner(&self) -> Option<(u32, u32)> {
+        self.as_root
+            .then_some((self.config.sandbox_uid, self.config.sandbox_gid))
+    }
+
+    fn grant_socket(&self, socket: &Path) -> Result<(), SandboxError> {
+        LocalRuntime::grant_socket(self, socket)
+    }
+
+    fn is_reachable(&self, path: &Path) -> bool {
+        LocalRuntime::is_reachable(self, path)
+    }
+
     async fn create(&self, spec: SandboxSpec) -> Result<(), SandboxError> {
         self.validate(&spec)?;
         if self.lock().contains_key(&spec.name) {

@@ -1,0 +1,787 @@
+//! Delivery at turn end (DESIGN §2 step 4, §7.3): commit the workspace, scan every commit that
+//! would become visible on the remote for secrets (`secrets`), and publish the branch idempotently.
+//!
+//! The pure parts come first (the commit message, the parsers of `ls-remote` and `--shortstat`, the
+//! decision what to do with the remote's ref); the git I/O is at the bottom. It must never push what
+//! the scan has not read, nor write a secret value anywhere.
+
+use std::path::PathBuf;
+use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+use tokio::process::Command;
+
+use crate::driver::TurnFailure;
+use crate::secrets::{Finding, KnownSecrets, PatchScanner, secret_reason};
+
+/// The longest subject line of a commit message.
+const SUBJECT_MAX_CHARS: usize = 72;
+/// The most of the prompt a commit message carries.
+const BODY_MAX_BYTES: usize = 2048;
+/// How much of git's stderr a failure reason quotes.
+const STDERR_TAIL_BYTES: usize = 2048;
+/// Every git command is killed after this long unless the config says otherwise.
+pub const GIT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How the driver delivers a turn's work.
+#[derive(Clone, Debug)]
+pub struct DeliveryConfig {
+    /// The branch to publish, without `refs/heads/` (e.g. `sortie/ses_…`).
+    pub branch: String,
+    /// A remote name or URL (a local path works too).
+    pub remote: String,
+    pub author_name: String,
+    pub author_email: String,
+    pub known_secrets: Arc<KnownSecrets>,
+    /// Where `known_secrets` came from: read again at each delivery (the operator may have added a
+    /// secret since), and added to what was read before.
+    pub known_secrets_file: Option<PathBuf>,
+    pub git_timeout: Duration,
+}
+
+/// What a delivery did, as `/status` reports it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct DeliveryReport {
+    /// The commit delivered (or that would have been); `None` when there is none, or when it was undone
+    /// because it held a secret.
+    pub head_sha: Option<String>,
+    /// The remote branch is at `head_sha` (pushed now, or by an earlier attempt).
+    pub pushed: bool,
+    /// The branch has something new since the baseline.
+    pub changed: bool,
+    pub files: u64,
+    pub insertions: u64,
+    pub deletions: u64,
+    pub error: Option<TurnFailure>,
+}
+
+/// Why a delivery failed; `code()` is the turn's failure code.
+#[derive(Debug, thiserror::Error)]
+pub enum DeliveryError {
+    #[error("{0}")]
+    SecretDetected(String),
+    #[error("{0}")]
+    PushConflict(String),
+    #[error(transparent)]
+    Git(#[from] GitError),
+}
+
+impl DeliveryError {
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::SecretDetected(_) => "SECRET_DETECTED",
+            Self::PushConflict(_) => "PUSH_CONFLICT",
+            Self::Git(_) => "DELIVERY_FAILED",
+        }
+    }
+
+    pub fn to_failure(&self) -> TurnFailure {
+        TurnFailure {
+            code: self.code().to_owned(),
+            reason: self.to_string(),
+        }
+    }
+}
+
+/// A git command that did not do its job.
+#[derive(Debug, thiserror::Error)]
+pub enum GitError {
+    #[error("cannot run git to {what}: {source}")]
+    Spawn { what: &'static str, source: std::io::Error },
+    #[error("git did not {what} within {seconds}s and was killed")]
+    TimedOut { what: &'static str, seconds: u64 },
+    #[error("git could not {what} ({status}): {stderr}")]
+    Failed {
+        what: &'static str,
+        status: ExitStatus,
+        stderr: String,
+    },
+}
+
+/// A branch name the driver will not push to.
+#[derive(Debug, thiserror::Error)]
+#[error("{branch:?} is not a usable branch name: {why}")]
+pub struct BranchError {
+    pub branch: String,
+    pub why: &'static str,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pure parts.
+// ---------------------------------------------------------------------------------------------
+
+/// Checks a branch name (without `refs/heads/`) against the rules of `git check-ref-format` that
+/// matter here, with a narrower alphabet: it ends up in argv and in a refspec.
+pub fn validate_branch(branch: &str) -> Result<(), BranchError> {
+    let refuse = |why| {
+        Err(BranchError {
+            branch: branch.to_owned(),
+            why,
+        })
+    };
+    if branch.is_empty() || branch.len() > 200 {
+        return refuse("it must have 1 to 200 characters");
+    }
+    if !branch
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b'/'))
+    {
+        return refuse("only letters, digits, `_`, `-`, `.` and `/` are allowed");
+    }
+    if branch.starts_with(['-', '/', '.']) || branch.ends_with(['/', '.']) || branch.ends_with(".lock") {
+        return refuse("it must not start with `-`, `/` or `.`, nor end with `/`, `.` or `.lock`");
+    }
+    if branch.contains("..") || branch.contains("//") || branch.contains("/.") {
+        return refuse("it must not contain `..`, `//` or `/.`");
+    }
+    Ok(())
+}
+
+/// The commit message of a turn: the prompt's first line as the subject (≤ 72 characters), the
+/// prompt (≤ 2 KiB) as the body unless it is just that line, and a `Sortie-Session` trailer.
+pub fn commit_message(prompt: &str, session_id: &str) -> String {
+    // A NUL cannot travel in argv; nothing of value is lost with it.
+    let prompt = prompt.replace('\0', "");
+    let prompt = prompt.trim();
+    let first = prompt
+        .lines()
+        .map(str::trim)
+        .find(|line| !line.is_empty())
+        .unwrap_or("");
+    let subject = if first.is_empty() {
+        "sortie: agent turn".to_owned()
+    } else if first.chars().count() > SUBJECT_MAX_CHARS {
+        let mut cut: String = first.chars().take(SUBJECT_MAX_CHARS - 1).collect();
+        cut.truncate(cut.trim_end().len());
+        cut.push('…');
+        cut
+    } else {
+        first.to_owned()
+    };
+    let mut message = subject.clone();
+    if !prompt.is_empty() && prompt != subject {
+        let mut body = prompt;
+        let truncated = body.len() > BODY_MAX_BYTES;
+        if truncated {
+            let mut end = BODY_MAX_BYTES;
+            while !body.is_char_boundary(end) {
+                end -= 1;
+            }
+            body = &body[..end];
+        }
+        message.push_str("\n\n");
+        message.push_str(body.trim_end());
+        if truncated {
+            message.push_str("\n[…]");
+        }
+    }
+    message.push_str("\n\nSortie-Session: ");
+    message.push_str(session_id);
+    message.push('\n');
+    message
+}
+
+/// The remote's commit for `refs/heads/<branch>` in `git ls-remote` output.
+pub fn parse_ls_remote(output: &str, branch: &str) -> Option<String> {
+    let wanted = format!("refs/heads/{branch}");
+    output.lines().find_map(|line| {
+        let (sha, name) = line.split_once('\t')?;
+        (name.trim_end() == wanted).then(|| sha.trim().to_owned())
+    })
+}
+
+/// `git diff --shortstat`: ` 3 files changed, 10 insertions(+), 2 deletions(-)` → (3, 10, 2).
+pub fn parse_shortstat(output: &str) -> (u64, u64, u64) {
+    let mut stat = (0, 0, 0);
+    for part in output.trim().split(',') {
+        let mut words = part.split_whitespace();
+        let (Some(number), Some(word)) = (words.next(), words.next()) else {
+            continue;
+        };
+        let Ok(number) = number.parse::<u64>() else { continue };
+        if word.starts_with("file") {
+            stat.0 = number;
+        } else if word.starts_with("insertion") {
+            stat.1 = number;
+        } else if word.starts_with("deletion") {
+            stat.2 = number;
+        }
+    }
+    stat
+}
+
+/// What to do given where the remote branch is (§7.3).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Publication {
+    /// The remote already has the candidate.
+    AlreadyThere,
+    /// The remote is where this turn expects it: push with a lease on that.
+    Push,
+    /// Someone else moved the branch.
+    Conflict,
+}
+
+pub fn decide(remote: Option<&str>, candidate: &str, baseline: Option<&str>) -> Publication {
+    if remote == Some(candidate) {
+        Publication::AlreadyThere
+    } else if remote == baseline {
+        Publication::Push
+    } else {
+        Publication::Conflict
+    }
+}
+
+fn conflict_reason(branch: &str, remote: Option<&str>, baseline: Option<&str>) -> String {
+    let place = |sha: Option<&str>| sha.map_or_else(|| "absent".to_owned(), |sha| format!("at {sha}"));
+    format!(
+        "someone else moved the branch {branch}: the remote has it {}, this turn expected it {}; nothing \
+         was pushed",
+        place(remote),
+        place(baseline)
+    )
+}
+
+/// The last lines of a command's stderr that fit in a failure reason.
+fn stderr_tail(stderr: &[u8]) -> String {
+    let text = String::from_utf8_lossy(stderr);
+    let text = text.trim();
+    if text.len() <= STDERR_TAIL_BYTES {
+        return text.to_owned();
+    }
+    let mut start = text.len() - STDERR_TAIL_BYTES;
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    let tail = &text[start..];
+    // Start at a line, not in the middle of one.
+    tail.split_once('\n').map_or(tail, |(_, rest)| rest).to_owned()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Git I/O.
+// ---------------------------------------------------------------------------------------------
+
+/// Settings for every git command: the agent may have written the workspace's and $HOME's git
+/// config, so whatever would run its code or change the output the scanner reads is overridden.
+const GIT_OVERRIDES: &[&str] = &[
+    "core.hooksPath=/dev/null",
+    "core.fsmonitor=false",
+    "core.pager=cat",
+    "core.quotePath=false",
+    "core.askPass=",
+    "credential.helper=",
+    "color.ui=false",
+    "commit.gpgSign=false",
+    "push.gpgSign=false",
+    // The workspace may belong to another uid than the driver's (a clone lent to the sandbox).
+    "safe.directory=*",
+];
+
+/// Runs git in the workspace with the agent's environment, bounded in time.
+#[derive(Clone, Debug)]
+pub struct Git {
+    pub workspace: PathBuf,
+    pub env: Vec<(String, String)>,
+    pub timeout: Duration,
+}
+
+/// A finished git command.
+struct Ran {
+    status: ExitStatus,
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+}
+
+impl Git {
+    fn command(&self, args: &[&str]) -> Command {
+        let mut command = Command::new("git");
+        for setting in GIT_OVERRIDES {
+            command.arg("-c").arg(setting);
+        }
+        command
+            .args(args)
+            .env_clear()
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .env("GIT_TERMINAL_PROMPT", "0")
+            // Messages are parsed (`--shortstat`): no translation.
+            .env("LC_ALL", "C")
+            .current_dir(&self.workspace)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // A whole group, so that a timeout also kills git's helpers (remote-http, pack-objects).
+            .process_group(0)
+            .kill_on_drop(true);
+        command
+    }
+
+    /// Runs `git <args>`; a non-zero exit is returned, not an error.
+    async fn run_with(&self, what: &'static str, args: &[&str], env: &[(&str, &str)]) -> Result<Ran, GitError> {
+        let mut command = self.command(args);
+        command.envs(env.iter().copied());
+        let child = command.spawn().map_err(|source| GitError::Spawn { what, source })?;
+        let group = child.id().and_then(|pid| i32::try_from(pid).ok());
+        match tokio::time::timeout(self.timeout, child.wait_with_output()).await {
+            Ok(Ok(output)) => Ok(Ran {
+                status: output.status,
+                stdout: output.stdout,
+                stderr: output.stderr,
+            }),
+            Ok(Err(source)) => Err(GitError::Spawn { what, source }),
+            Err(_) => {
+                kill_group(group);
+                Err(GitError::TimedOut {
+                    what,
+                    seconds: self.timeout.as_secs(),
+                })
+            }
+        }
+    }
+
+    async fn run(&self, what: &'static str, args: &[&str]) -> Result<Ran, GitError> {
+        self.run_with(what, args, &[]).await
+    }
+
+    /// Runs `git <args>` and fails unless it exits 0; returns its stdout, trimmed.
+    async fn output(&self, what: &'static str, args: &[&str]) -> Result<String, GitError> {
+        let ran = self.run(what, args).await?;
+        if !ran.status.success() {
+            return Err(GitError::Failed {
+                what,
+                status: ran.status,
+                stderr: stderr_tail(&ran.stderr),
+            });
+        }
+        Ok(String::from_utf8_lossy(&ran.stdout).trim().to_owned())
+    }
+
+    /// The commit HEAD points at, `None` on an unborn branch.
+    pub async fn head(&self) -> Result<Option<String>, GitError> {
+        let ran = self
+            .run("read HEAD", &["rev-parse", "--verify", "--quiet", "HEAD^{commit}"])
+            .await?;
+        if ran.status.success() {
+            Ok(Some(String::from_utf8_lossy(&ran.stdout).trim().to_owned()))
+        } else if ran.status.code() == Some(1) {
+            Ok(None)
+        } else {
+            Err(GitError::Failed {
+                what: "read HEAD",
+                status: ran.status,
+                stderr: stderr_tail(&ran.stderr),
+            })
+        }
+    }
+
+    /// Feeds every line of `git <args>`'s stdout to `line`, never holding the whole output.
+    async fn stream_lines(
+        &self,
+        what: &'static str,
+        args: &[&str],
+        mut line: impl FnMut(&[u8]),
+    ) -> Result<(), GitError> {
+        let mut child = self
+            .command(args)
+            .spawn()
+            .map_err(|source| GitError::Spawn { what, source })?;
+        let group = child.id().and_then(|pid| i32::try_from(pid).ok());
+        let (Some(stdout), Some(mut stderr)) = (child.stdout.take(), child.stderr.take()) else {
+            return Err(GitError::Spawn {
+                what,
+                source: std::io::Error::other("git's output was not piped"),
+            });
+        };
+        let run = async {
+            let collect_stderr = async {
+                let mut bytes = Vec::new();
+                let _ = stderr.read_to_end(&mut bytes).await;
+                bytes
+            };
+            let read_stdout = async {
+                let mut reader = BufReader::with_capacity(64 * 1024, stdout);
+                let mut buffer = Vec::new();
+                loop {
+                    buffer.clear();
+                    match reader.read_until(b'\n', &mut buffer).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(_) => line(buffer.strip_suffix(b"\n").unwrap_or(&buffer)),
+                    }
+                }
+            };
+            let (stderr, ()) = tokio::join!(collect_stderr, read_stdout);
+            (child.wait().await, stderr)
+        };
+        match tokio::time::timeout(self.timeout, run).await {
+            Ok((Ok(status), _)) if status.success() => Ok(()),
+            Ok((Ok(status), stderr)) => Err(GitError::Failed {
+                what,
+                status,
+                stderr: stderr_tail(&stderr),
+            }),
+            Ok((Err(source), _)) => Err(GitError::Spawn { what, source }),
+            Err(_) => {
+                kill_group(group);
+                Err(GitError::TimedOut {
+                    what,
+                    seconds: self.timeout.as_secs(),
+                })
+            }
+        }
+    }
+
+    async fn remote_head(&self, remote: &str, branch: &str) -> Result<Option<String>, GitError> {
+        let reference = format!("refs/heads/{branch}");
+        let listed = self
+            .output("read the remote branch", &["ls-remote", "--", remote, &reference])
+            .await?;
+        Ok(parse_ls_remote(&listed, branch))
+    }
+
+    /// The id of the empty tree in this repository's hash (diffs of a first commit start there).
+    async fn empty_tree(&self) -> Result<String, GitError> {
+        self.output("compute the empty tree", &["hash-object", "-t", "tree", "/dev/null"])
+            .await
+    }
+}
+
+fn kill_group(group: Option<i32>) {
+    if let Some(group) = group {
+        let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(group), nix::sys::signal::Signal::SIGKILL);
+    }
+}
+
+/// What a turn hands to its delivery.
+#[derive(Debug)]
+pub struct DeliveryInput<'a> {
+    /// The user's prompt (not the primed one): the commit message comes from it.
+    pub prompt: &'a str,
+    pub session_id: &'a str,
+    /// The branch's last delivered commit; `None`: the branch must not exist on the remote yet.
+    pub baseline: Option<&'a str>,
+    /// HEAD when the driver first ran a turn in this workspace: where the changes start when there
+    /// is no baseline.
+    pub start_head: Option<&'a str>,
+}
+
+/// Commits, scans and publishes; the report says what happened, its `error` what went wrong.
+pub async fn deliver(config: &DeliveryConfig, git: &Git, input: &DeliveryInput<'_>) -> DeliveryReport {
+    let mut report = DeliveryReport::default();
+    if let Err(error) = try_deliver(config, git, input, &mut report).await {
+        tracing::warn!(code = error.code(), %error, "delivery failed");
+        report.error = Some(error.to_failure());
+    }
+    report
+}
+
+async fn try_deliver(
+    config: &DeliveryConfig,
+    git: &Git,
+    input: &DeliveryInput<'_>,
+    report: &mut DeliveryReport,
+) -> Result<(), DeliveryError> {
+    let before = git.head().await?;
+    git.output("stage the workspace", &["add", "--all"]).await?;
+    let staged = git
+        .run(
+            "compare the index",
+            &["diff", "--cached", "--quiet", "--no-ext-diff", "--no-textconv"],
+        )
+        .await?;
+    let committed = match staged.status.code() {
+        Some(0) => false,
+        Some(1) => {
+            commit(config, git, input).await?;
+            true
+        }
+        _ => {
+            return Err(GitError::Failed {
+                what: "compare the index",
+                status: staged.status,
+                stderr: stderr_tail(&staged.stderr),
+            }
+            .into());
+        }
+    };
+    let Some(candidate) = git.head().await? else {
+        // An unborn branch and nothing to commit: there is nothing to deliver.
+        return Ok(());
+    };
+    report.head_sha = Some(candidate.clone());
+    let start = input.baseline.or(input.start_head);
+    if start == Some(candidate.as_str()) {
+        // Nothing new since the last delivery (or since the clone, for a branch never pushed).
+        return Ok(());
+    }
+    report.changed = true;
+
+    let findings = scan(config, git, start, &candidate).await?;
+    if !findings.is_empty() {
+        report.head_sha = None;
+        if committed {
+            undo_commit(git, before.as_deref()).await?;
+        }
+        return Err(DeliveryError::SecretDetected(secret_reason(&findings, committed)));
+    }
+
+    let from = match start {
+        Some(start) => start.to_owned(),
+        None => git.empty_tree().await?,
+    };
+    let stat = git
+        .output(
+            "count the changes",
+            &[
+                "diff",
+                "--shortstat",
+                "--no-ext-diff",
+                "--no-textconv",
+                &from,
+                &candidate,
+            ],
+        )
+        .await?;
+    (report.files, report.insertions, report.deletions) = parse_shortstat(&stat);
+
+    publish(config, git, &candidate, input.baseline).await?;
+    report.pushed = true;
+    Ok(())
+}
+
+async fn commit(config: &DeliveryConfig, git: &Git, input: &DeliveryInput<'_>) -> Result<(), GitError> {
+    let message = commit_message(input.prompt, input.session_id);
+    let name = format!("user.name={}", config.author_name);
+    let email = format!("user.email={}", config.author_email);
+    let identity = [
+        ("GIT_AUTHOR_NAME", config.author_name.as_str()),
+        ("GIT_AUTHOR_EMAIL", config.author_email.as_str()),
+        ("GIT_COMMITTER_NAME", config.author_name.as_str()),
+        ("GIT_COMMITTER_EMAIL", config.author_email.as_str()),
+    ];
+    let ran = git
+        .run_with(
+            "commit the workspace",
+            &[
+                "-c",
+                &name,
+                "-c",
+                &email,
+                "commit",
+                "--quiet",
+                "--no-verify",
+                "--no-gpg-sign",
+                // Verbatim: a prompt's `#` lines are not comments.
+                "--cleanup=verbatim",
+                "--message",
+                &message,
+            ],
+            &identity,
+        )
+        .await?;
+    if ran.status.success() {
+        Ok(())
+    } else {
+        Err(GitError::Failed {
+            what: "commit the workspace",
+            status: ran.status,
+            stderr: stderr_tail(&ran.stderr),
+        })
+    }
+}
+
+/// Scans every commit the push would make visible (each one's own patch: a secret added and then
+/// removed again would still be in the history).
+async fn scan(
+    config: &DeliveryConfig,
+    git: &Git,
+    start: Option<&str>,
+    candidate: &str,
+) -> Result<Vec<Finding>, GitError> {
+    let range = match start {
+        Some(start) => format!("{start}..{candidate}"),
+        None => candidate.to_owned(),
+    };
+    let mut known = KnownSecrets::clone(&config.known_secrets);
+    if let Some(path) = &config.known_secrets_file {
+        match KnownSecrets::load(path) {
+            Ok(reread) => known.extend(&reread),
+            Err(error) => {
+                tracing::warn!(%error, "cannot read the known secrets again; scanning with the list read at start")
+            }
+        }
+    }
+    let mut scanner = PatchScanner::new(&known);
+    git.stream_lines(
+        "read the changes to scan them",
+        &[
+            "log",
+            "--patch",
+            "-m",
+            "--unified=0",
+            "--no-ext-diff",
+            "--no-textconv",
+            "--no-color",
+            "--src-prefix=a/",
+            "--dst-prefix=b/",
+            "--format=commit %H",
+            &range,
+            "--",
+        ],
+        |line| scanner.line(line),
+    )
+    .await?;
+    let mut findings = scanner.into_findings();
+    findings.sort();
+    findings.dedup();
+    Ok(findings)
+}
+
+/// Takes back the commit the delivery made, keeping its files in the working tree.
+async fn undo_commit(git: &Git, before: Option<&str>) -> Result<(), GitError> {
+    match before {
+        Some(before) => git.output("undo the commit", &["reset", "--soft", before]).await?,
+        // The commit was the first: back to an unborn branch.
+        None => git.output("undo the commit", &["update-ref", "-d", "HEAD"]).await?,
+    };
+    Ok(())
+}
+
+/// Idempotent publication (§7.3).
+async fn publish(
+    config: &DeliveryConfig,
+    git: &Git,
+    candidate: &str,
+    baseline: Option<&str>,
+) -> Result<(), DeliveryError> {
+    let branch = &config.branch;
+    let remote = git.remote_head(&config.remote, branch).await?;
+    match decide(remote.as_deref(), candidate, baseline) {
+        Publication::AlreadyThere => return Ok(()),
+        Publication::Conflict => {
+            return Err(DeliveryError::PushConflict(conflict_reason(
+                branch,
+                remote.as_deref(),
+                baseline,
+            )));
+        }
+        Publication::Push => {}
+    }
+    let lease = format!("--force-with-lease=refs/heads/{branch}:{}", baseline.unwrap_or(""));
+    let refspec = format!("{candidate}:refs/heads/{branch}");
+    let pushed = git
+        .run(
+            "push the branch",
+            &["push", "--porcelain", &lease, "--", &config.remote, &refspec],
+        )
+        .await;
+    let failure = match pushed {
+        Ok(ran) if ran.status.success() => return Ok(()),
+        Ok(ran) => {
+            // `--porcelain` puts the reason of a rejected ref on stdout, git's own errors on stderr.
+            let mut said = ran.stderr;
+            said.extend_from_slice(&ran.stdout);
+            GitError::Failed {
+                what: "push the branch",
+                status: ran.status,
+                stderr: stderr_tail(&said),
+            }
+        }
+        Err(error) => error,
+    };
+    // The push may have landed before it failed (a lost answer): a fresh read decides.
+    let after = git.remote_head(&config.remote, branch).await?;
+    match decide(after.as_deref(), candidate, baseline) {
+        Publication::AlreadyThere => Ok(()),
+        Publication::Conflict => Err(DeliveryError::PushConflict(conflict_reason(
+            branch,
+            after.as_deref(),
+            baseline,
+        ))),
+        Publication::Push => Err(failure.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commit_messages() {
+        let long_line = "word ".repeat(30);
+        let long_prompt = format!("Fix it\n\n{}", "é".repeat(2000));
+        let cases: Vec<(&str, String)> = vec![
+            ("Add a README", "Add a README\n\nSortie-Session: ses_1\n".into()),
+            (
+                "  Fix the build\nIt fails on CI.\n",
+                "Fix the build\n\nFix the build\nIt fails on CI.\n\nSortie-Session: ses_1\n".into(),
+            ),
+            ("", "sortie: agent turn\n\nSortie-Session: ses_1\n".into()),
+            (
+                "\n\n#!scripted\nsay: hi",
+                "#!scripted\n\n#!scripted\nsay: hi\n\nSortie-Session: ses_1\n".into(),
+            ),
+            ("nul\0byte", "nulbyte\n\nSortie-Session: ses_1\n".into()),
+        ];
+        for (prompt, expected) in cases {
+            assert_eq!(commit_message(prompt, "ses_1"), expected, "{prompt:?}");
+        }
+        let message = commit_message(&long_line, "ses_1");
+        let subject = message.lines().next().unwrap_or_default();
+        assert!(subject.chars().count() <= 72 && subject.ends_with('…'), "{subject}");
+        let message = commit_message(&long_prompt, "ses_1");
+        assert!(message.len() < 2048 + 100, "{}", message.len());
+        assert!(message.ends_with("[…]\n\nSortie-Session: ses_1\n"), "{message}");
+    }
+
+    #[test]
+    fn branch_names() {
+        for good in ["sortie/ses_01K0ABC", "feature-1", "a.b/c_d"] {
+            assert!(validate_branch(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "", "-x", "/x", "x/", "a..b", "a//b", "a/.b", "x.lock", "a b", "a:b", "a~1", "a^", "refs*", ".x", "x.",
+        ] {
+            assert!(validate_branch(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn remote_refs_shortstats_and_decisions() {
+        let listed = "aaa\trefs/heads/sortie/ses_1/x\nbbb\trefs/heads/sortie/ses_1\n";
+        assert_eq!(parse_ls_remote(listed, "sortie/ses_1"), Some("bbb".into()));
+        assert_eq!(parse_ls_remote(listed, "ses_1"), None);
+        assert_eq!(parse_ls_remote("", "sortie/ses_1"), None);
+
+        let stats = [
+            (" 3 files changed, 10 insertions(+), 2 deletions(-)", (3, 10, 2)),
+            (" 1 file changed, 1 insertion(+)", (1, 1, 0)),
+            (" 1 file changed, 4 deletions(-)", (1, 0, 4)),
+            ("", (0, 0, 0)),
+        ];
+        for (text, expected) in stats {
+            assert_eq!(parse_shortstat(text), expected, "{text}");
+        }
+
+        let cases = [
+            (Some("c"), "c", Some("b"), Publication::AlreadyThere),
+            (Some("b"), "c", Some("b"), Publication::Push),
+            (None, "c", None, Publication::Push),
+            (Some("x"), "c", Some("b"), Publication::Conflict),
+            (Some("x"), "c", None, Publication::Conflict),
+            (None, "c", Some("b"), Publication::Conflict),
+        ];
+        for (remote, candidate, baseline, expected) in cases {
+            assert_eq!(decide(remote, candidate, baseline), expected, "{remote:?} {baseline:?}");
+        }
+    }
+
+    #[test]
+    fn stderr_tails_keep_the_last_whole_lines() {
+        let long: String = (0..1000).map(|i| format!("line {i}\n")).collect();
+        let tail = stderr_tail(long.as_bytes());
+        assert!(tail.len() <= STDERR_TAIL_BYTES && tail.starts_with("line ") && tail.ends_with("line 999"));
+        assert_eq!(stderr_tail(b"  fatal: no\n"), "fatal: no");
+    }
+}

@@ -1,0 +1,159 @@
+//! Delivery against real repositories: the cases the driver's end-to-end tests do not reach (history
+//! the agent committed itself, a first commit, a remote that cannot be reached).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sortie_driver::delivery::{DeliveryConfig, DeliveryInput, Git, deliver};
+use sortie_driver::secrets::KnownSecrets;
+
+const BRANCH: &str = "sortie/ses_lib";
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let output = Command::new("git")
+        .args([
+            "-c",
+            "safe.directory=*",
+            "-c",
+            "user.name=Test",
+            "-c",
+            "user.email=test@localhost",
+        ])
+        .args(["-c", "init.defaultBranch=main"])
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("git");
+    assert!(
+        output.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+}
+
+struct Setup {
+    _temp: tempfile::TempDir,
+    workspace: PathBuf,
+    remote: PathBuf,
+    git: Git,
+}
+
+/// An empty repository (no commit yet) and an empty bare remote.
+fn setup() -> Setup {
+    let temp = tempfile::tempdir().expect("temp");
+    let workspace = temp.path().join("workspace");
+    let home = temp.path().join("home");
+    std::fs::create_dir_all(&workspace).expect("workspace");
+    std::fs::create_dir_all(&home).expect("home");
+    git(&workspace, &["init", "-q"]);
+    git(temp.path(), &["init", "-q", "--bare", "remote.git"]);
+    let path = std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into());
+    Setup {
+        remote: temp.path().join("remote.git"),
+        git: Git {
+            workspace: workspace.clone(),
+            env: vec![
+                ("HOME".into(), home.to_string_lossy().into_owned()),
+                ("PATH".into(), path),
+            ],
+            timeout: Duration::from_secs(60),
+        },
+        workspace,
+        _temp: temp,
+    }
+}
+
+fn config(remote: &Path) -> DeliveryConfig {
+    DeliveryConfig {
+        branch: BRANCH.into(),
+        remote: remote.to_string_lossy().into_owned(),
+        author_name: "Sortie".into(),
+        author_email: "sortie@localhost".into(),
+        known_secrets: Arc::new(KnownSecrets::default()),
+        known_secrets_file: None,
+        git_timeout: Duration::from_secs(60),
+    }
+}
+
+fn input<'a>(baseline: Option<&'a str>, start_head: Option<&'a str>) -> DeliveryInput<'a> {
+    DeliveryInput {
+        prompt: "Do the thing",
+        session_id: "ses_lib",
+        baseline,
+        start_head,
+    }
+}
+
+#[tokio::test]
+async fn a_first_commit_on_an_unborn_branch_is_delivered_whole() {
+    let setup = setup();
+    std::fs::write(setup.workspace.join("a.txt"), "one\ntwo\n").expect("write");
+    let report = deliver(&config(&setup.remote), &setup.git, &input(None, None)).await;
+    assert_eq!(report.error, None);
+    assert!(report.pushed && report.changed);
+    assert_eq!((report.files, report.insertions, report.deletions), (1, 2, 0));
+    let head = report.head_sha.expect("head");
+    assert_eq!(
+        git(&setup.remote, &["rev-parse", &format!("refs/heads/{BRANCH}")]),
+        head
+    );
+    assert_eq!(
+        git(&setup.remote, &["log", "--format=%B", "-1", &head]),
+        "Do the thing\n\nSortie-Session: ses_lib"
+    );
+}
+
+#[tokio::test]
+async fn a_secret_the_agent_committed_and_removed_again_is_still_found_in_the_history() {
+    let setup = setup();
+    std::fs::write(setup.workspace.join("README"), "base\n").expect("write");
+    git(&setup.workspace, &["add", "README"]);
+    git(&setup.workspace, &["commit", "-q", "-m", "base"]);
+    let base = git(&setup.workspace, &["rev-parse", "HEAD"]);
+    // The agent commits a key, then deletes it in a second commit of its own.
+    let key = format!("ghp_{}", "a".repeat(36));
+    std::fs::write(setup.workspace.join("token.txt"), format!("{key}\n")).expect("write");
+    git(&setup.workspace, &["add", "token.txt"]);
+    git(&setup.workspace, &["commit", "-q", "-m", "add token"]);
+    git(&setup.workspace, &["rm", "-q", "token.txt"]);
+    git(&setup.workspace, &["commit", "-q", "-m", "remove token"]);
+    let agent_head = git(&setup.workspace, &["rev-parse", "HEAD"]);
+
+    let report = deliver(&config(&setup.remote), &setup.git, &input(None, Some(&base))).await;
+    let error = report.error.expect("refused");
+    assert_eq!(error.code, "SECRET_DETECTED");
+    assert!(
+        error.reason.contains("a GitHub token in token.txt") && !error.reason.contains(&key),
+        "{}",
+        error.reason
+    );
+    assert!(
+        !error.reason.contains("undone"),
+        "the agent's own commits stay: {}",
+        error.reason
+    );
+    assert!(!report.pushed && report.head_sha.is_none());
+    assert_eq!(git(&setup.workspace, &["rev-parse", "HEAD"]), agent_head);
+    assert_eq!(git(&setup.remote, &["for-each-ref"]), "", "nothing reached the remote");
+}
+
+#[tokio::test]
+async fn an_unreachable_remote_fails_the_delivery_with_gits_words() {
+    let setup = setup();
+    std::fs::write(setup.workspace.join("a.txt"), "a\n").expect("write");
+    let missing = setup.workspace.join("no-such-remote.git");
+    let report = deliver(&config(&missing), &setup.git, &input(None, None)).await;
+    let error = report.error.expect("failed");
+    assert_eq!(error.code, "DELIVERY_FAILED");
+    assert!(
+        error.reason.contains("read the remote branch") && error.reason.contains("no-such-remote.git"),
+        "{}",
+        error.reason
+    );
+    // The commit is made and kept for the next attempt.
+    assert!(report.changed && !report.pushed);
+    assert_eq!(report.head_sha, Some(git(&setup.workspace, &["rev-parse", "HEAD"])));
+}
