@@ -38,6 +38,8 @@ pub struct AttachState {
     /// Origins a browser may attach from (CORS).
     pub allowed_origins: Arc<Vec<String>>,
     pub heartbeat: Duration,
+    /// How long a client may leave its buffer full before it is disconnected ([`SLOW_CLIENT_LIMIT`]).
+    pub slow_client_limit: Duration,
 }
 
 /// How long a client may leave its buffer full before it is disconnected.
@@ -49,12 +51,14 @@ pub fn router(state: AttachState) -> Router {
         .with_state(state)
 }
 
-/// Serves the attach routes on a bound listener until `shutdown` completes.
+/// Serves the attach routes on a bound listener until `shutdown` completes. A connection whose
+/// client takes nothing for `slow_client_limit` is reset ([`crate::stall`]).
 pub async fn run(
     listener: tokio::net::TcpListener,
     state: AttachState,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let listener = crate::stall::StalledWrites::new(listener, state.slow_client_limit);
     axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown)
         .await
@@ -278,19 +282,21 @@ async fn turn_stream(
     for (index, json) in &stored {
         write_sse_event(&mut prefix, *index, json);
     }
-    let driver = state.drivers.driver_socket(&session);
     let ended = turn.status.is_terminal();
     let tail = live_tail(
-        driver,
+        state.drivers.clone(),
         session.clone(),
         turn.n,
         last_stored,
         ended && last_stored.is_some(),
-        state.heartbeat,
+        Pace {
+            heartbeat: state.heartbeat,
+            slow_client_limit: state.slow_client_limit,
+        },
         state.store.clone(),
         workspace_id.to_owned(),
     );
-    let body = futures::stream::once(async move { Ok::<_, std::convert::Infallible>(Bytes::from(prefix)) }).chain(tail);
+    let body = futures::stream::once(async move { Ok::<_, std::io::Error>(Bytes::from(prefix)) }).chain(tail);
     let mut response = Response::new(Body::from_stream(body));
     for (name, value) in STREAM_HEADERS {
         if let (Ok(name), Ok(value)) = (
@@ -304,45 +310,74 @@ async fn turn_stream(
     response
 }
 
+/// How a stream is paced: heartbeats while it is idle, and how long its client may take nothing.
+#[derive(Clone, Copy)]
+struct Pace {
+    heartbeat: Duration,
+    slow_client_limit: Duration,
+}
+
+/// At most this much of a client's backlog is joined into one write.
+const COALESCE_BYTES: usize = 64 * 1024;
+
 /// The rest of the stream after the stored prefix: the driver's parts after `after`, heartbeats
 /// while nothing comes, and `[DONE]`. A turn that ended and is stored whole needs no driver.
+///
+/// A client that leaves its buffer (this channel) full for `slow_client_limit` is dropped: the
+/// driver connection is let go at once, and the body ends with an error after what is buffered, so
+/// the client sees a broken stream (and can attach again), never a clean end without `[DONE]`.
 #[allow(clippy::too_many_arguments)]
 fn live_tail(
-    driver: Option<PathBuf>,
+    drivers: Arc<dyn DriverLocator>,
     session: SessionId,
     n: u32,
     after: Option<u64>,
     stored_whole: bool,
-    heartbeat: Duration,
+    pace: Pace,
     store: Arc<dyn Store>,
     workspace_id: String,
-) -> impl futures::Stream<Item = Result<Bytes, std::convert::Infallible>> + Send {
+) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send {
+    let Pace {
+        heartbeat,
+        slow_client_limit,
+    } = pace;
     let (sender, receiver) = tokio::sync::mpsc::channel::<Bytes>(64);
+    let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mark_dropped = dropped.clone();
     tokio::spawn(async move {
         if stored_whole {
             let _ = sender.send(Bytes::from_static(SSE_DONE)).await;
             return;
         }
+        let mut relayed = Relayed::after(after);
         let mut quiet_since = std::time::Instant::now();
         loop {
-            if let Some(socket) = &driver
-                && let Some(mut body) = open_driver_stream(socket, n, after).await
+            // Asked afresh each time: the turn's sandbox may come up (or go) while the client waits.
+            if let Some(socket) = drivers.driver_socket(&session)
+                && let Some(mut body) = open_driver_stream(&socket, n, relayed.resume_after()).await
             {
                 loop {
                     match tokio::time::timeout(heartbeat, body.frame()).await {
                         Ok(Some(Ok(frame))) => {
+                            let Ok(data) = frame.into_data() else { continue };
+                            relayed.observe(&data);
                             // A client that takes nothing for this long is dropped (it can attach again);
                             // only its own connection to the driver ever waited for it.
-                            if let Ok(data) = frame.into_data()
-                                && !matches!(
-                                    tokio::time::timeout(SLOW_CLIENT_LIMIT, sender.send(data)).await,
-                                    Ok(Ok(()))
-                                )
-                            {
+                            match tokio::time::timeout(slow_client_limit, sender.send(data)).await {
+                                Ok(Ok(())) => {}
+                                Ok(Err(_)) => return,
+                                Err(_) => {
+                                    mark_dropped.store(true, std::sync::atomic::Ordering::Release);
+                                    metrics::counter!("sortie_attach_slow_clients_dropped_total").increment(1);
+                                    tracing::info!(session = %session, turn = n, "dropped a client that took nothing");
+                                    return;
+                                }
+                            }
+                            if relayed.done {
                                 return;
                             }
                         }
-                        Ok(Some(Err(_)) | None) => return,
+                        Ok(Some(Err(_)) | None) => break,
                         Err(_) => {
                             if sender.send(Bytes::from_static(b": keep-alive\n\n")).await.is_err() {
                                 return;
@@ -350,17 +385,36 @@ fn live_tail(
                         }
                     }
                 }
+                // The driver went away before `[DONE]` (its sandbox died or was replaced). Between two
+                // events the stream can go on from the store or a new driver; inside one it cannot.
+                if !relayed.at_boundary() {
+                    mark_dropped.store(true, std::sync::atomic::Ordering::Release);
+                    return;
+                }
             }
-            // No driver (yet): wait with heartbeats; a turn that ends meanwhile ends the stream.
+            // No driver (yet, or any more): wait with heartbeats; a turn that ends meanwhile ends the
+            // stream. A store that does not answer is asked again, never taken for an ended turn.
             let ended = match store.turns(&workspace_id, &session).await {
                 Ok(turns) => turns
                     .iter()
                     .find(|t| t.n == n)
                     .is_none_or(|t| t.status.is_terminal() && t.status != TurnStatus::Running),
-                Err(_) => true,
+                Err(_) => false,
             };
             if ended {
-                let _ = sender.send(Bytes::from_static(SSE_DONE)).await;
+                // Whatever the recorder stored after what was sent while we waited, then the end.
+                let mut rest = Vec::new();
+                if let Ok(parts) = store.parts(&session).await {
+                    let after = relayed.resume_after();
+                    for part in parts.iter().filter(|p| p.turn == n) {
+                        let index = u64::from(part.part_index);
+                        if after.is_none_or(|after| index > after) {
+                            write_sse_event(&mut rest, index, &part.payload);
+                        }
+                    }
+                }
+                rest.extend_from_slice(SSE_DONE);
+                let _ = sender.send(Bytes::from(rest)).await;
                 return;
             }
             if quiet_since.elapsed() >= heartbeat {
@@ -372,9 +426,118 @@ fn live_tail(
             tokio::time::sleep(heartbeat.min(Duration::from_millis(250))).await;
         }
     });
-    futures::stream::unfold(receiver, |mut receiver| async move {
-        receiver.recv().await.map(|bytes| (Ok(bytes), receiver))
+    futures::stream::unfold(Some(receiver), move |receiver| {
+        let dropped = dropped.clone();
+        async move {
+            let mut receiver = receiver?;
+            match receiver.recv().await {
+                Some(first) => {
+                    // What queued up while the client was writing goes out as one write, not one each.
+                    let Ok(next) = receiver.try_recv() else {
+                        return Some((Ok(first), Some(receiver)));
+                    };
+                    let mut joined = Vec::with_capacity(first.len() + next.len() + COALESCE_BYTES / 4);
+                    joined.extend_from_slice(&first);
+                    joined.extend_from_slice(&next);
+                    while joined.len() < COALESCE_BYTES {
+                        match receiver.try_recv() {
+                            Ok(more) => joined.extend_from_slice(&more),
+                            Err(_) => break,
+                        }
+                    }
+                    Some((Ok(Bytes::from(joined)), Some(receiver)))
+                }
+                None if dropped.load(std::sync::atomic::Ordering::Acquire) => Some((
+                    Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "the client took nothing for too long",
+                    )),
+                    None,
+                )),
+                None => None,
+            }
+        }
     })
+}
+
+/// What of a driver's SSE bytes went to the client: the last whole event's index and whether `[DONE]`
+/// passed, so a broken driver stream can be taken up again exactly after the last whole event. Bytes
+/// are relayed as they come (a write may end inside a line); only line starts are inspected.
+struct Relayed {
+    /// The index of the last event whose blank line was relayed.
+    last_whole: Option<u64>,
+    /// The index of the event being relayed, once its `id:` line passed.
+    current: Option<u64>,
+    /// A line not yet ended: only its first bytes (enough to tell `id:` and `[DONE]` lines apart).
+    partial: Vec<u8>,
+    partial_len: usize,
+    inside_event: bool,
+    /// The event being relayed is `data: [DONE]`.
+    ending: bool,
+    done: bool,
+}
+
+/// Enough of a line to read `id: <u64>` or `data: [DONE]`.
+const LINE_HEAD: usize = 32;
+
+impl Relayed {
+    fn after(after: Option<u64>) -> Self {
+        Self {
+            last_whole: after,
+            current: None,
+            partial: Vec::with_capacity(LINE_HEAD),
+            partial_len: 0,
+            inside_event: false,
+            ending: false,
+            done: false,
+        }
+    }
+
+    fn resume_after(&self) -> Option<u64> {
+        self.last_whole
+    }
+
+    fn at_boundary(&self) -> bool {
+        !self.inside_event && self.partial_len == 0
+    }
+
+    fn observe(&mut self, mut data: &[u8]) {
+        while let Some(end) = memchr::memchr(b'\n', data) {
+            self.push_partial(&data[..end]);
+            let head = std::mem::take(&mut self.partial);
+            let len = std::mem::take(&mut self.partial_len);
+            self.line(&head, len);
+            self.partial = head;
+            self.partial.clear();
+            data = &data[end + 1..];
+        }
+        self.push_partial(data);
+    }
+
+    fn push_partial(&mut self, bytes: &[u8]) {
+        let room = LINE_HEAD.saturating_sub(self.partial.len());
+        self.partial.extend_from_slice(&bytes[..room.min(bytes.len())]);
+        self.partial_len += bytes.len();
+    }
+
+    fn line(&mut self, head: &[u8], len: usize) {
+        if len == 0 {
+            if self.inside_event {
+                self.last_whole = self.current.or(self.last_whole);
+                self.inside_event = false;
+                self.done |= self.ending;
+            }
+            return;
+        }
+        self.inside_event = true;
+        if len == head.len() {
+            if let Some(id) = head.strip_prefix(b"id: ") {
+                self.current = std::str::from_utf8(id).ok().and_then(|id| id.parse().ok());
+            } else if head == &SSE_DONE[..SSE_DONE.len() - 2] {
+                self.ending = true;
+            }
+        }
+    }
 }
 
 /// `GET /turns/{n}/stream?after=K` on the driver's socket; `None` if it has no such turn (yet).
@@ -392,4 +555,66 @@ async fn open_driver_stream(socket: &std::path::Path, n: u32, after: Option<u64>
         .ok()?;
     let response = sender.send_request(request).await.ok()?;
     response.status().is_success().then(|| response.into_body())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stream_of(indices: std::ops::Range<u64>, done: bool) -> Vec<u8> {
+        let mut out = Vec::new();
+        for index in indices {
+            write_sse_event(
+                &mut out,
+                index,
+                &format!(r#"{{"type":"text-delta","id":"t","delta":"{index}"}}"#),
+            );
+        }
+        out.extend_from_slice(b": keep-alive\n\n");
+        if done {
+            out.extend_from_slice(SSE_DONE);
+        }
+        out
+    }
+
+    #[test]
+    fn knows_the_last_whole_event_wherever_the_writes_split() {
+        let bytes = stream_of(7..12, true);
+        for split in 0..=bytes.len() {
+            let mut relayed = Relayed::after(Some(6));
+            relayed.observe(&bytes[..split]);
+            let whole_events = bytes[..split].windows(2).filter(|w| w == b"\n\n").count() as u64;
+            let expected = match whole_events {
+                0 => Some(6),
+                k => Some((6 + k).min(11)),
+            };
+            assert_eq!(relayed.resume_after(), expected, "split at {split}");
+            assert_eq!(
+                relayed.at_boundary(),
+                split == 0 || bytes[..split].ends_with(b"\n\n"),
+                "split at {split}"
+            );
+            assert!(!relayed.done || split == bytes.len(), "split at {split}");
+            relayed.observe(&bytes[split..]);
+            assert_eq!(
+                (relayed.resume_after(), relayed.done),
+                (Some(11), true),
+                "split at {split}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_long_data_line_and_a_done_that_is_not_alone_are_read_right() {
+        let mut relayed = Relayed::after(None);
+        let long = format!("id: 3\ndata: {}\n\n", "x".repeat(10_000));
+        relayed.observe(long.as_bytes());
+        assert_eq!(relayed.resume_after(), Some(3));
+        relayed.observe(b"id: 4\ndata: [DONE] or not\n\n");
+        assert_eq!((relayed.resume_after(), relayed.done), (Some(4), false));
+        relayed.observe(b"data: [DONE]\n");
+        assert!(!relayed.done && !relayed.at_boundary());
+        relayed.observe(b"\n");
+        assert!(relayed.done && relayed.at_boundary());
+    }
 }

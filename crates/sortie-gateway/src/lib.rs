@@ -1,11 +1,14 @@
 //! The gateway (DESIGN §7): the only way into a sandbox and the only way out of one.
 //!
-//! So far: the egress proxy (§7.2: allowlisted names only, resolved and vetted here, `/_sortie/…`
-//! routed inside) and the git smart-HTTP proxy (§7.3: every `receive-pack` request decided before git
-//! sees a byte, refusals that `git push` prints). Attach, tickets and the model proxy come next.
+//! So far: attach (§7.1: ticketed streams, a client that takes nothing dropped, never the agent; `stall`
+//! resets its connection), the egress proxy (§7.2: allowlisted names only, resolved and vetted here,
+//! `/_sortie/…` routed inside) and the git smart-HTTP proxy (§7.3: every `receive-pack` request decided
+//! before git sees a byte, refusals that `git push` prints). The model proxy comes next.
 //! Nothing here may ever forward a byte it has not understood, or a credential into a sandbox.
 
 pub mod attach;
 pub mod egress;
 pub mod git;
+pub mod model;
+pub mod stall;
 pub mod tickets;

@@ -1,11 +1,13 @@
 //! The git proxy with the real `git` client: clone, fetch and pushes of the session's own branch go
 //! through; every other push is refused whole, `git push` prints why, and the upstream is unchanged.
+//! Forges get the credential (over plain HTTP and over real TLS with a certificate made here), and
+//! a forge whose certificate is not trusted is a 502 with nothing of the forge's in it.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::Arc;
 
-use sortie_gateway::git::http::{Upstream, Upstreams, router};
+use sortie_gateway::git::http::{ForgeTls, Upstream, Upstreams, router, router_with_forge_tls};
 use sortie_gateway::git::pktline;
 use sortie_protocol::SessionId;
 
@@ -314,6 +316,23 @@ async fn fake_forge(
     redirect: bool,
     session: &SessionId,
 ) -> (String, Arc<std::sync::Mutex<Vec<String>>>) {
+    let (app, seen) = forge_app(upstream, token, redirect, session);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!(
+        "http://{}/_sortie/git/{session}.git",
+        listener.local_addr().expect("addr")
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, seen)
+}
+
+/// The fake forge's routes: every request recorded with whether it carried the credential.
+fn forge_app(
+    upstream: PathBuf,
+    token: &str,
+    redirect: bool,
+    session: &SessionId,
+) -> (axum::Router, Arc<std::sync::Mutex<Vec<String>>>) {
     use base64::Engine;
     let session = session.clone();
     let expected = format!(
@@ -364,21 +383,144 @@ async fn fake_forge(
             }
         },
     ));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let url = format!(
-        "http://{}/_sortie/git/{session}.git",
-        listener.local_addr().expect("addr")
-    );
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    (url, seen)
+    (app, seen)
 }
 
 async fn proxy_for(upstreams: Arc<dyn Upstreams>) -> String {
+    serve_proxy(router(upstreams, PathBuf::from("git"))).await
+}
+
+/// Serves a git proxy over plain HTTP, as the sandbox reaches it; returns its base URL.
+async fn serve_proxy(app: axum::Router) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("addr"));
-    let app = router(upstreams, PathBuf::from("git"));
     tokio::spawn(async move { axum::serve(listener, app).await });
     base
+}
+
+/// A CA and a certificate for 127.0.0.1 it signed, made with the `openssl` CLI.
+struct Certificates {
+    ca_pem: Vec<u8>,
+    forge_pem: Vec<u8>,
+    forge_key_pem: Vec<u8>,
+}
+
+fn make_certificates(dir: &Path) -> Certificates {
+    std::fs::create_dir_all(dir).expect("tls dir");
+    let openssl = |args: &[&str]| {
+        let output = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("the openssl CLI");
+        assert!(
+            output.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    };
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+    openssl(
+        &[
+            &["req", "-x509"][..],
+            &ec,
+            &[
+                "-keyout",
+                "ca.key",
+                "-out",
+                "ca.pem",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=sortie test forge CA",
+                "-addext",
+                "basicConstraints=critical,CA:TRUE",
+                "-addext",
+                "keyUsage=critical,keyCertSign,cRLSign",
+            ],
+        ]
+        .concat(),
+    );
+    openssl(
+        &[
+            &["req"][..],
+            &ec,
+            &["-keyout", "forge.key", "-out", "forge.csr", "-subj", "/CN=127.0.0.1"],
+        ]
+        .concat(),
+    );
+    std::fs::write(
+        dir.join("forge.ext"),
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
+    )
+    .expect("extensions");
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "forge.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "forge.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "forge.ext",
+    ]);
+    let read = |name: &str| std::fs::read(dir.join(name)).expect(name);
+    Certificates {
+        ca_pem: read("ca.pem"),
+        forge_pem: read("forge.pem"),
+        forge_key_pem: read("forge.key"),
+    }
+}
+
+/// Serves `app` over TLS on 127.0.0.1 with the forge certificate; returns its address and how many
+/// TLS handshakes failed.
+async fn https_forge(
+    app: axum::Router,
+    certificates: &Certificates,
+) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    use tower::ServiceExt;
+
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let chain = CertificateDer::pem_slice_iter(&certificates.forge_pem)
+        .collect::<Result<Vec<_>, _>>()
+        .expect("certificate");
+    let key = PrivateKeyDer::from_pem_slice(&certificates.forge_key_pem).expect("key");
+    let config = rustls::ServerConfig::builder()
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .expect("server config");
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("addr");
+    let failed_handshakes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let failures = failed_handshakes.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let (acceptor, app, failures) = (acceptor.clone(), app.clone(), failures.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    failures.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    return;
+                };
+                let service = hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
+                    app.clone().oneshot(request.map(axum::body::Body::new))
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                    .await;
+            });
+        }
+    });
+    (address, failed_handshakes)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -449,5 +591,120 @@ async fn a_forge_that_refuses_or_redirects_is_not_relayed() {
     assert!(
         !redirected.status.success() && said.contains("redirect; not followed"),
         "{said}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forge_over_tls_is_trusted_through_extra_roots_and_an_untrusted_one_is_a_502() {
+    let setup = setup().await;
+    let certificates = make_certificates(&setup.root.join("tls"));
+    let token = "ghs_tls-installation-token";
+    let session = SessionId::generate();
+    let (app, seen) = forge_app(setup.upstream.clone(), token, false, &session);
+    let (forge, failed_handshakes) = https_forge(app, &certificates).await;
+    let upstreams = Arc::new(Forge(
+        session.clone(),
+        format!("https://{forge}/_sortie/git/{session}.git"),
+        token.to_owned(),
+    ));
+
+    // Trusting the forge's CA: the real git client clones through the proxy over plain HTTP.
+    let tls = ForgeTls {
+        extra_roots_pem: certificates.ca_pem.clone(),
+    };
+    let trusting = router_with_forge_tls(upstreams.clone(), PathBuf::from("git"), &tls).expect("router");
+    let base = serve_proxy(trusting).await;
+    let work = setup.root.join("tls-work");
+    ok(git(
+        &setup.root,
+        &setup.root,
+        &[
+            "clone",
+            &format!("{base}/_sortie/git/{session}.git"),
+            work.to_str().expect("utf-8"),
+        ],
+    ));
+    assert_eq!(
+        std::fs::read_to_string(work.join("README.md")).expect("cloned"),
+        "hello\n"
+    );
+    let own = format!("refs/heads/sortie/{session}");
+    commit(&work, &setup.root, "tls.txt", b"over tls\n");
+    ok(git(
+        &work,
+        &setup.root,
+        &["push", "-q", "origin", &format!("HEAD:{own}")],
+    ));
+    assert_eq!(rev(&setup.upstream, &setup.root, &own), rev(&work, &setup.root, "HEAD"));
+    let requests = seen.lock().expect("lock").clone();
+    for (method, route) in [
+        ("GET ", "info/refs"),
+        ("POST ", "git-upload-pack"),
+        ("POST ", "git-receive-pack"),
+    ] {
+        assert!(
+            requests.iter().any(|r| r.starts_with(method) && r.contains(route)),
+            "{method}{route}: {requests:?}"
+        );
+    }
+    assert!(requests.iter().all(|r| r.ends_with("auth=true")), "{requests:?}");
+    assert_eq!(failed_handshakes.load(std::sync::atomic::Ordering::SeqCst), 0);
+
+    // The platform's roots alone do not vouch for it: 502 with sortie's sentence, nothing of the forge's.
+    let base = proxy_for(upstreams).await;
+    let url = format!("{base}/_sortie/git/{session}.git");
+    let refused = git(&setup.root, &setup.root, &["clone", &url, "untrusted"]);
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && said.contains("certificate this gateway does not trust"),
+        "{said}"
+    );
+    assert!(!setup.root.join("untrusted/README.md").exists());
+    let client = {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        reqwest::Client::new()
+    };
+    let reply = client
+        .get(format!("{url}/info/refs?service=git-upload-pack"))
+        .header("git-protocol", "version=2")
+        .send()
+        .await
+        .expect("get");
+    assert_eq!(reply.status().as_u16(), 502);
+    assert_eq!(
+        reply.headers().get("content-type").and_then(|v| v.to_str().ok()),
+        Some("text/plain")
+    );
+    assert_eq!(
+        reply.text().await.expect("body"),
+        "sortie: the repository's forge presented a certificate this gateway does not trust\n"
+    );
+    assert_eq!(
+        seen.lock().expect("lock").len(),
+        requests.len(),
+        "no request reached the forge"
+    );
+    // The forge counts a refused handshake in its own task, after the client has already given up.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while failed_handshakes.load(std::sync::atomic::Ordering::SeqCst) < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the forge saw {} refused handshakes",
+            failed_handshakes.load(std::sync::atomic::Ordering::SeqCst)
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+
+    // Extra roots that are no certificate are refused when the router is built.
+    let junk = ForgeTls {
+        extra_roots_pem: b"not a certificate".to_vec(),
+    };
+    assert!(
+        router_with_forge_tls(
+            Arc::new(Forge(session, String::new(), String::new())),
+            PathBuf::from("git"),
+            &junk
+        )
+        .is_err()
     );
 }

@@ -4,6 +4,9 @@
 //! needs that to read the answer) and answers 200 with what `git push` prints. Only
 //! `info/refs?service=…` and the two pack POSTs exist; no dumb-HTTP file is served, and no 401 or
 //! redirect ever reaches the client.
+//!
+//! Forges are reached over TLS with the platform's roots (reqwest's rustls platform verifier) plus
+//! any extra roots the operator trusts ([`ForgeTls`]); a certificate neither vouches for is a 502.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -49,22 +52,70 @@ pub trait Upstreams: Send + Sync + 'static {
     fn upstream(&self, session_id: &SessionId) -> Option<Upstream>;
 }
 
+/// Which certificates the proxy trusts for forge upstreams, besides the platform's roots.
+#[derive(Clone, Debug, Default)]
+pub struct ForgeTls {
+    /// PEM certificates trusted as roots in addition to the platform's (an internal forge's CA).
+    pub extra_roots_pem: Vec<u8>,
+}
+
+/// Why the client for forges could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum ForgeTlsError {
+    #[error("the extra forge roots are not PEM certificates: {0}")]
+    Pem(String),
+    #[error("the extra forge roots hold no certificate")]
+    NoCertificate,
+    #[error("cannot build the HTTP client for forges: {0}")]
+    Client(String),
+}
+
+/// The HTTP client for forge upstreams: the platform's roots and `tls`'s, and no redirect is ever
+/// followed (the token would travel with it).
+pub fn forge_client(tls: &ForgeTls) -> Result<reqwest::Client, ForgeTlsError> {
+    // One TLS provider for the process (ring); installing it twice is harmless.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut builder = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none());
+    if !tls.extra_roots_pem.is_empty() {
+        let roots = reqwest::Certificate::from_pem_bundle(&tls.extra_roots_pem)
+            .map_err(|error| ForgeTlsError::Pem(error.to_string()))?;
+        if roots.is_empty() {
+            return Err(ForgeTlsError::NoCertificate);
+        }
+        builder = builder.tls_certs_merge(roots);
+    }
+    builder
+        .build()
+        .map_err(|error| ForgeTlsError::Client(error.to_string()))
+}
+
 #[derive(Clone)]
 struct GitProxy {
     upstreams: Arc<dyn Upstreams>,
     git: PathBuf,
-    /// For remote upstreams: no redirect is ever followed (the token would travel with it).
-    http: reqwest::Client,
+    /// For remote upstreams ([`forge_client`]); without one, forges answer 502.
+    http: Option<reqwest::Client>,
 }
 
-/// The routes of the git proxy; `git` is the git binary that provides `http-backend`.
+/// The routes of the git proxy; `git` is the git binary that provides `http-backend`. Forges are
+/// trusted by the platform's roots only.
 pub fn router(upstreams: Arc<dyn Upstreams>, git: PathBuf) -> Router {
-    // One TLS provider for the process (ring); installing it twice is harmless.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let http = reqwest::Client::builder()
-        .redirect(reqwest::redirect::Policy::none())
-        .build()
-        .unwrap_or_default();
+    let http = forge_client(&ForgeTls::default())
+        .inspect_err(|error| tracing::error!(%error, "forge upstreams cannot be reached"))
+        .ok();
+    routes(upstreams, git, http)
+}
+
+/// The routes of the git proxy, trusting `tls`'s extra roots for forges too.
+pub fn router_with_forge_tls(
+    upstreams: Arc<dyn Upstreams>,
+    git: PathBuf,
+    tls: &ForgeTls,
+) -> Result<Router, ForgeTlsError> {
+    Ok(routes(upstreams, git, Some(forge_client(tls)?)))
+}
+
+fn routes(upstreams: Arc<dyn Upstreams>, git: PathBuf, http: Option<reqwest::Client>) -> Router {
     Router::new()
         .route("/_sortie/git/{repo}/info/refs", get(info_refs))
         .route("/_sortie/git/{repo}/git-upload-pack", post(upload_pack))
@@ -94,7 +145,10 @@ fn session_of(proxy: &GitProxy, repo: &str) -> Option<(SessionId, Upstream)> {
 async fn forward(proxy: &GitProxy, upstream: &Upstream, request: Forwarded<'_>) -> Response {
     match upstream {
         Upstream::Local(path) => cgi(&proxy.git, path, request).await,
-        Upstream::Remote { url, token } => remote(&proxy.http, url, token, request).await,
+        Upstream::Remote { url, token } => match &proxy.http {
+            Some(http) => remote(http, url, token, request).await,
+            None => plain(StatusCode::BAD_GATEWAY, "the gateway cannot reach forges"),
+        },
     }
 }
 
@@ -154,8 +208,18 @@ async fn remote(http: &reqwest::Client, url: &str, token: &str, request: Forward
     let answer = match request.send().await {
         Ok(answer) => answer,
         Err(error) => {
-            tracing::warn!(%error, "forge unreachable");
-            return plain(StatusCode::BAD_GATEWAY, "the repository's forge did not answer");
+            let tls = tls_failure(&error);
+            tracing::warn!(error = %error, tls = ?tls, "forge unreachable");
+            return plain(
+                StatusCode::BAD_GATEWAY,
+                match tls {
+                    Some(rustls::Error::InvalidCertificate(_)) => {
+                        "the repository's forge presented a certificate this gateway does not trust"
+                    }
+                    Some(_) => "TLS with the repository's forge failed",
+                    None => "the repository's forge did not answer",
+                },
+            );
         }
     };
     let status = answer.status();
@@ -188,6 +252,22 @@ async fn remote(http: &reqwest::Client, url: &str, token: &str, request: Forward
     *response.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     *response.headers_mut() = kept;
     response
+}
+
+/// The TLS error behind a failed request, if that is what failed it.
+fn tls_failure<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
+    let mut current = Some(error);
+    while let Some(error) = current {
+        if let Some(tls) = error.downcast_ref::<rustls::Error>() {
+            return Some(tls);
+        }
+        current = match error.downcast_ref::<std::io::Error>() {
+            // An io::Error hides what it wraps from `source()` (and may wrap another io::Error).
+            Some(io) => io.get_ref().map(|inner| inner as &(dyn std::error::Error + 'static)),
+            None => error.source(),
+        };
+    }
+    None
 }
 
 fn no_such_repository() -> Response {

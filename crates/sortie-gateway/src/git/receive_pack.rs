@@ -159,7 +159,7 @@ pub fn decide(body: &[u8], session_id: &str, complete: bool) -> Decision {
         return refuse(
             format!(
                 "{} may not be pushed; this session may only push {allowed_ref}",
-                foreign.refname
+                truncate(&foreign.refname)
             ),
             &updates,
             side_band,
@@ -189,18 +189,38 @@ fn truncate(text: &str) -> String {
     text.chars().take(120).collect()
 }
 
+/// The longest reason a refusal carries (git shows it on one line).
+const MAX_REASON: usize = 300;
+
+/// `text` cut to at most `max` bytes, at a character boundary.
+fn cut(text: &str, max: usize) -> &str {
+    let mut end = text.len().min(max);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
 /// The answer `git push` prints a refusal from (`ref/git-proxy.md` §3): a 200 body with band-2
 /// messages, then a band-1 report-status giving every command an `ng` line, then a flush.
 pub fn refusal(reason: &str, refnames: &[String], side_band: bool) -> Vec<u8> {
     let reason = reason.replace(['\n', '\r'], " ");
+    let reason = cut(&reason, MAX_REASON);
     let mut report = pktline::encode(b"unpack ok\n");
     let names: Vec<String> = if refnames.is_empty() {
         vec!["(push)".to_owned()]
     } else {
         refnames.to_vec()
     };
+    // Each `ng <refname> <reason>` fits one packet: the reason gives way to a long refname (a
+    // refname too long for a packet, which no command could carry, is cut too).
+    let max_line = pktline::MAX_PACKET - 4;
     for refname in &names {
-        report.extend(pktline::encode(format!("ng {refname} {reason}\n").as_bytes()));
+        let room = max_line.saturating_sub("ng ".len() + refname.len() + " \n".len());
+        let mut line = format!("ng {refname} {}", cut(reason, room));
+        line.truncate(cut(&line, max_line - 1).len());
+        line.push('\n');
+        report.extend(pktline::encode(line.as_bytes()));
     }
     report.extend_from_slice(pktline::FLUSH);
     if !side_band {
@@ -430,6 +450,60 @@ mod tests {
             ]
             .concat()
         );
+    }
+
+    /// Reads `answer` as pkt-lines up to its final flush; returns the data payloads.
+    fn payloads(answer: &[u8]) -> Vec<Vec<u8>> {
+        let mut offset = 0;
+        let mut out = Vec::new();
+        loop {
+            match pktline::read(&answer[offset..]) {
+                Ok((Packet::Data(data), used)) => {
+                    out.push(data.to_vec());
+                    offset += used;
+                }
+                Ok((Packet::Flush, used)) if offset + used == answer.len() => return out,
+                other => panic!("not pkt-lines at {offset}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_refusal_naming_a_huge_refname_is_still_pkt_lines() {
+        // The longest refname a first command (with its capabilities) can carry.
+        let huge = format!(
+            "refs/heads/{}",
+            "x".repeat(pktline::MAX_PACKET - 4 - 82 - 11 - 1 - CAPS.len())
+        );
+        let body = body(&[(A, B, huge.as_str())], PACK);
+        let Decision::Refuse {
+            reason,
+            refnames,
+            side_band,
+        } = decide(&body, SESSION, true)
+        else {
+            panic!("not refused")
+        };
+        assert!(
+            refnames == [huge.clone()],
+            "refused for another reason: {}",
+            truncate(&reason)
+        );
+        for side_band in [side_band, false] {
+            let answer = refusal(&reason, &refnames, side_band);
+            let report = if side_band {
+                payloads(&answer)
+                    .into_iter()
+                    .filter_map(|p| p.strip_prefix(&[1_u8][..]).map(<[u8]>::to_vec))
+                    .flatten()
+                    .collect()
+            } else {
+                answer
+            };
+            let lines = payloads(&report);
+            assert_eq!(lines.len(), 2);
+            assert!(lines[1].starts_with(format!("ng {huge} ").as_bytes()));
+        }
     }
 
     #[test]

@@ -1,0 +1,272 @@
+//! Attach against a fake driver socket: a client that never reads is disconnected (its socket reset
+//! by `attach::run`, no `[DONE]` ever reaching it) while a client on the same session gets every part;
+//! mounted in another server, the stalled client still lets the driver go and never sees a clean end.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use futures::StreamExt;
+use sortie_gateway::attach::{AttachState, DriverLocator};
+use sortie_protocol::SessionId;
+use sortie_protocol::api::TicketAction;
+use sortie_protocol::chunk::{SSE_DONE, write_sse_event};
+use sortie_protocol::ticket::{TICKET_VERSION, TicketClaims, mint};
+use sortie_store::testing::TestDatabase;
+use sortie_store::{NewSession, RepoAccess, SqlStore, Store};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const SECRET: &[u8] = b"attach-slow-client-secret";
+/// Parts in the turn: with ~1 KiB each, far more than socket and proxy buffers hold.
+const PARTS: u64 = 24_000;
+const SLOW_CLIENT_LIMIT: Duration = Duration::from_secs(1);
+
+struct OneDriver(PathBuf);
+
+impl DriverLocator for OneDriver {
+    fn driver_socket(&self, _session_id: &SessionId) -> Option<PathBuf> {
+        Some(self.0.clone())
+    }
+}
+
+fn now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+/// How many turn streams the fake driver has opened, and how many are still open.
+#[derive(Default)]
+struct DriverStreams {
+    opened: AtomicUsize,
+    open: AtomicUsize,
+}
+
+/// Counts a stream as open until the gateway lets go of it.
+struct OpenStream(Arc<DriverStreams>);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A driver whose turn 1 is [`PARTS`] text deltas, as fast as the reader takes them, then `[DONE]`.
+async fn fake_driver(socket: PathBuf) -> Arc<DriverStreams> {
+    let streams = Arc::new(DriverStreams::default());
+    let counted = streams.clone();
+    let stream = move || {
+        let streams = counted.clone();
+        async move {
+            streams.opened.fetch_add(1, Ordering::SeqCst);
+            streams.open.fetch_add(1, Ordering::SeqCst);
+            let open = OpenStream(streams);
+            let padding = "x".repeat(1000);
+            let parts = futures::stream::iter(0..PARTS).map(move |index| {
+                let _held_while_streaming = &open;
+                let mut event = Vec::new();
+                let json = format!(r#"{{"type":"text-delta","id":"t","delta":"{index} {padding}"}}"#);
+                write_sse_event(&mut event, index, &json);
+                Ok::<_, std::convert::Infallible>(Bytes::from(event))
+            });
+            let done = futures::stream::once(async { Ok(Bytes::from_static(SSE_DONE)) });
+            Body::from_stream(parts.chain(done))
+        }
+    };
+    let app = axum::Router::new().route("/turns/1/stream", axum::routing::get(stream));
+    let listener = tokio::net::UnixListener::bind(socket).expect("bind the driver socket");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    streams
+}
+
+struct World {
+    _temp: tempfile::TempDir,
+    state: AttachState,
+    driver: Arc<DriverStreams>,
+    workspace_id: String,
+    session: SessionId,
+}
+
+impl World {
+    /// A session whose turn 1 waits in the store while the fake driver runs it.
+    async fn start() -> World {
+        let temp = tempfile::tempdir().expect("temp");
+        let store = Arc::new(
+            SqlStore::connect(&TestDatabase::sqlite(temp.path()).url)
+                .await
+                .expect("store"),
+        );
+        let workspace = store
+            .create_workspace("default", RepoAccess::default())
+            .await
+            .expect("workspace");
+        let session = SessionId::generate();
+        store
+            .create_session(NewSession {
+                id: session.clone(),
+                workspace_id: workspace.id.clone(),
+                repo: "https://github.com/o/r.git".into(),
+                base: None,
+                agent: "scripted".into(),
+                model: None,
+                title: "t".into(),
+                egress_allow: Vec::new(),
+                setup: None,
+                task: "t".into(),
+            })
+            .await
+            .expect("session");
+        let socket = temp.path().join("driver.sock");
+        let driver = fake_driver(socket.clone()).await;
+        let state = AttachState {
+            store,
+            ticket_secret: Arc::from(SECRET),
+            drivers: Arc::new(OneDriver(socket)),
+            allowed_origins: Arc::new(Vec::new()),
+            heartbeat: Duration::from_secs(15),
+            slow_client_limit: SLOW_CLIENT_LIMIT,
+        };
+        World {
+            _temp: temp,
+            state,
+            driver,
+            workspace_id: workspace.id,
+            session,
+        }
+    }
+
+    fn ticket(&self, nonce: &str) -> String {
+        let claims = TicketClaims {
+            v: TICKET_VERSION,
+            sub: "tok_test".into(),
+            ws: self.workspace_id.clone(),
+            ses: self.session.to_string(),
+            act: TicketAction::Attach,
+            exp: now() + 60,
+            nonce: nonce.into(),
+        };
+        mint(SECRET, &claims)
+    }
+
+    fn path(&self) -> String {
+        format!("/v1/sessions/{}/stream", self.session)
+    }
+
+    /// Attaches with a small receive buffer and never reads.
+    async fn attach_and_stall(&self, address: std::net::SocketAddr) -> TcpStream {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.set_recv_buffer_size(4096).expect("rcvbuf");
+        let mut stalled = socket.connect(address).await.expect("connect");
+        let request = format!(
+            "GET {} HTTP/1.1\r\nhost: {address}\r\nauthorization: Ticket {}\r\n\r\n",
+            self.path(),
+            self.ticket("stalled")
+        );
+        stalled.write_all(request.as_bytes()).await.expect("request");
+        stalled
+    }
+}
+
+fn ids(stream: &str) -> Vec<u64> {
+    stream
+        .lines()
+        .filter_map(|l| l.strip_prefix("id: "))
+        .filter_map(|id| id.parse().ok())
+        .collect()
+}
+
+/// Reads what a stalled client can still read, and checks it is the start of the stream and never
+/// its end: no `[DONE]`, no last chunk.
+async fn read_what_is_left(stalled: &mut TcpStream) {
+    let mut received = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(30), stalled.read_to_end(&mut received)).await;
+    assert!(read.is_ok(), "the dropped connection still delivers data");
+    let text = String::from_utf8_lossy(&received);
+    assert!(text.starts_with("HTTP/1.1 200"), "{}", &text[..text.len().min(200)]);
+    assert!(!text.contains("[DONE]"), "a dropped client saw the end of the turn");
+    assert!(!text.ends_with("\r\n0\r\n\r\n"), "a dropped client saw a clean end");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_is_disconnected_and_the_others_get_every_part() {
+    let world = World::start().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("addr");
+    tokio::spawn(sortie_gateway::attach::run(
+        listener,
+        world.state.clone(),
+        std::future::pending(),
+    ));
+    let mut stalled = world.attach_and_stall(address).await;
+    let stalled_at = Instant::now();
+
+    // A client that reads gets every part, in order, and the end.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let reply = reqwest::Client::new()
+        .get(format!("http://{address}{}", world.path()))
+        .header("authorization", format!("Ticket {}", world.ticket("reader")))
+        .send()
+        .await
+        .expect("attach");
+    assert_eq!(reply.status().as_u16(), 200);
+    let body = tokio::time::timeout(Duration::from_secs(120), reply.text())
+        .await
+        .expect("the reader was not held up")
+        .expect("the reader's body");
+    assert_eq!(ids(&body), (0..PARTS).collect::<Vec<_>>(), "every part, once, in order");
+    assert!(body.ends_with("data: [DONE]\n\n"));
+
+    // The server resets the stalled connection: its socket reports the reset without a byte read.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let reset = loop {
+        if let Some(error) = stalled.take_error().expect("SO_ERROR") {
+            break error;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the stalled client is still connected after {:?}",
+            stalled_at.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(reset.kind(), std::io::ErrorKind::ConnectionReset);
+    assert!(
+        stalled_at.elapsed() >= SLOW_CLIENT_LIMIT,
+        "reset after {:?}, before the limit",
+        stalled_at.elapsed()
+    );
+    read_what_is_left(&mut stalled).await;
+    assert_eq!(
+        world.driver.open.load(Ordering::SeqCst),
+        0,
+        "no driver stream left open"
+    );
+}
+
+/// `sortie serve` mounts the attach router in its own server: there the stalled client's driver
+/// stream is still let go, and when the client reads again its stream breaks instead of ending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_client_in_another_server_lets_the_driver_go_and_never_sees_a_clean_end() {
+    let world = World::start().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("addr");
+    let app = sortie_gateway::attach::router(world.state.clone());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let mut stalled = world.attach_and_stall(address).await;
+    let stalled_at = Instant::now();
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while world.driver.opened.load(Ordering::SeqCst) == 0 || world.driver.open.load(Ordering::SeqCst) > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the driver stream of the stalled client is still open after {:?}",
+            stalled_at.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(stalled_at.elapsed() >= SLOW_CLIENT_LIMIT);
+    read_what_is_left(&mut stalled).await;
+}
