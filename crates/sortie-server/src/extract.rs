@@ -6,7 +6,7 @@ use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request};
 use axum::http::header::{AUTHORIZATION, CONTENT_TYPE};
 use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
-use sortie_protocol::api::Role;
+use sortie_protocol::api::{ModelApi, Role};
 use sortie_protocol::{ErrorCode, SessionId};
 use sortie_store::{Principal, StoreError};
 
@@ -14,12 +14,27 @@ use crate::ApiState;
 use crate::error::ApiError;
 use crate::tokens::hash_token;
 
-/// Looks up the bearer token and checks that its role is at least `needed`.
-async fn authenticate(parts: &Parts, state: &ApiState, needed: Role) -> Result<Principal, ApiError> {
-    let header = parts
-        .headers
-        .get(AUTHORIZATION)
-        .ok_or_else(|| ApiError::new(ErrorCode::Unauthorized, "missing Authorization: Bearer <token>"))?;
+/// The token hash a request authenticates with: its bearer token, or else the dashboard's session
+/// cookie, which counts only together with the CSRF header.
+fn token_hash(parts: &Parts, state: &ApiState) -> Result<String, ApiError> {
+    let Some(header) = parts.headers.get(AUTHORIZATION) else {
+        let Some(cookie) = crate::signin::cookie(&parts.headers, crate::signin::COOKIE) else {
+            return Err(ApiError::new(
+                ErrorCode::Unauthorized,
+                "missing Authorization: Bearer <token>",
+            ));
+        };
+        if !crate::signin::has_csrf_header(&parts.headers) {
+            return Err(ApiError::new(
+                ErrorCode::Unauthorized,
+                "the session cookie counts only with the X-Sortie-Csrf header",
+            ));
+        }
+        return state
+            .signins
+            .session(cookie)
+            .ok_or_else(|| ApiError::new(ErrorCode::Unauthorized, "the session has expired; sign in again"));
+    };
     let token = header
         .to_str()
         .ok()
@@ -32,7 +47,13 @@ async fn authenticate(parts: &Parts, state: &ApiState, needed: Role) -> Result<P
                 "the Authorization header is not `Bearer <token>`",
             )
         })?;
-    let principal = match state.store.principal_by_token_hash(&hash_token(token)).await {
+    Ok(hash_token(token))
+}
+
+/// Authenticates the caller (bearer token or session cookie) and checks that its role is at least `needed`.
+async fn authenticate(parts: &Parts, state: &ApiState, needed: Role) -> Result<Principal, ApiError> {
+    let hash = token_hash(parts, state)?;
+    let principal = match state.store.principal_by_token_hash(&hash).await {
         Ok(principal) => principal,
         Err(StoreError::NotFound) => {
             return Err(ApiError::new(ErrorCode::Unauthorized, "unknown or revoked token"));
@@ -76,6 +97,34 @@ role_extractor!(
     Operator,
     Role::Operator
 );
+role_extractor!(
+    /// A caller that manages the workspace: tokens, forge connections, model keys.
+    Admin,
+    Role::Admin
+);
+
+/// The `{api}` of a model-key path: a known model API, else `MODEL_API_UNKNOWN`.
+pub struct ModelApiPath(pub ModelApi);
+
+impl FromRequestParts<ApiState> for ModelApiPath {
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, state: &ApiState) -> Result<Self, Self::Rejection> {
+        let unknown = |named: &str| {
+            let known: Vec<&str> = ModelApi::ALL.iter().map(|api| api.as_str()).collect();
+            ApiError::new(
+                ErrorCode::ModelApiUnknown,
+                format!("no model API {named:?}; known: {}", known.join(", ")),
+            )
+            .with_details(serde_json::json!({ "known": known }))
+        };
+        let Path(api) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(|_| unknown(""))?;
+        api.parse()
+            .map(ModelApiPath)
+            .map_err(|_| unknown(&api.chars().take(64).collect::<String>()))
+    }
+}
 
 /// The `{id}` of a session path. A malformed id cannot name a session, so it is `SESSION_NOT_FOUND`.
 pub struct SessionPath(pub SessionId);

@@ -5,11 +5,14 @@
 //! (no clone, no sandbox, no agent). Every refusal is an [`error::ApiError`] with a stable code, and no
 //! input makes it answer 500: faults of its own are logged with detail and answered with `INTERNAL`.
 
+mod agents;
 pub mod error;
 mod extract;
 mod health;
 mod metrics_layer;
+mod model_keys;
 mod sessions;
+pub mod signin;
 pub mod tokens;
 mod views;
 
@@ -20,7 +23,7 @@ use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use sortie_protocol::agents::{BUILT_IN_AGENTS, DEFAULT_AGENT};
 use sortie_protocol::limits::REQUEST_BODY_MAX_BYTES;
-use sortie_store::Store;
+use sortie_store::{KeyRing, Store};
 use tokio::net::TcpListener;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
@@ -50,6 +53,10 @@ pub struct ApiState {
     pub agents: Arc<AgentCatalog>,
     /// Signs attach tickets; the gateway verifies with the same secret.
     pub ticket_secret: Secret,
+    /// Seals model keys before the store sees them (and opens them for their fingerprints).
+    pub keyring: Arc<KeyRing>,
+    /// The dashboard's one-time sign-in codes and cookie sessions (in memory).
+    pub signins: Arc<signin::SignIns>,
 }
 
 #[derive(OpenApi)]
@@ -77,6 +84,9 @@ impl utoipa::Modify for BearerAuth {
 pub fn router_and_openapi(state: ApiState) -> (Router, utoipa::openapi::OpenApi) {
     let (api_routes, openapi) = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .merge(sessions::routes())
+        .merge(model_keys::routes())
+        .merge(signin::routes())
+        .merge(agents::routes())
         .merge(health::routes())
         .split_for_parts();
     let openapi_json = Arc::new(openapi.clone());
@@ -104,19 +114,51 @@ pub async fn run(
     state: ApiState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    run_with(listener, state, Router::new(), shutdown).await
+    run_with(listener, state, Router::new(), None, shutdown).await
 }
 
 /// Serves the api role together with routes of other roles in the same process (the gateway's
-/// `/v1/sessions/{id}/stream` in `sortie serve`).
-pub async fn run_with(
-    listener: TcpListener,
+/// `/v1/sessions/{id}/stream` in `sortie serve`), and an app (the dashboard) for every other path.
+pub async fn run_with<L>(
+    listener: L,
     state: ApiState,
     others: Router,
+    app: Option<Router>,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
+) -> std::io::Result<()>
+where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug,
+{
     metrics_layer::install_recorder();
-    axum::serve(listener, others.merge(router(state)))
-        .with_graceful_shutdown(shutdown)
-        .await
+    let mut routes = others.merge(router(state));
+    if let Some(app) = app {
+        routes = with_app(routes, app);
+    }
+    axum::serve(listener, routes).with_graceful_shutdown(shutdown).await
+}
+
+/// `router` with an app behind it: every path the API does not route goes to `app` (the dashboard),
+/// except under `/v1/`, which stays the API's own JSON 404.
+pub fn with_app<S>(router: Router, app: S) -> Router
+where
+    S: tower::Service<axum::extract::Request, Error = std::convert::Infallible> + Clone + Send + Sync + 'static,
+    S::Response: axum::response::IntoResponse,
+    S::Future: Send + 'static,
+{
+    use axum::response::IntoResponse;
+    use tower::ServiceExt;
+    router.fallback(move |request: axum::extract::Request| {
+        let app = app.clone();
+        async move {
+            let path = request.uri().path();
+            if path == "/v1" || path.starts_with("/v1/") {
+                return error::not_found().await.into_response();
+            }
+            match app.oneshot(request).await {
+                Ok(response) => response.into_response(),
+                Err(never) => match never {},
+            }
+        }
+    })
 }

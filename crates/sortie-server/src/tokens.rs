@@ -1,8 +1,5 @@
 //! Bearer tokens and secrets. A token is shown once at creation; the store keeps only its SHA-256.
 
-use std::fmt;
-use std::sync::Arc;
-
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use sha2::{Digest, Sha256};
@@ -10,31 +7,8 @@ use sha2::{Digest, Sha256};
 /// Every token starts with this, so secret scanners and people recognise one.
 pub const TOKEN_PREFIX: &str = "sortie_";
 
-/// Bytes that must never be printed: `Debug` and `Display` show `[redacted]`.
-#[derive(Clone)]
-pub struct Secret(Arc<[u8]>);
-
-impl Secret {
-    pub fn new(bytes: impl Into<Vec<u8>>) -> Self {
-        Self(Arc::from(bytes.into()))
-    }
-
-    pub fn expose(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret([redacted])")
-    }
-}
-
-impl fmt::Display for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("[redacted]")
-    }
-}
+/// Bytes that must never be printed (one type with the store's, which opens model keys into it).
+pub use sortie_store::Secret;
 
 /// `n` bytes from the operating system's generator, base64url without padding.
 pub fn random_text(n: usize) -> Result<String, getrandom::Error> {

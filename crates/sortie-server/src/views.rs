@@ -56,5 +56,6 @@ pub fn turn(row: &TurnRow) -> api::Turn {
         head_sha: row.head_sha.clone(),
         failure: failure(&row.failure),
         priming: row.priming.clone(),
+        timings: row.timings.clone(),
     }
 }

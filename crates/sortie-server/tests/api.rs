@@ -40,6 +40,7 @@ on_every_server!(
     create_checks_repository_access,
     list_pages_and_filters,
     read_endpoints_answer_and_miss,
+    agents_are_listed_with_the_default,
     messages_assemble_stored_parts,
     steer_adds_turns_and_refuses_with_codes,
     steer_refuses_past_the_session_prompt_budget,
@@ -57,16 +58,355 @@ on_every_server!(
     concurrent_steers_get_distinct_numbers,
     cancel_racing_steers_keeps_the_ledger_consistent,
     egress_allowlists_are_amended,
+    model_keys_are_set_listed_and_removed_by_admins_only,
+    model_keys_refuse_bad_apis_and_bad_keys_and_write_nothing,
+    model_keys_stay_in_their_workspace_and_sealed_at_rest,
 );
+
+/// A model key no answer may ever show, whole or but for its fingerprint.
+const MODEL_KEY: &str = "sk-ant-api03-NEVER-SHOWN-5ecret-value-0123456789abcd";
+
+/// Every answer a model-key story saw, to check afterwards that none holds the key.
+#[derive(Default)]
+struct Answers(std::sync::Mutex<Vec<Vec<u8>>>);
+
+impl Answers {
+    fn keep(&self, reply: Reply) -> Reply {
+        self.0.lock().expect("answers").push(reply.raw.clone());
+        reply
+    }
+
+    fn assert_none_holds(&self, key: &str) {
+        let hidden = &key[..key.len() - 4];
+        for raw in self.0.lock().expect("answers").iter() {
+            let text = String::from_utf8_lossy(raw);
+            assert!(!text.contains(hidden), "an answer shows the key: {text}");
+        }
+    }
+}
+
+async fn put_model_key(h: &Harness, token: &str, api: &str, body: Value) -> Reply {
+    h.send(
+        Method::PUT,
+        &format!("/v1/model-keys/{api}"),
+        Some(token),
+        Payload::Json(body),
+    )
+    .await
+}
+
+async fn model_keys_are_set_listed_and_removed_by_admins_only(h: Harness) {
+    let answers = Answers::default();
+    let empty = answers.keep(h.get("/v1/model-keys", &h.admin).await);
+    assert_eq!(
+        (empty.status, empty.body.clone()),
+        (StatusCode::OK, json!({"workspace": "default", "keys": []}))
+    );
+
+    let set = answers.keep(
+        put_model_key(
+            &h,
+            &h.admin,
+            "anthropic",
+            json!({"key": MODEL_KEY, "label": "team account"}),
+        )
+        .await,
+    );
+    assert_eq!(set.status, StatusCode::OK, "{}", set.body);
+    // Sorted: serde_json keeps insertion order when a dependency turns on `preserve_order`.
+    let mut fields: Vec<&str> = set
+        .body
+        .as_object()
+        .expect("object")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    fields.sort_unstable();
+    assert_eq!(
+        fields,
+        vec!["api", "created_at", "fingerprint", "label"],
+        "nothing else, never the key"
+    );
+    assert_eq!(
+        (
+            set.body["api"].clone(),
+            set.body["label"].clone(),
+            set.body["fingerprint"].clone()
+        ),
+        (json!("anthropic"), json!("team account"), json!("abcd"))
+    );
+    assert!(is_rfc3339_utc(&set.body["created_at"]), "{}", set.body);
+
+    let openai = answers.keep(put_model_key(&h, &h.admin, "openai", json!({"key": "sk-proj-0123456789wxyz"})).await);
+    assert_eq!(
+        (
+            openai.status,
+            openai.body["label"].clone(),
+            openai.body["fingerprint"].clone()
+        ),
+        (StatusCode::OK, Value::Null, json!("wxyz"))
+    );
+    let listed = answers.keep(h.get("/v1/model-keys", &h.admin).await);
+    assert_eq!(listed.status, StatusCode::OK);
+    assert_eq!(listed.body["workspace"], "default");
+    assert_eq!(listed.body["keys"], json!([set.body, openai.body]), "by api, as set");
+
+    // Setting again replaces: one key per api.
+    let replaced =
+        answers.keep(put_model_key(&h, &h.admin, "anthropic", json!({"key": format!("{MODEL_KEY}-2nd9")})).await);
+    assert_eq!(
+        (
+            replaced.status,
+            replaced.body["fingerprint"].clone(),
+            replaced.body["label"].clone()
+        ),
+        (StatusCode::OK, json!("2nd9"), Value::Null)
+    );
+    let listed = answers.keep(h.get("/v1/model-keys", &h.admin).await);
+    assert_eq!(listed.body["keys"].as_array().map(Vec::len), Some(2));
+    assert_eq!(listed.body["keys"][0], replaced.body);
+
+    // Viewers and operators may do none of it; without a token nobody may.
+    for token in [&h.viewer, &h.operator] {
+        let refusals = [
+            h.get("/v1/model-keys", token).await,
+            put_model_key(&h, token, "anthropic", json!({"key": "sk-ant-operator-key"})).await,
+            h.send(Method::DELETE, "/v1/model-keys/anthropic", Some(token), Payload::Empty)
+                .await,
+        ];
+        for reply in refusals {
+            assert_error(&answers.keep(reply), StatusCode::FORBIDDEN, "FORBIDDEN");
+        }
+    }
+    for (method, path) in [
+        (Method::GET, "/v1/model-keys"),
+        (Method::PUT, "/v1/model-keys/anthropic"),
+        (Method::DELETE, "/v1/model-keys/anthropic"),
+    ] {
+        let reply = h
+            .send(method, path, None, Payload::Json(json!({"key": "sk-ant-anonymous"})))
+            .await;
+        assert_error(&answers.keep(reply), StatusCode::UNAUTHORIZED, "UNAUTHORIZED");
+    }
+    let unchanged = answers.keep(h.get("/v1/model-keys", &h.admin).await);
+    assert_eq!(unchanged.body, listed.body, "no refused call changed anything");
+
+    let removed = answers.keep(
+        h.send(
+            Method::DELETE,
+            "/v1/model-keys/anthropic",
+            Some(&h.admin),
+            Payload::Empty,
+        )
+        .await,
+    );
+    assert_eq!((removed.status, removed.raw.len()), (StatusCode::NO_CONTENT, 0));
+    let again = answers.keep(
+        h.send(
+            Method::DELETE,
+            "/v1/model-keys/anthropic",
+            Some(&h.admin),
+            Payload::Empty,
+        )
+        .await,
+    );
+    assert_error(&again, StatusCode::NOT_FOUND, "MODEL_KEY_NOT_FOUND");
+    let listed = answers.keep(h.get("/v1/model-keys", &h.admin).await);
+    assert_eq!(listed.body["keys"], json!([openai.body]));
+    answers.assert_none_holds(MODEL_KEY);
+    answers.assert_none_holds("sk-proj-0123456789wxyz");
+}
+
+async fn model_keys_refuse_bad_apis_and_bad_keys_and_write_nothing(h: Harness) {
+    let answers = Answers::default();
+    for api in [
+        "azure",
+        "Anthropic",
+        "anthropic%20",
+        "open%2Fai",
+        "%FF",
+        &"a".repeat(300),
+    ] {
+        let put = answers.keep(put_model_key(&h, &h.admin, api, json!({"key": MODEL_KEY})).await);
+        assert_error(&put, StatusCode::NOT_FOUND, "MODEL_API_UNKNOWN");
+        let delete = answers.keep(
+            h.send(
+                Method::DELETE,
+                &format!("/v1/model-keys/{api}"),
+                Some(&h.admin),
+                Payload::Empty,
+            )
+            .await,
+        );
+        assert_error(&delete, StatusCode::NOT_FOUND, "MODEL_API_UNKNOWN");
+    }
+    let unknown = answers.keep(put_model_key(&h, &h.admin, "azure", json!({"key": MODEL_KEY})).await);
+    assert_eq!(
+        unknown.body["error"]["details"]["known"],
+        json!(["anthropic", "openai", "gemini"])
+    );
+
+    let too_long = "k".repeat(sortie_protocol::api::MODEL_KEY_MAX_BYTES + 1);
+    let longest = "k".repeat(sortie_protocol::api::MODEL_KEY_MAX_BYTES);
+    for key in [
+        "",
+        "sk-ant has-a-space",
+        "sk-ant-with-newline\n",
+        "\tsk-ant-tab",
+        "sk-ant-\u{7f}",
+        "sk-ant-ключ",
+        too_long.as_str(),
+    ] {
+        let reply = answers.keep(put_model_key(&h, &h.admin, "anthropic", json!({"key": key})).await);
+        assert_error(&reply, StatusCode::BAD_REQUEST, "MODEL_KEY_INVALID");
+        if key.len() > 8 {
+            assert!(
+                !String::from_utf8_lossy(&reply.raw).contains(key.trim()),
+                "the refusal quotes no key"
+            );
+        }
+    }
+    for body in [
+        json!({}),
+        json!({"key": 42}),
+        json!({"key": null}),
+        json!({"key": MODEL_KEY, "extra": true}),
+        json!({"key": MODEL_KEY, "label": "l".repeat(201)}),
+        json!({"key": MODEL_KEY, "label": "two\nlines"}),
+        json!([MODEL_KEY]),
+    ] {
+        let reply = answers.keep(put_model_key(&h, &h.admin, "anthropic", body).await);
+        assert_error(&reply, StatusCode::BAD_REQUEST, "INVALID_REQUEST");
+    }
+    for (content_type, bytes) in [
+        (Some("text/plain"), format!(r#"{{"key": "{MODEL_KEY}"}}"#).into_bytes()),
+        (None, format!(r#"{{"key": "{MODEL_KEY}"}}"#).into_bytes()),
+    ] {
+        let reply = answers.keep(
+            h.send(
+                Method::PUT,
+                "/v1/model-keys/anthropic",
+                Some(&h.admin),
+                Payload::Raw { content_type, bytes },
+            )
+            .await,
+        );
+        assert_error(&reply, StatusCode::UNSUPPORTED_MEDIA_TYPE, "UNSUPPORTED_MEDIA_TYPE");
+    }
+    for (content_type, bytes) in [
+        (Some("application/json"), b"{".to_vec()),
+        (Some("application/json"), vec![0xff, 0xfe, 0x7b, 0x7d]),
+        (Some("application/json"), br#"{"key": "\ud800"}"#.to_vec()),
+    ] {
+        let reply = answers.keep(
+            h.send(
+                Method::PUT,
+                "/v1/model-keys/anthropic",
+                Some(&h.admin),
+                Payload::Raw { content_type, bytes },
+            )
+            .await,
+        );
+        assert!(
+            reply.status.is_client_error() && !reply.code().is_empty(),
+            "{}",
+            reply.body
+        );
+    }
+    assert_error(
+        &answers.keep(
+            h.send(
+                Method::POST,
+                "/v1/model-keys/anthropic",
+                Some(&h.admin),
+                Payload::Json(json!({"key": MODEL_KEY})),
+            )
+            .await,
+        ),
+        StatusCode::METHOD_NOT_ALLOWED,
+        "METHOD_NOT_ALLOWED",
+    );
+    assert_eq!(
+        h.store.model_keys(&h.workspace.id).await.expect("list"),
+        vec![],
+        "nothing was written"
+    );
+    let longest_ok = answers.keep(put_model_key(&h, &h.admin, "gemini", json!({"key": longest})).await);
+    assert_eq!(
+        longest_ok.status,
+        StatusCode::OK,
+        "4096 bytes is the limit: {}",
+        longest_ok.body
+    );
+    answers.assert_none_holds(MODEL_KEY);
+}
+
+async fn model_keys_stay_in_their_workspace_and_sealed_at_rest(h: Harness) {
+    use sortie_protocol::api::ModelApi;
+    let answers = Answers::default();
+    let set = answers.keep(put_model_key(&h, &h.admin, "anthropic", json!({"key": MODEL_KEY})).await);
+    assert_eq!(set.status, StatusCode::OK, "{}", set.body);
+
+    let theirs = answers.keep(h.get("/v1/model-keys", &h.other_admin).await);
+    assert_eq!(
+        (theirs.status, theirs.body.clone()),
+        (StatusCode::OK, json!({"workspace": "other", "keys": []}))
+    );
+    let delete = answers.keep(
+        h.send(
+            Method::DELETE,
+            "/v1/model-keys/anthropic",
+            Some(&h.other_admin),
+            Payload::Empty,
+        )
+        .await,
+    );
+    assert_error(&delete, StatusCode::NOT_FOUND, "MODEL_KEY_NOT_FOUND");
+    let their_own = answers.keep(
+        put_model_key(
+            &h,
+            &h.other_admin,
+            "anthropic",
+            json!({"key": "sk-ant-other-workspace-key-zzzz"}),
+        )
+        .await,
+    );
+    assert_eq!(their_own.status, StatusCode::OK);
+    let ours = answers.keep(h.get("/v1/model-keys", &h.admin).await);
+    assert_eq!(ours.body["keys"], json!([set.body]), "their key did not replace ours");
+
+    // At rest: only ciphertext, which opens for this workspace and api alone.
+    let row = h
+        .store
+        .model_key(&h.workspace.id, ModelApi::Anthropic)
+        .await
+        .expect("read")
+        .expect("stored");
+    assert!(!row.key_ciphertext.contains("NEVER-SHOWN") && !row.key_nonce.contains("NEVER-SHOWN"));
+    let opened = sortie_store::workspace_model_key(h.store.as_ref(), &h.keyring, &h.workspace.id, ModelApi::Anthropic)
+        .await
+        .expect("open")
+        .expect("a key");
+    assert_eq!(opened.expose(), MODEL_KEY.as_bytes());
+    assert_eq!(format!("{opened:?} {opened}"), "Secret([redacted]) [redacted]");
+    let other = h.store.workspace_by_name("other").await.expect("other");
+    assert!(
+        h.keyring
+            .open(&other.id, ModelApi::Anthropic, &row.key_ciphertext, &row.key_nonce)
+            .is_err(),
+        "a row moved to another workspace does not open"
+    );
+    answers.assert_none_holds(MODEL_KEY);
+}
 
 async fn egress_allowlists_are_amended(h: Harness) {
     let id = h.create("t").await;
     let path = format!("/v1/sessions/{id}/egress");
     let amended = h
-        .post(&path, &h.operator, json!({"allow": ["github.com", "pypi.org"]}))
+        .post(&path, &h.operator, json!({"allow": ["github.com", "example.org"]}))
         .await;
     assert_eq!(amended.status, StatusCode::OK, "{}", amended.body);
-    assert_eq!(amended.body["egress"], json!({"allow": ["github.com", "pypi.org"]}));
+    assert_eq!(amended.body["egress"], json!({"allow": ["github.com", "example.org"]}));
     let invalid = h
         .post(&path, &h.operator, json!({"allow": ["*.evil.com", "ok.com"]}))
         .await;
@@ -97,7 +437,7 @@ async fn egress_allowlists_are_amended(h: Harness) {
     let session = h.get(&format!("/v1/sessions/{id}"), &h.viewer).await;
     assert_eq!(
         session.body["egress"],
-        json!({"allow": ["github.com", "pypi.org"]}),
+        json!({"allow": ["github.com", "example.org"]}),
         "refusals changed nothing"
     );
 }
@@ -128,7 +468,7 @@ async fn create_accepts_a_valid_session(h: Harness) {
             &h.operator,
             json!({
                 "repo": h.repo, "task": "Fix the flaky test\nIt fails on CI.", "base": "main", "model": "claude-sonnet-4-5",
-                "egress": {"allow": ["github.com", "pypi.org"]}, "setup": "make deps"
+                "egress": {"allow": ["github.com", "example.org"]}, "setup": "make deps"
             }),
         )
         .await;
@@ -146,7 +486,7 @@ async fn create_accepts_a_valid_session(h: Harness) {
     assert_eq!(session["phase"], "queued");
     assert_eq!(session["turns"], 1);
     assert_eq!(session["current_turn"], Value::Null);
-    assert_eq!(session["egress"], json!({"allow": ["github.com", "pypi.org"]}));
+    assert_eq!(session["egress"], json!({"allow": ["github.com", "example.org"]}));
     assert_eq!(
         session["usage"],
         json!({"compute_seconds": 0, "input_tokens": 0, "output_tokens": 0})
@@ -491,6 +831,23 @@ async fn list_pages_and_filters(h: Harness) {
         let reply = h.get(&format!("/v1/sessions?{bad}"), &h.viewer).await;
         assert_error(&reply, StatusCode::BAD_REQUEST, "INVALID_REQUEST");
     }
+}
+
+async fn agents_are_listed_with_the_default(h: Harness) {
+    let listed = h.get("/v1/agents", &h.viewer).await;
+    assert_eq!(listed.status, StatusCode::OK, "{}", listed.body);
+    let ids: Vec<&str> = listed.body["agents"]
+        .as_array()
+        .expect("agents")
+        .iter()
+        .map(|agent| agent["id"].as_str().expect("id"))
+        .collect();
+    for built_in in sortie_protocol::agents::BUILT_IN_AGENTS {
+        assert!(ids.contains(built_in), "{built_in} in {ids:?}");
+    }
+    assert_eq!(listed.body["default"], sortie_protocol::agents::DEFAULT_AGENT);
+    let anonymous = h.send(Method::GET, "/v1/agents", None, Payload::Empty).await;
+    assert_error(&anonymous, StatusCode::UNAUTHORIZED, "UNAUTHORIZED");
 }
 
 async fn read_endpoints_answer_and_miss(h: Harness) {
@@ -1219,6 +1576,9 @@ async fn operations_endpoints_answer(h: Harness) {
         ("/v1/sessions/{id}/attach-ticket", "post"),
         ("/v1/sessions/{id}/egress", "post"),
         ("/v1/usage", "get"),
+        ("/v1/model-keys", "get"),
+        ("/v1/model-keys/{api}", "put"),
+        ("/v1/model-keys/{api}", "delete"),
         ("/healthz", "get"),
         ("/readyz", "get"),
         ("/metrics", "get"),

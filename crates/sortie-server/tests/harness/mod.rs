@@ -13,7 +13,7 @@ use serde_json::Value;
 use sortie_protocol::api::Role;
 use sortie_server::{AgentCatalog, ApiState, Secret, tokens};
 use sortie_store::testing::{TestBackend, TestDatabase};
-use sortie_store::{RepoAccess, SqlStore, Store, WorkspaceRow};
+use sortie_store::{KeyRing, RepoAccess, SqlStore, Store, WorkspaceRow};
 use tower::ServiceExt;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,9 +32,15 @@ pub struct Harness {
     pub viewer: String,
     /// An operator of workspace `other`, which may use no local repository.
     pub other_operator: String,
+    /// An admin of workspace `other`.
+    pub other_admin: String,
+    /// The keyring the server seals model keys with.
+    pub keyring: Arc<KeyRing>,
     /// A real git repository (made by `git init`) the default workspace may use.
     pub repo: String,
-    router: Router,
+    /// The server's dashboard sign-in codes and cookie sessions.
+    pub signins: Arc<sortie_server::signin::SignIns>,
+    pub router: Router,
     socket: Option<(String, reqwest::Client, tokio::sync::oneshot::Sender<()>)>,
     _database: TestDatabase,
     pub dir: tempfile::TempDir,
@@ -112,6 +118,8 @@ impl Harness {
         let operator = token(&workspace.id, Role::Operator).await;
         let viewer = token(&workspace.id, Role::Viewer).await;
         let other_operator = token(&other.id, Role::Operator).await;
+        let other_admin = token(&other.id, Role::Admin).await;
+        let keyring = Arc::new(KeyRing::generate().expect("keyring"));
         let repo_path = dir.path().join("repo");
         git_init(&repo_path);
         let repo = std::fs::canonicalize(&repo_path)
@@ -119,10 +127,13 @@ impl Harness {
             .to_string_lossy()
             .into_owned();
 
+        let signins = Arc::new(sortie_server::signin::SignIns::default());
         let state = ApiState {
             store: store.clone(),
             agents: Arc::new(AgentCatalog::default()),
             ticket_secret: Secret::new(TICKET_SECRET.to_vec()),
+            keyring: keyring.clone(),
+            signins: signins.clone(),
         };
         let router = sortie_server::router(state.clone());
         let socket = match transport {
@@ -151,7 +162,10 @@ impl Harness {
             operator,
             viewer,
             other_operator,
+            other_admin,
+            keyring,
             repo,
+            signins,
             router,
             socket,
             _database: database,
