@@ -1,0 +1,493 @@
+//! The worker role (DESIGN §2, §4.1): claims accepted turns (a compare-and-set in the store), keeps at
+//! most a configured number of live sandboxes per workspace, prepares each session's workspace from a
+//! per-repository mirror, runs its sandbox with the driver and a per-sandbox egress proxy (which also
+//! serves the git proxy for the session's repository only), records every part into the store,
+//! settles turns and sessions, hibernates idle sandboxes and, when it starts, reconciles what an
+//! earlier process left behind.
+//!
+//! One event loop owns the live sandboxes ([`run`]); each turn runs as a task of its own and reports
+//! back with an [`Event`]. Every wait has a deadline: a session never hangs.
+
+pub mod client;
+pub mod meter;
+pub mod prepare;
+pub mod priming;
+pub mod recorder;
+mod turn;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use sortie_gateway::attach::DriverLocator;
+use sortie_gateway::egress::policy::Cidr;
+use sortie_gateway::egress::proxy::Resolver;
+use sortie_protocol::{SessionId, SessionPhase};
+use sortie_sandbox::{Limits, SandboxRuntime};
+use sortie_store::{Store, TurnOutcome};
+
+pub use turn::SandboxHandle;
+
+/// The `queued_reason` of a session waiting for a sandbox slot.
+pub const CAPACITY_REASON: &str = "SANDBOX_CAPACITY_LIMIT";
+
+/// How a worker runs.
+#[derive(Clone)]
+pub struct WorkerConfig {
+    /// Names this worker's claims (`turns.claimed_by`) and sandboxes.
+    pub worker_id: String,
+    /// `mirrors/`, `sessions/<id>/{workspace,home,run,egress}`, the runtime's state; every ancestor must
+    /// be searchable by the sandbox uid.
+    pub work_dir: PathBuf,
+    /// The `sortie` binary bound read-only into every sandbox (it runs `sortie driver` there); agents
+    /// installed beside it are found there too.
+    pub sortie_exe: PathBuf,
+    /// An agent manifest (TOML) given to the driver, bound read-only.
+    pub agent_profiles: Option<PathBuf>,
+    /// Where `sortie agents install` put agents; bound read-only when it exists.
+    pub agents_dir: Option<PathBuf>,
+    pub git_binary: PathBuf,
+    /// Live sandboxes (provisioning, running or warm) per workspace; more turns wait in `queued`.
+    pub sandboxes_per_workspace: usize,
+    /// A turn running longer fails `TURN_TIMEOUT` (the driver enforces it; the worker gives up on a
+    /// driver that has not ended the turn a grace period later: `SANDBOX_LOST`).
+    pub turn_timeout: Duration,
+    /// A warm sandbox idle this long is destroyed and its session `hibernated`.
+    pub idle_grace: Duration,
+    pub setup_timeout: Duration,
+    /// Hosts allowed during the setup phase only (package registries, from config or the host's settings).
+    pub setup_hosts: Vec<String>,
+    /// Addresses the egress proxy may connect to although they are private (an internal registry; tests).
+    pub egress_exempt: Vec<Cidr>,
+    pub resolver: Arc<dyn Resolver>,
+    pub limits: Limits,
+    /// How often the store is asked for work.
+    pub poll_interval: Duration,
+    /// Opens the workspaces' model keys for the model proxy; `None`: no key is ever injected.
+    pub keyring: Option<Arc<sortie_store::KeyRing>>,
+    /// Where the model proxy forwards each API.
+    pub model_upstreams: sortie_gateway::model::Upstreams,
+    /// Author of delivered commits.
+    pub author_name: String,
+    pub author_email: String,
+}
+
+/// This host and work dir: what a restarted worker finds again (its sandboxes lived there and
+/// died with it), and what no other worker shares.
+fn default_worker_id(work_dir: &Path) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    format!("{}:{}", host.trim(), work_dir.display())
+}
+
+impl WorkerConfig {
+    pub fn new(work_dir: PathBuf, sortie_exe: PathBuf) -> Self {
+        Self {
+            worker_id: default_worker_id(&work_dir),
+            work_dir,
+            sortie_exe,
+            agent_profiles: None,
+            agents_dir: None,
+            git_binary: PathBuf::from("git"),
+            sandboxes_per_workspace: 4,
+            turn_timeout: Duration::from_secs(30 * 60),
+            idle_grace: Duration::from_secs(10 * 60),
+            setup_timeout: Duration::from_secs(10 * 60),
+            setup_hosts: Vec::new(),
+            egress_exempt: Vec::new(),
+            resolver: Arc::new(sortie_gateway::egress::proxy::SystemResolver),
+            limits: Limits::default(),
+            poll_interval: Duration::from_millis(100),
+            keyring: None,
+            model_upstreams: sortie_gateway::model::Upstreams::default(),
+            author_name: "sortie".into(),
+            author_email: "sortie@localhost".into(),
+        }
+    }
+}
+
+/// Where each live session's driver listens; the gateway's attach follows it.
+#[derive(Clone, Default)]
+pub struct Drivers(Arc<RwLock<HashMap<SessionId, PathBuf>>>);
+
+impl Drivers {
+    fn set(&self, session_id: &SessionId, socket: Option<PathBuf>) {
+        let mut map = self.0.write().unwrap_or_else(|p| p.into_inner());
+        match socket {
+            Some(socket) => map.insert(session_id.clone(), socket),
+            None => map.remove(session_id),
+        };
+    }
+}
+
+impl DriverLocator for Drivers {
+    fn driver_socket(&self, session_id: &SessionId) -> Option<PathBuf> {
+        self.0
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(session_id)
+            .cloned()
+    }
+}
+
+/// What the worker's tasks tell its loop.
+pub enum Event {
+    /// A turn task ended; `keep` is the sandbox to keep warm, if any.
+    TurnEnded {
+        session_id: SessionId,
+        keep: Option<SandboxHandle>,
+    },
+}
+
+/// Shared by the loop and its turn tasks.
+pub(crate) struct Context {
+    pub config: WorkerConfig,
+    pub store: Arc<dyn Store>,
+    pub runtime: Arc<dyn SandboxRuntime>,
+    pub drivers: Drivers,
+    /// One mirror fetch at a time per repository.
+    pub mirror_locks: tokio::sync::Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl Context {
+    pub async fn mirror_lock(&self, path: &Path) -> Arc<tokio::sync::Mutex<()>> {
+        self.mirror_locks
+            .lock()
+            .await
+            .entry(path.to_owned())
+            .or_default()
+            .clone()
+    }
+}
+
+/// A session the loop holds a sandbox slot for.
+struct Slot {
+    workspace_id: String,
+    /// The sandbox, while one is up and no turn task holds it.
+    warm: Option<SandboxHandle>,
+    /// A turn task runs for it.
+    busy: bool,
+    idle_since: Instant,
+}
+
+pub struct Worker {
+    context: Arc<Context>,
+}
+
+impl Worker {
+    pub fn new(config: WorkerConfig, store: Arc<dyn Store>, runtime: Arc<dyn SandboxRuntime>) -> Self {
+        Self {
+            context: Arc::new(Context {
+                config,
+                store,
+                runtime,
+                drivers: Drivers::default(),
+                mirror_locks: tokio::sync::Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// For the gateway's attach: where each live session's driver listens.
+    pub fn drivers(&self) -> Arc<dyn DriverLocator> {
+        Arc::new(self.context.drivers.clone())
+    }
+
+    /// Settles what this worker held before it last stopped; call it once before [`Worker::run`]
+    /// (`sortie serve` does before it says it listens, so a client never sees a stale session).
+    pub async fn reconcile(&self) {
+        reconcile(&self.context).await;
+    }
+
+    /// Runs until `shutdown` completes, then destroys the sandboxes it holds.
+    pub async fn run(self, shutdown: impl std::future::Future<Output = ()> + Send) {
+        let context = self.context;
+        let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel::<Event>();
+        let mut slots: HashMap<SessionId, Slot> = HashMap::new();
+        let mut tick = tokio::time::interval(context.config.poll_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => break,
+                _ = tick.tick() => on_tick(&context, &mut slots, &events_tx).await,
+                Some(event) = events.recv() => on_event(&context, &mut slots, event),
+            }
+        }
+        // Turn tasks still running lose their sandboxes with the process; the next start reconciles them.
+        for (session_id, slot) in slots {
+            if let Some(sandbox) = slot.warm {
+                turn::destroy(&context, &session_id, &sandbox).await;
+            }
+        }
+    }
+}
+
+fn on_event(context: &Arc<Context>, slots: &mut HashMap<SessionId, Slot>, event: Event) {
+    match event {
+        Event::TurnEnded { session_id, keep } => match keep {
+            Some(sandbox) => {
+                if let Some(slot) = slots.get_mut(&session_id) {
+                    slot.busy = false;
+                    slot.warm = Some(sandbox);
+                    slot.idle_since = Instant::now();
+                }
+            }
+            None => {
+                slots.remove(&session_id);
+                context.drivers.set(&session_id, None);
+            }
+        },
+    }
+}
+
+async fn on_tick(context: &Arc<Context>, slots: &mut HashMap<SessionId, Slot>, events: &EventSender) {
+    retire_idle(context, slots).await;
+    let Ok(waiting) = context.store.claimable_sessions(64).await else {
+        return;
+    };
+    for session in waiting {
+        if slots.get(&session.id).is_some_and(|slot| slot.busy) {
+            continue;
+        }
+        let warm = slots.get_mut(&session.id).and_then(|slot| slot.warm.take());
+        if let Some(sandbox) = warm {
+            if session.resume_requested && session.n_waiting == 0 {
+                // A resume of a session whose sandbox is still warm: nothing to provision.
+                let _ = context.store.claim_resume(&session.id).await;
+                let _ = context
+                    .store
+                    .settle_session(&session.id, SessionPhase::Provisioning, false)
+                    .await;
+                if let Some(slot) = slots.get_mut(&session.id) {
+                    slot.warm = Some(sandbox);
+                }
+                continue;
+            }
+            match context
+                .store
+                .claim_turn(&session.id, true, &context.config.worker_id)
+                .await
+            {
+                Ok(Some(turn)) => {
+                    if let Some(slot) = slots.get_mut(&session.id) {
+                        slot.busy = true;
+                    }
+                    spawn_turn(context, events, session, Some(turn), Some(sandbox));
+                }
+                _ => {
+                    if let Some(slot) = slots.get_mut(&session.id) {
+                        slot.warm = Some(sandbox);
+                    }
+                }
+            }
+            continue;
+        }
+        if !make_room(context, slots, &session.workspace_id).await {
+            let _ = context
+                .store
+                .set_queued_reason(&session.id, Some(CAPACITY_REASON))
+                .await;
+            continue;
+        }
+        let claimed = if session.resume_requested && session.n_waiting == 0 {
+            match context.store.claim_resume(&session.id).await {
+                Ok(true) => Some(None),
+                _ => None,
+            }
+        } else {
+            match context
+                .store
+                .claim_turn(&session.id, false, &context.config.worker_id)
+                .await
+            {
+                Ok(Some(turn)) => Some(Some(turn)),
+                _ => None,
+            }
+        };
+        let Some(turn) = claimed else { continue };
+        slots.insert(
+            session.id.clone(),
+            Slot {
+                workspace_id: session.workspace_id.clone(),
+                warm: None,
+                busy: true,
+                idle_since: Instant::now(),
+            },
+        );
+        spawn_turn(context, events, session, turn, None);
+    }
+}
+
+type EventSender = tokio::sync::mpsc::UnboundedSender<Event>;
+
+fn spawn_turn(
+    context: &Arc<Context>,
+    events: &EventSender,
+    session: sortie_store::SessionRow,
+    turn: Option<sortie_store::TurnRow>,
+    sandbox: Option<SandboxHandle>,
+) {
+    let context = context.clone();
+    let events = events.clone();
+    tokio::spawn(async move {
+        let session_id = session.id.clone();
+        let keep = turn::run(&context, session, turn, sandbox).await;
+        let _ = events.send(Event::TurnEnded { session_id, keep });
+    });
+}
+
+/// Whether a new sandbox fits the workspace's limit, hibernating its longest-idle warm sandbox if that
+/// makes room.
+async fn make_room(context: &Arc<Context>, slots: &mut HashMap<SessionId, Slot>, workspace_id: &str) -> bool {
+    let limit = context.config.sandboxes_per_workspace.max(1);
+    let held = slots.values().filter(|s| s.workspace_id == workspace_id).count();
+    let elsewhere = match context.store.sandboxes().await {
+        Ok(rows) => rows
+            .iter()
+            .filter(|row| row.workspace_id == workspace_id && !slots.contains_key(&row.session_id))
+            .count(),
+        Err(_) => return false,
+    };
+    if held + elsewhere < limit {
+        return true;
+    }
+    let longest_idle = slots
+        .iter()
+        .filter(|(_, slot)| slot.workspace_id == workspace_id && !slot.busy && slot.warm.is_some())
+        .min_by_key(|(_, slot)| slot.idle_since)
+        .map(|(id, _)| id.clone());
+    let Some(session_id) = longest_idle else {
+        return false;
+    };
+    hibernate(context, slots, &session_id).await
+}
+
+/// Destroys the warm sandboxes that were idle past the grace, or whose session was canceled or archived.
+async fn retire_idle(context: &Arc<Context>, slots: &mut HashMap<SessionId, Slot>) {
+    let idle: Vec<SessionId> = slots
+        .iter()
+        .filter(|(_, slot)| !slot.busy && slot.warm.is_some())
+        .map(|(id, _)| id.clone())
+        .collect();
+    for session_id in idle {
+        let Ok(session) = context.store.session_by_id(&session_id).await else {
+            continue;
+        };
+        let ended = session.phase == SessionPhase::Canceled || session.archived;
+        let expired = slots
+            .get(&session_id)
+            .is_some_and(|slot| slot.idle_since.elapsed() >= context.config.idle_grace);
+        if ended {
+            if let Some(slot) = slots.remove(&session_id)
+                && let Some(sandbox) = slot.warm
+            {
+                turn::destroy(context, &session_id, &sandbox).await;
+            }
+        } else if expired && session.phase == SessionPhase::Idle {
+            hibernate(context, slots, &session_id).await;
+        }
+    }
+}
+
+/// `idle → hibernated`, then the sandbox is destroyed (workspace and home stay). `false` if the
+/// session was not idle any more (a steer won the race).
+async fn hibernate(context: &Arc<Context>, slots: &mut HashMap<SessionId, Slot>, session_id: &SessionId) -> bool {
+    let from = match context.store.session_by_id(session_id).await {
+        Ok(session) => session.phase,
+        Err(_) => return false,
+    };
+    if !matches!(from, SessionPhase::Idle | SessionPhase::Failed) {
+        return false;
+    }
+    if !matches!(
+        context
+            .store
+            .transition_session(session_id, from, SessionPhase::Hibernated)
+            .await,
+        Ok(true)
+    ) {
+        return false;
+    }
+    if let Some(slot) = slots.remove(session_id)
+        && let Some(sandbox) = slot.warm
+    {
+        turn::destroy(context, session_id, &sandbox).await;
+    }
+    true
+}
+
+/// At start, for what this worker held before it stopped (its claims and sandboxes, by
+/// `worker_id`; other workers' are theirs): a sandbox of an earlier process is gone with it (the
+/// local runtime's sandboxes die with their parent, DESIGN §8), so its running turn is `lost` (its
+/// log harvested into the transcript first) and its session `failed` with a reason; a warm
+/// session becomes `hibernated`.
+async fn reconcile(context: &Arc<Context>) {
+    let me = context.config.worker_id.as_str();
+    let mut had_sandbox = std::collections::HashSet::new();
+    if let Ok(rows) = context.store.sandboxes().await {
+        for row in rows.into_iter().filter(|row| row.worker_id.as_deref() == Some(me)) {
+            let _ = context.runtime.destroy(&row.handle).await;
+            let _ = context.store.delete_sandbox(&row.session_id).await;
+            had_sandbox.insert(row.session_id);
+        }
+    }
+    let held = [
+        SessionPhase::Provisioning,
+        SessionPhase::Running,
+        SessionPhase::Delivering,
+    ];
+    if let Ok(sessions) = context.store.sessions_in_phases(&held).await {
+        for session in sessions {
+            let turn = match session.current_turn {
+                Some(n) => context.store.turn(&session.id, n).await.ok(),
+                None => None,
+            };
+            let mine =
+                had_sandbox.contains(&session.id) || turn.as_ref().and_then(|t| t.claimed_by.as_deref()) == Some(me);
+            if !mine {
+                continue;
+            }
+            let dirs = prepare::SessionDirs::new(&context.config.work_dir, &session.id);
+            if let Some(n) = session.current_turn {
+                recorder::harvest_log(&context.store, &dirs.home, &session.id, n).await;
+                let _ = context
+                    .store
+                    .finish_turn(
+                        &session.id,
+                        n,
+                        TurnOutcome {
+                            status: sortie_protocol::TurnStatus::Lost,
+                            head_sha: None,
+                            failure: Some((
+                                sortie_protocol::FailureCode::SandboxLost,
+                                "sortie stopped while this turn ran and its sandbox ended with it; the transcript up \
+                                 to that point is kept. Steer the session to continue."
+                                    .into(),
+                            )),
+                        },
+                    )
+                    .await;
+            }
+            let mut from = session.phase;
+            if from == SessionPhase::Running
+                && matches!(
+                    context
+                        .store
+                        .transition_session(&session.id, from, SessionPhase::Delivering)
+                        .await,
+                    Ok(true)
+                )
+            {
+                from = SessionPhase::Delivering;
+            }
+            let _ = context.store.settle_session(&session.id, from, true).await;
+            tracing::warn!(session = %session.id, "reconciled a session this worker held before it stopped: its turn is lost");
+        }
+    }
+    for session_id in &had_sandbox {
+        let _ = context
+            .store
+            .transition_session(session_id, SessionPhase::Idle, SessionPhase::Hibernated)
+            .await;
+    }
+}

@@ -1,0 +1,769 @@
+//! One turn of one session, as a task: provision a sandbox when none is warm (workspace, egress and
+//! git proxy, driver, setup script), prime and start the agent's turn, record its parts, honour stop
+//! and cancel requests, and settle the turn and the session from what the driver reports.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sortie_gateway::egress::proxy::{EgressProxy, SessionAllowlist, report_to_driver};
+use sortie_gateway::egress::registries::PhasedAllowlist;
+use sortie_gateway::git::http::{Upstream, Upstreams};
+use sortie_protocol::{FailureCode, SessionId, SessionPhase, TurnStatus};
+use sortie_sandbox::{SandboxSpec, SandboxStatus, SandboxStdio, inside};
+use sortie_store::{SessionRow, StopRequest, TurnOutcome, TurnRow};
+
+use crate::client::{DriverClient, DriverTurn};
+use crate::meter::{TurnMeter, WorkspaceKeys};
+use crate::prepare::{self, SessionDirs};
+use crate::recorder::{self, Recorded};
+use crate::{Context, priming};
+
+/// How long a new sandbox's driver has to answer.
+const DRIVER_READY_DEADLINE: Duration = Duration::from_secs(30);
+/// How often a running turn's stop request and driver are checked.
+const WATCH_INTERVAL: Duration = Duration::from_millis(250);
+/// How long the worker waits past the turn timeout (cancel, kill, delivery) before it gives up on the driver.
+const DRIVER_GRACE: Duration = Duration::from_secs(180);
+/// A driver that does not answer this long while its turn runs is lost.
+const UNREACHABLE_LIMIT: Duration = Duration::from_secs(3);
+/// Runs the repository's own setup script when the session names none.
+const DEFAULT_SETUP: &str = "if [ -f .sortie/setup.sh ]; then exec sh .sortie/setup.sh; fi";
+
+type Failure = (FailureCode, String);
+
+/// A live sandbox of a session: its name, directories, egress allowlist and the proxy serving it.
+#[derive(Clone)]
+pub struct SandboxHandle(Arc<HandleInner>);
+
+struct HandleInner {
+    name: String,
+    dirs: SessionDirs,
+    allowlist: Arc<PhasedAllowlist>,
+    meter: Arc<TurnMeter>,
+    proxy: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for HandleInner {
+    fn drop(&mut self) {
+        self.proxy.abort();
+    }
+}
+
+impl SandboxHandle {
+    pub fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    fn driver(&self) -> DriverClient {
+        DriverClient::new(self.0.dirs.driver_socket())
+    }
+}
+
+/// The git proxy of one sandbox reaches its own session's repository and nothing else.
+struct SessionUpstream {
+    session_id: SessionId,
+    upstream: Upstream,
+}
+
+impl Upstreams for SessionUpstream {
+    fn upstream(&self, session_id: &SessionId) -> Option<Upstream> {
+        (session_id == &self.session_id).then(|| self.upstream.clone())
+    }
+}
+
+fn ms(since: Instant) -> u64 {
+    u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Runs `turn` (or, for a resume without a prompt, only provisions); returns the sandbox to keep warm.
+pub(crate) async fn run(
+    context: &Arc<Context>,
+    session: SessionRow,
+    turn: Option<TurnRow>,
+    sandbox: Option<SandboxHandle>,
+) -> Option<SandboxHandle> {
+    let mut timings = BTreeMap::new();
+    if let Some(turn) = &turn
+        && let Some(started) = turn.started_at
+    {
+        timings.insert(
+            "queued".to_owned(),
+            u64::try_from(started - turn.created_at).unwrap_or(0),
+        );
+    }
+    let fresh = sandbox.is_none();
+    let sandbox = match sandbox {
+        Some(sandbox) => sandbox,
+        None => match provision(context, &session, &mut timings).await {
+            Ok(sandbox) => sandbox,
+            Err(failure) => {
+                tracing::warn!(session = %session.id, reason = %failure.1, "provisioning failed");
+                if let Some(turn) = &turn {
+                    let _ = context
+                        .store
+                        .set_turn_details(&session.id, turn.n, None, Some(&timings))
+                        .await;
+                    finish(context, &session.id, turn.n, TurnStatus::Failed, None, Some(failure)).await;
+                }
+                let _ = context
+                    .store
+                    .settle_session(&session.id, SessionPhase::Provisioning, true)
+                    .await;
+                return None;
+            }
+        },
+    };
+    let Some(turn) = turn else {
+        // A resume without a prompt: the sandbox is up and waits warm.
+        return match context
+            .store
+            .settle_session(&session.id, SessionPhase::Provisioning, false)
+            .await
+        {
+            Ok(Some(_)) => Some(sandbox),
+            _ => {
+                destroy(context, &session.id, &sandbox).await;
+                None
+            }
+        };
+    };
+    if fresh
+        && !matches!(
+            context
+                .store
+                .transition_session(&session.id, SessionPhase::Provisioning, SessionPhase::Running)
+                .await,
+            Ok(true)
+        )
+    {
+        // Canceled while its sandbox was being made.
+        destroy(context, &session.id, &sandbox).await;
+        finish(context, &session.id, turn.n, TurnStatus::Canceled, None, None).await;
+        return None;
+    }
+    run_agent_turn(context, &session, &turn, sandbox, fresh, timings).await
+}
+
+async fn run_agent_turn(
+    context: &Arc<Context>,
+    session: &SessionRow,
+    turn: &TurnRow,
+    sandbox: SandboxHandle,
+    fresh: bool,
+    mut timings: BTreeMap<String, u64>,
+) -> Option<SandboxHandle> {
+    let driver = sandbox.driver();
+    let n = turn.n;
+    // A refusal the vendor sent after the last turn ended belongs to no turn.
+    let _ = sandbox.0.meter.take_rejection();
+    // A model key set since a warm sandbox started is checked at this turn's delivery (the driver
+    // reads the file again; rewritten in place, since the sandbox sees it through a bind mount).
+    // A fresh sandbox's file was written by its provisioning just now.
+    if !fresh {
+        let dirs = SessionDirs::new(&context.config.work_dir, &session.id);
+        if let Err(error) = write_known_secrets(context, session, &dirs.known_secrets).await {
+            tracing::warn!(session = %session.id, %error, "cannot refresh the known secrets; the sandbox's list stays");
+        }
+    }
+    let priming_context = if fresh && n > 1 {
+        priming_context(context, session, n).await
+    } else {
+        Value::Null
+    };
+    let body = json!({
+        "n": n,
+        "prompt": turn.prompt,
+        "baseline": session.head_sha,
+        "priming_context": priming_context,
+        "host_timings": timings,
+    });
+    if let Err(error) = driver.start_turn(&body).await {
+        return lose(
+            context,
+            session,
+            n,
+            sandbox,
+            format!("the driver did not take the turn: {error}"),
+        )
+        .await;
+    }
+
+    let deadline = Instant::now() + context.config.turn_timeout + DRIVER_GRACE;
+    let mut after = None;
+    let mut delivering = false;
+    let mut cancel_sent: Option<Instant> = None;
+    let mut rejected = None;
+    let mut breaks = 0;
+    loop {
+        let recording = {
+            let store = context.store.clone();
+            let driver = driver.clone();
+            let session_id = session.id.clone();
+            tokio::spawn(async move { recorder::record(&store, &driver, &session_id, n, after).await })
+        };
+        tokio::pin!(recording);
+        let mut unreachable_since: Option<Instant> = None;
+        let recorded: Recorded = loop {
+            tokio::select! {
+                done = &mut recording => break done.unwrap_or_default(),
+                () = tokio::time::sleep(WATCH_INTERVAL) => {}
+            }
+            if Instant::now() >= deadline {
+                recording.abort();
+                return lose(
+                    context,
+                    session,
+                    n,
+                    sandbox,
+                    "the driver did not end the turn within the turn timeout and its grace".into(),
+                )
+                .await;
+            }
+            if rejected.is_none()
+                && let Some(rejection) = sandbox.0.meter.take_rejection()
+            {
+                // The vendor refused the key: the turn fails now, not when the agent gives up.
+                finish(
+                    context,
+                    &session.id,
+                    n,
+                    TurnStatus::Failed,
+                    None,
+                    Some((FailureCode::VendorAuthRejected, rejection.reason.clone())),
+                )
+                .await;
+                let _ = driver.cancel(n).await;
+                cancel_sent = Some(Instant::now());
+                rejected = Some(rejection);
+            }
+            if let Ok(row) = context.store.turn(&session.id, n).await
+                && row.stop_requested.is_some()
+                && cancel_sent.is_none_or(|sent| sent.elapsed() >= Duration::from_secs(2))
+            {
+                let _ = driver.cancel(n).await;
+                cancel_sent = Some(Instant::now());
+            }
+            match driver.status().await {
+                Ok(status) => {
+                    unreachable_since = None;
+                    if !delivering && status.turn(n).is_some_and(|t| t.state == "delivering") {
+                        delivering = true;
+                        let _ = context
+                            .store
+                            .transition_session(&session.id, SessionPhase::Running, SessionPhase::Delivering)
+                            .await;
+                    }
+                }
+                Err(_) => {
+                    let gone = matches!(
+                        context.runtime.status(sandbox.name()).await,
+                        Ok(SandboxStatus::Exited(_)) | Err(_)
+                    );
+                    let since = *unreachable_since.get_or_insert_with(Instant::now);
+                    if gone || since.elapsed() >= UNREACHABLE_LIMIT {
+                        recording.abort();
+                        let why = match context.runtime.status(sandbox.name()).await {
+                            Ok(SandboxStatus::Exited(exit)) => format!("the sandbox's driver {}", exit.describe()),
+                            _ => "the driver stopped answering".to_owned(),
+                        };
+                        return lose(context, session, n, sandbox, why).await;
+                    }
+                }
+            }
+        };
+        if recorded.complete {
+            break;
+        }
+        if driver.status().await.is_err() {
+            let why = match context.runtime.status(sandbox.name()).await {
+                Ok(SandboxStatus::Exited(exit)) => format!("the sandbox's driver {}", exit.describe()),
+                _ => "the driver stopped answering".to_owned(),
+            };
+            return lose(context, session, n, sandbox, why).await;
+        }
+        // The subscription broke while the driver lives: follow again from the last stored part.
+        breaks += 1;
+        after = recorded.last_index;
+        if breaks > 20 {
+            return lose(context, session, n, sandbox, "the driver's stream kept breaking".into()).await;
+        }
+        tokio::time::sleep(WATCH_INTERVAL).await;
+    }
+
+    let report = match driver.status().await {
+        Ok(status) => status.turn(n).cloned(),
+        Err(_) => None,
+    };
+    let Some(report) = report else {
+        return lose(context, session, n, sandbox, "the driver forgot the turn".into()).await;
+    };
+    let stop = context
+        .store
+        .turn(&session.id, n)
+        .await
+        .ok()
+        .and_then(|row| row.stop_requested);
+    let (mut status, head_sha, mut failure) = outcome(&report, stop);
+    if rejected.is_none()
+        && let Some(late) = sandbox.0.meter.take_rejection()
+    {
+        status = TurnStatus::Failed;
+        failure = Some((FailureCode::VendorAuthRejected, late.reason));
+    }
+    if let Some(driver_timings) = &report.timings {
+        for (key, value) in driver_timings {
+            if let Some(value) = value.as_u64() {
+                // One vocabulary on the turn body: `agent_turn`, not `agent_turn_ms`.
+                timings.insert(key.trim_end_matches("_ms").to_owned(), value);
+            }
+        }
+    }
+    let _ = context
+        .store
+        .set_turn_details(&session.id, n, report.priming.as_deref(), Some(&timings))
+        .await;
+    let failed = failure.is_some() || rejected.is_some();
+    if rejected.is_none() {
+        finish(context, &session.id, n, status, head_sha, failure).await;
+    }
+    if status == TurnStatus::Canceled {
+        destroy(context, &session.id, &sandbox).await;
+        return None;
+    }
+    let mut from = SessionPhase::Delivering;
+    if !delivering
+        && !matches!(
+            context
+                .store
+                .transition_session(&session.id, SessionPhase::Running, SessionPhase::Delivering)
+                .await,
+            Ok(true)
+        )
+    {
+        from = match context.store.session_by_id(&session.id).await {
+            Ok(now) => now.phase,
+            Err(_) => SessionPhase::Delivering,
+        };
+    }
+    if from == SessionPhase::Canceled {
+        destroy(context, &session.id, &sandbox).await;
+        return None;
+    }
+    let _ = context.store.settle_session(&session.id, from, failed).await;
+    Some(sandbox)
+}
+
+/// The turn's status, delivered head and failure from the driver's report and the stop request.
+fn outcome(report: &DriverTurn, stop: Option<StopRequest>) -> (TurnStatus, Option<String>, Option<Failure>) {
+    let failure_of = |code: &str, reason: &str| -> Failure {
+        let code =
+            serde_json::from_value::<FailureCode>(Value::String(code.to_owned())).unwrap_or(FailureCode::Internal);
+        (code, reason.to_owned())
+    };
+    let mut failure = report
+        .failure
+        .as_ref()
+        .filter(|f| f.code != "CANCELED")
+        .map(|f| failure_of(&f.code, &f.reason));
+    let delivery = report.delivery.as_ref();
+    if failure.is_none()
+        && let Some(error) = delivery.and_then(|d| d.error.as_ref())
+    {
+        failure = Some(failure_of(&error.code, &error.reason));
+    }
+    let head_sha = delivery.filter(|d| d.pushed).and_then(|d| d.head_sha.clone());
+    let status = if failure.is_some() {
+        TurnStatus::Failed
+    } else {
+        match (report.state.as_str(), stop) {
+            (_, Some(StopRequest::Cancel)) => TurnStatus::Canceled,
+            ("cancelled", _) | (_, Some(StopRequest::Stop | StopRequest::Interrupt)) => TurnStatus::Stopped,
+            _ => TurnStatus::Completed,
+        }
+    };
+    (status, head_sha, failure)
+}
+
+async fn finish(
+    context: &Arc<Context>,
+    session_id: &SessionId,
+    n: u32,
+    status: TurnStatus,
+    head_sha: Option<String>,
+    failure: Option<Failure>,
+) {
+    let outcome = TurnOutcome {
+        status,
+        head_sha,
+        failure,
+    };
+    if let Err(error) = context.store.finish_turn(session_id, n, outcome).await {
+        tracing::warn!(%error, session = %session_id, turn = n, "cannot record the turn's end");
+    }
+}
+
+/// The sandbox (or its driver) is gone: nothing of it may run on, the transcript is completed from
+/// the driver's log, the turn is `lost` and the session `failed` with the reason.
+async fn lose(
+    context: &Arc<Context>,
+    session: &SessionRow,
+    n: u32,
+    sandbox: SandboxHandle,
+    reason: String,
+) -> Option<SandboxHandle> {
+    tracing::warn!(session = %session.id, turn = n, %reason, "sandbox lost");
+    destroy(context, &session.id, &sandbox).await;
+    recorder::harvest_log(&context.store, &sandbox.0.dirs.home, &session.id, n).await;
+    let reason = format!("{reason}; the work of this turn was not delivered. Steer the session to run it again.");
+    finish(
+        context,
+        &session.id,
+        n,
+        TurnStatus::Lost,
+        None,
+        Some((FailureCode::SandboxLost, reason)),
+    )
+    .await;
+    let mut from = match context.store.session_by_id(&session.id).await {
+        Ok(now) => now.phase,
+        Err(_) => return None,
+    };
+    if from == SessionPhase::Running
+        && matches!(
+            context
+                .store
+                .transition_session(&session.id, from, SessionPhase::Delivering)
+                .await,
+            Ok(true)
+        )
+    {
+        from = SessionPhase::Delivering;
+    }
+    if matches!(from, SessionPhase::Delivering | SessionPhase::Provisioning) {
+        let _ = context.store.settle_session(&session.id, from, true).await;
+    }
+    None
+}
+
+/// Kills every process of the sandbox, stops its proxy and forgets it; the session's directories stay.
+pub(crate) async fn destroy(context: &Arc<Context>, session_id: &SessionId, sandbox: &SandboxHandle) {
+    context.drivers.set(session_id, None);
+    sandbox.0.proxy.abort();
+    match context.runtime.destroy(sandbox.name()).await {
+        Ok(usage) => {
+            let turn = context
+                .store
+                .session_by_id(session_id)
+                .await
+                .ok()
+                .and_then(|s| s.current_turn)
+                .unwrap_or(1);
+            let compute_ms = (usage.cpu_seconds * 1000.0).round().max(0.0) as u64;
+            let _ = context
+                .store
+                .record_compute(session_id, turn, sortie_store::now_ms(), compute_ms)
+                .await;
+        }
+        Err(error) => tracing::debug!(%error, session = %session_id, "destroy"),
+    }
+    let _ = context.store.delete_sandbox(session_id).await;
+    let _ = std::fs::remove_file(sandbox.0.dirs.egress_socket());
+}
+
+async fn priming_context(context: &Arc<Context>, session: &SessionRow, n: u32) -> Value {
+    let turns = context
+        .store
+        .turns(&session.workspace_id, &session.id)
+        .await
+        .unwrap_or_default();
+    let parts = context.store.parts(&session.id).await.unwrap_or_default();
+    let preamble = priming::preamble(&turns, &parts, n, priming::PREAMBLE_LIMIT);
+    let task = turns.first().map(|t| t.prompt.clone());
+    json!({"preamble": preamble, "task": task})
+}
+
+/// What the session's agent profile asks the sandbox to bind read-only (its install dir outside
+/// `/usr` and the agents dir): absolute paths that exist, else the turn cannot start.
+fn agent_read_only_paths(manifest: Option<&Path>, agent: &str) -> Result<Vec<PathBuf>, Failure> {
+    let agent_failed = |what: String| (FailureCode::AgentStartFailed, what);
+    let profiles = sortie_driver::profile::load(manifest).map_err(|e| agent_failed(e.to_string()))?;
+    let profile = sortie_driver::profile::find(&profiles, agent).map_err(|e| agent_failed(e.to_string()))?;
+    let mut paths = Vec::new();
+    for entry in &profile.read_only_paths {
+        let path = PathBuf::from(entry);
+        let plain = path.is_absolute() && path.components().all(|c| !matches!(c, std::path::Component::ParentDir));
+        if !plain || !path.exists() {
+            return Err(agent_failed(format!(
+                "agent {agent:?} asks for read-only path {entry:?}, which is not an existing absolute path: fix \
+                 read_only_paths in the agent manifest"
+            )));
+        }
+        paths.push(path);
+    }
+    Ok(paths)
+}
+
+/// Writes the digests of the workspace's secret values to `path`, in place (truncated, same inode).
+async fn write_known_secrets(context: &Arc<Context>, session: &SessionRow, path: &Path) -> Result<(), String> {
+    let digests = WorkspaceKeys {
+        store: context.store.clone(),
+        ring: context.config.keyring.clone(),
+        workspace_id: session.workspace_id.clone(),
+    }
+    .digests()
+    .await;
+    std::fs::write(path, digests).map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+fn start_failed(what: impl std::fmt::Display) -> Failure {
+    (FailureCode::SandboxStartFailed, what.to_string())
+}
+
+/// Makes the session's sandbox: workspace, egress and git proxy, the driver, the setup script.
+async fn provision(
+    context: &Arc<Context>,
+    session: &SessionRow,
+    timings: &mut BTreeMap<String, u64>,
+) -> Result<SandboxHandle, Failure> {
+    let config = &context.config;
+    let dirs = SessionDirs::new(&config.work_dir, &session.id);
+    let repo = PathBuf::from(&session.repo);
+    if !repo.is_absolute() {
+        return Err((
+            FailureCode::CloneFailed,
+            "this sortie has no forge connection for remote repositories yet: use a local repository path".into(),
+        ));
+    }
+
+    let clock = Instant::now();
+    let mirrors = config.work_dir.join("mirrors");
+    let mirror = {
+        let lock = context
+            .mirror_lock(&prepare::mirror_path(&mirrors, &session.repo))
+            .await;
+        let _held = lock.lock().await;
+        prepare::ensure_mirror(&config.git_binary, &mirrors, &session.repo)
+            .await
+            .map_err(|e| (FailureCode::CloneFailed, e.0))?
+    };
+    for dir in [&dirs.root, &dirs.home, &dirs.run, &dirs.egress] {
+        std::fs::create_dir_all(dir).map_err(|e| start_failed(format!("cannot create {}: {e}", dir.display())))?;
+    }
+    let origin = format!(
+        "http://{}/_sortie/git/{}.git",
+        sortie_driver::relay::RELAY_ADDRESS,
+        session.id
+    );
+    prepare::ensure_workspace(
+        &config.git_binary,
+        &mirror,
+        &dirs.workspace,
+        &session.id.branch(),
+        session.base.as_deref(),
+        &origin,
+    )
+    .await
+    .map_err(|e| (FailureCode::CloneFailed, e.0))?;
+    if let Some((uid, gid)) = context.runtime.host_owner() {
+        for dir in [&dirs.workspace, &dirs.home, &dirs.run] {
+            sortie_sandbox::local::chown_tree(dir, uid, gid)
+                .map_err(|e| start_failed(format!("cannot hand {} to the sandbox: {e}", dir.display())))?;
+        }
+    }
+    timings.insert("clone".into(), ms(clock));
+
+    let clock = Instant::now();
+    let allowlist = PhasedAllowlist::new(
+        Arc::new(SessionAllowlist {
+            store: context.store.clone(),
+            workspace_id: session.workspace_id.clone(),
+            session_id: session.id.clone(),
+        }),
+        config.setup_hosts.clone(),
+    );
+    let git_routes = sortie_gateway::git::http::router(
+        Arc::new(SessionUpstream {
+            session_id: session.id.clone(),
+            upstream: Upstream::Local(repo),
+        }),
+        config.git_binary.clone(),
+    );
+    let meter = TurnMeter::new(context.store.clone(), session.id.clone(), dirs.driver_socket());
+    let model_routes = sortie_gateway::model::router(
+        sortie_gateway::model::ModelProxyConfig {
+            session_id: session.id.clone(),
+            upstreams: config.model_upstreams.clone(),
+            extra_roots_pem: Vec::new(),
+        },
+        Arc::new(WorkspaceKeys {
+            store: context.store.clone(),
+            ring: config.keyring.clone(),
+            workspace_id: session.workspace_id.clone(),
+        }),
+        meter.clone(),
+    )
+    .map_err(start_failed)?;
+    let proxy = EgressProxy::new(
+        allowlist.clone(),
+        config.egress_exempt.clone(),
+        config.resolver.clone(),
+        Some(git_routes.merge(model_routes)),
+        Some(report_to_driver(dirs.driver_socket())),
+    );
+    let egress_socket = dirs.egress_socket();
+    let _ = std::fs::remove_file(&egress_socket);
+    let _ = std::fs::remove_file(dirs.driver_socket());
+    let listener = tokio::net::UnixListener::bind(&egress_socket)
+        .map_err(|e| start_failed(format!("cannot listen on {}: {e}", egress_socket.display())))?;
+    context.runtime.grant_socket(&egress_socket).map_err(start_failed)?;
+    let proxy_task = tokio::spawn(proxy.serve(listener));
+
+    let exe = &config.sortie_exe;
+    let exe_dir = exe
+        .parent()
+        .ok_or_else(|| start_failed("the sortie binary has no directory"))?
+        .to_owned();
+    if !context.runtime.is_reachable(exe) {
+        proxy_task.abort();
+        return Err(start_failed(format!(
+            "the sandbox uid cannot reach the sortie binary at {}: install sortie under a path every user can read \
+             (e.g. /usr/local/bin)",
+            exe.display()
+        )));
+    }
+    let mut command = vec![
+        exe.display().to_string(),
+        "driver".into(),
+        "--socket".into(),
+        inside::DRIVER_SOCKET.into(),
+        "--workspace".into(),
+        inside::WORKSPACE.into(),
+        "--home".into(),
+        inside::HOME.into(),
+        "--agent".into(),
+        session.agent.clone(),
+        "--session".into(),
+        session.id.to_string(),
+        "--egress-socket".into(),
+        inside::EGRESS_SOCKET.into(),
+        "--turn-timeout".into(),
+        config.turn_timeout.as_secs().max(1).to_string(),
+        "--branch".into(),
+        session.id.branch(),
+        "--remote".into(),
+        "origin".into(),
+        "--author-name".into(),
+        config.author_name.clone(),
+        "--author-email".into(),
+        config.author_email.clone(),
+    ];
+    write_known_secrets(context, session, &dirs.known_secrets)
+        .await
+        .map_err(start_failed)?;
+    command.push("--secret-digests".into());
+    command.push(dirs.known_secrets.display().to_string());
+    let mut read_only = vec![exe_dir, mirror, dirs.known_secrets.clone()];
+    if let Some(model) = &session.model {
+        command.push("--model".into());
+        command.push(model.clone());
+    }
+    if let Some(agents) = config.agents_dir.as_ref().filter(|dir| dir.is_dir()) {
+        command.push("--agents-dir".into());
+        command.push(agents.display().to_string());
+        read_only.push(agents.clone());
+    }
+    if let Some(profiles) = &config.agent_profiles {
+        command.push("--profiles".into());
+        command.push(profiles.display().to_string());
+        read_only.push(profiles.clone());
+    }
+    read_only.extend(agent_read_only_paths(config.agent_profiles.as_deref(), &session.agent)?);
+    let spec = SandboxSpec {
+        name: session.id.to_string(),
+        workspace: dirs.workspace.clone(),
+        home: dirs.home.clone(),
+        run_dir: dirs.run.clone(),
+        egress_dir: Some(dirs.egress.clone()),
+        read_only,
+        env: Vec::new(),
+        command,
+        limits: config.limits,
+        stdio: SandboxStdio::Null,
+    };
+    let name = spec.name.clone();
+    // A sandbox of this name left by an earlier attempt is gone for good.
+    let _ = context.runtime.destroy(&name).await;
+    if let Err(error) = context.runtime.create(spec).await {
+        proxy_task.abort();
+        return Err(start_failed(error));
+    }
+    let handle = SandboxHandle(Arc::new(HandleInner {
+        name: name.clone(),
+        dirs: dirs.clone(),
+        allowlist,
+        meter,
+        proxy: proxy_task,
+    }));
+    let _ = context
+        .store
+        .put_sandbox(&session.id, "local", &name, &config.worker_id)
+        .await;
+    if let Err(error) = context.runtime.start(&name).await {
+        destroy(context, &session.id, &handle).await;
+        return Err(start_failed(error));
+    }
+    let driver = handle.driver();
+    let ready_by = Instant::now() + DRIVER_READY_DEADLINE;
+    loop {
+        if driver.status().await.is_ok() {
+            break;
+        }
+        if let Ok(SandboxStatus::Exited(exit)) = context.runtime.status(&name).await {
+            destroy(context, &session.id, &handle).await;
+            return Err(start_failed(format!(
+                "the sandbox's driver {} before it answered",
+                exit.describe()
+            )));
+        }
+        if Instant::now() >= ready_by {
+            destroy(context, &session.id, &handle).await;
+            return Err(start_failed("the sandbox's driver did not answer within 30 s"));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    context.drivers.set(&session.id, Some(dirs.driver_socket()));
+    timings.insert("sandbox".into(), ms(clock));
+
+    let clock = Instant::now();
+    let script = session.setup.as_deref().unwrap_or(DEFAULT_SETUP);
+    let setup = driver.setup(script, config.setup_timeout).await;
+    let failure = match setup {
+        Ok(result) if result.exit_code == Some(0) && !result.timed_out => None,
+        Ok(result) => {
+            let what = if result.timed_out {
+                format!("did not finish within {} s", config.setup_timeout.as_secs())
+            } else {
+                match result.exit_code {
+                    Some(code) => format!("exited with code {code}"),
+                    None => "was killed".to_owned(),
+                }
+            };
+            let tail: String = {
+                let lines: Vec<&str> = result.output_tail.lines().rev().take(20).collect();
+                lines.into_iter().rev().collect::<Vec<_>>().join("\n")
+            };
+            Some(format!("the setup script {what}; its last output:\n{tail}"))
+        }
+        Err(error) => Some(format!("the setup script could not run: {error}")),
+    };
+    if let Some(reason) = failure {
+        destroy(context, &session.id, &handle).await;
+        return Err((FailureCode::SetupFailed, reason));
+    }
+    handle.0.allowlist.end_setup();
+    timings.insert("setup".into(), ms(clock));
+    Ok(handle)
+}
