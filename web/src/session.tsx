@@ -1,0 +1,232 @@
+import { useCallback, useEffect, useMemo, useRef, useState, type FormEvent } from 'react';
+import { useChat } from '@ai-sdk/react';
+import { DefaultChatTransport, type UIMessage } from 'ai';
+import { ApiError, client, LIVE, type Session, type Turn } from './api';
+import { Conversation, type Message } from './conversation';
+import { PhaseBadge } from './sessions';
+import { age, ms } from './util';
+
+type Action = 'stop' | 'cancel' | 'resume' | 'archive' | 'retry';
+interface Delivery { branch?: string; headSha?: string; pushed?: boolean; prUrl?: string; diffStat?: { files?: number; insertions?: number; deletions?: number } }
+
+/** The last delivery of the conversation that changed the branch (`data-sortie-delivery`), for the header. */
+function lastDelivery(messages: UIMessage[]): Delivery | null {
+  let last: Delivery | null = null;
+  for (let m = messages.length - 1; m >= 0; m--) {
+    const parts = messages[m].parts;
+    for (let p = parts.length - 1; p >= 0; p--) {
+      const part = parts[p] as { type: string; data?: Delivery & { changed?: boolean } };
+      if (part.type !== 'data-sortie-delivery' || !part.data) continue;
+      if (part.data.changed !== false) return part.data;
+      last ??= part.data;
+    }
+  }
+  return last;
+}
+
+/** The turn's phases in the order they happen (DESIGN §2), then any the server adds. */
+const PHASE_ORDER = ['queued', 'sandbox', 'clone', 'setup', 'agent_ready', 'first_part', 'agent_turn', 'delivery'];
+function phaseOrder(timings: Record<string, number>): [string, number][] {
+  const rank = (k: string) => { const i = PHASE_ORDER.indexOf(k); return i < 0 ? PHASE_ORDER.length : i; };
+  return Object.entries(timings).sort(([a], [b]) => rank(a) - rank(b) || a.localeCompare(b));
+}
+
+function Header({ s, turns, onAction, busy, delivery }: { s: Session; turns: Turn[]; onAction: (a: Action) => void; busy: boolean; delivery: Delivery | null }) {
+  const last = turns[turns.length - 1];
+  const timings = last?.timings ?? {};
+  const live = LIVE.includes(s.phase);
+  return (
+    <section className="session-header" aria-label="session">
+      <div className="title-row">
+        <PhaseBadge phase={s.phase} />
+        <h1>{s.title || s.id}</h1>
+        <div className="actions">
+          <button onClick={() => onAction('stop')} disabled={busy || !live}>Stop</button>
+          <button onClick={() => onAction('cancel')} disabled={busy || s.phase === 'canceled'}>Cancel</button>
+          {s.phase === 'failed' && last && <button onClick={() => onAction('retry')} disabled={busy} title="Run the last prompt again">Retry</button>}
+          {s.phase === 'hibernated' && <button onClick={() => onAction('resume')} disabled={busy}>Wake</button>}
+          <button onClick={() => onAction('archive')} disabled={busy || s.archived}>{s.archived ? 'Archived' : 'Archive'}</button>
+        </div>
+      </div>
+      <dl className="facts">
+        <div><dt>Repo</dt><dd><code>{s.repo}</code>{s.base && <> @ <code>{s.base}</code></>}</dd></div>
+        <div><dt>Agent</dt><dd>{s.agent}{s.model && ` · ${s.model}`}</dd></div>
+        <div><dt>Branch</dt><dd><code className="branch">{s.branch}</code>{s.head_sha && <> at <code>{s.head_sha.slice(0, 10)}</code></>}{s.pr && <> · <a href={s.pr.url}>PR #{s.pr.number}</a></>}
+          {delivery?.diffStat && <span className="stat" aria-label="diff stat"> · {delivery.diffStat.files ?? 0} files <span className="add">+{delivery.diffStat.insertions ?? 0}</span> <span className="del">−{delivery.diffStat.deletions ?? 0}</span></span>}</dd></div>
+        <div><dt>Turns</dt><dd>{s.turns}</dd></div>
+        <div><dt>Usage</dt><dd>{s.usage.compute_seconds}s compute · {s.usage.input_tokens} in / {s.usage.output_tokens} out tokens</dd></div>
+        <div><dt>Created</dt><dd title={s.created_at}>{age(s.created_at)} ago</dd></div>
+      </dl>
+      {Object.keys(timings).length > 0 && (
+        <ol className="timings" aria-label={`turn ${last.n} timings`}>
+          {phaseOrder(timings).map(([k, v]) => <li key={k}><span>{k.replace('_', ' ')}</span> {ms(v)}</li>)}
+        </ol>
+      )}
+      {s.failure && <p className="error" role="alert">{s.failure.code}: {s.failure.reason}</p>}
+      {s.queued_reason && <p className="note">Queued: {s.queued_reason}</p>}
+    </section>
+  );
+}
+
+function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDelivery }: { id: string; initial: UIMessage[]; onActivity: () => void; reattach: number; syncKey: string; runningTurn: number | null; onDelivery: (d: Delivery | null) => void }) {
+  const [streamError, setStreamError] = useState<string | null>(null);
+  const transport = useMemo(() => new DefaultChatTransport({
+    api: `/v1/sessions/${id}/stream`,
+    credentials: 'omit',
+    resumeStreamIsReplay: true,
+    // Every connect and every send mints a fresh single-use ticket.
+    prepareSendMessagesRequest: async ({ messages, trigger, messageId, id: chatId }) => ({
+      headers: { Authorization: `Ticket ${await client.ticket(id, 'turn')}` },
+      body: { id: chatId, messages: messages.slice(-1), trigger, messageId },
+    }),
+    prepareReconnectToStreamRequest: async () => ({
+      api: `/v1/sessions/${id}/stream`,
+      headers: { Authorization: `Ticket ${await client.ticket(id, 'attach')}` },
+    }),
+  }), [id]);
+  const { messages, sendMessage, status, resumeStream, setMessages } = useChat({
+    id,
+    messages: initial,
+    transport,
+    resume: true,
+    onError: (e: Error) => setStreamError(e.message),
+    onFinish: () => onActivity(),
+  });
+  // A turn started outside this chat (Retry in the header): reload the history, then attach to its stream.
+  useEffect(() => {
+    if (reattach === 0) return;
+    void client.messages(id).then((m) => { setMessages(m as UIMessage[]); void resumeStream(); });
+  }, [reattach]); // eslint-disable-line react-hooks/exhaustive-deps
+  // The control plane saw the session change (a turn ended or began elsewhere) while no stream is open:
+  // take the stored history, so a turn that ended before this page could attach still shows.
+  useEffect(() => {
+    if (status !== 'ready' && status !== 'error') return;
+    let live = true;
+    void client.messages(id).then((m) => { if (live) setMessages(m as UIMessage[]); }).catch(() => {});
+    return () => { live = false; };
+  }, [syncKey]); // eslint-disable-line react-hooks/exhaustive-deps
+  // A turn runs that this chat has no stream of (a queued steer that began after the last turn ended,
+  // or a turn started by another client): take the history and attach to it. A turn attached twice
+  // replays in place (stable message id), so a lagging phase costs a replay, never a duplicate.
+  const attachedTurn = useRef<number | null>(null);
+  useEffect(() => {
+    if (runningTurn === null || (status !== 'ready' && status !== 'error')) return;
+    if (attachedTurn.current === runningTurn) return;
+    attachedTurn.current = runningTurn;
+    void client.messages(id).then((m) => { setMessages(m as UIMessage[]); void resumeStream(); }).catch(() => {});
+  }, [runningTurn, status]); // eslint-disable-line react-hooks/exhaustive-deps
+  const delivery = useMemo(() => lastDelivery(messages), [messages]);
+  useEffect(() => onDelivery(delivery), [delivery]); // eslint-disable-line react-hooks/exhaustive-deps
+  const [text, setText] = useState('');
+  const [mode, setMode] = useState<'queue' | 'interrupt'>('queue');
+  const [error, setError] = useState<string | null>(null);
+  const [notice, setNotice] = useState<string | null>(null);
+  useEffect(() => { if (status === 'streaming') setNotice(null); }, [status]);
+  const allowHost = useCallback(async (host: string) => {
+    try {
+      const s = await client.session(id);
+      await client.egress(id, [...new Set([...s.egress.allow, host])]);
+      onActivity();
+    } catch (e) { setError((e as ApiError).message); }
+  }, [id, onActivity]);
+  const actions = useMemo(() => ({ allowHost }), [allowHost]);
+  const submit = async (e: FormEvent) => {
+    e.preventDefault();
+    const prompt = text.trim();
+    if (!prompt) return;
+    setText('');
+    setError(null);
+    setStreamError(null);
+    try {
+      if (mode === 'queue' && status !== 'streaming' && status !== 'submitted') {
+        await sendMessage({ text: prompt });
+      } else if (mode === 'queue') {
+        // It runs after the current turn; the chat attaches to it when it starts.
+        await client.steer(id, prompt, mode);
+        setNotice('Queued: it runs when the current turn ends.');
+        onActivity();
+      } else {
+        await client.steer(id, prompt, mode);
+        setMessages((await client.messages(id)) as UIMessage[]);
+        onActivity();
+        setTimeout(() => void resumeStream(), 300);
+      }
+    } catch (err) {
+      setError(err instanceof ApiError ? `${err.code}: ${err.message}` : String(err));
+    }
+  };
+  return (
+    <>
+      {streamError && <p className="note" role="status">Stream unavailable: {streamError}. The session's state above still updates.</p>}
+      <Conversation messages={messages as unknown as Message[]} actions={actions} />
+      {(status === 'streaming' || status === 'submitted') && <p className="working" role="status">Working…</p>}
+      <form className="steer" onSubmit={submit}>
+        <label htmlFor="steer">Steer the agent</label>
+        <textarea id="steer" rows={3} value={text} onChange={(e) => setText(e.target.value)}
+          onKeyDown={(e) => { if (e.key === 'Enter' && (e.metaKey || e.ctrlKey)) (e.currentTarget.form as HTMLFormElement).requestSubmit(); }} />
+        <div className="steer-row">
+          <label><input type="radio" name="mode" checked={mode === 'queue'} onChange={() => setMode('queue')} /> Queue</label>
+          <label><input type="radio" name="mode" checked={mode === 'interrupt'} onChange={() => setMode('interrupt')} /> Interrupt</label>
+          <button type="submit" className="primary" disabled={!text.trim()}>Send</button> <small>Ctrl+Enter</small>
+        </div>
+        {error && <p className="field-error" role="alert">{error}</p>}
+        {notice && <p className="note" role="status">{notice}</p>}
+      </form>
+    </>
+  );
+}
+
+export function SessionPage({ id }: { id: string }) {
+  const [session, setSession] = useState<Session | null>(null);
+  const [turns, setTurns] = useState<Turn[]>([]);
+  const [history, setHistory] = useState<UIMessage[] | null>(null);
+  const [error, setError] = useState<string | null>(null);
+  const [busy, setBusy] = useState(false);
+  const [tick, setTick] = useState(0);
+  const [reattach, setReattach] = useState(0);
+  const [delivery, setDelivery] = useState<Delivery | null>(null);
+  const refresh = useCallback(() => setTick((t) => t + 1), []);
+  useEffect(() => {
+    client.messages(id).then((m) => setHistory(m as UIMessage[])).catch((e: ApiError) => setError(`${e.code}: ${e.message}`));
+  }, [id]);
+  useEffect(() => {
+    let live = true;
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const load = async () => {
+      try {
+        const [s, t] = await Promise.all([client.session(id), client.turns(id)]);
+        if (!live) return;
+        setSession(s);
+        setTurns(t.turns);
+        setError(null);
+        timer = setTimeout(load, LIVE.includes(s.phase) ? 1500 : 8000);
+      } catch (e) {
+        if (live) { setError(`${(e as ApiError).code}: ${(e as ApiError).message}`); timer = setTimeout(load, 5000); }
+      }
+    };
+    void load();
+    return () => { live = false; clearTimeout(timer); };
+  }, [id, tick]);
+  const onAction = async (a: Action) => {
+    if (a === 'cancel' && !confirm('Cancel this session? It takes no more turns.')) return;
+    setBusy(true);
+    try {
+      if (a === 'retry') {
+        // A failed session retries with a steer: the last prompt again.
+        await client.steer(id, turns[turns.length - 1].prompt, 'queue');
+        setReattach((n) => n + 1);
+      } else {
+        await client.action(id, a);
+      }
+      refresh();
+    } catch (e) { setError(`${(e as ApiError).code}: ${(e as ApiError).message}`); } finally { setBusy(false); }
+  };
+  return (
+    <main className="session">
+      {error && <p className="error" role="alert">{error}</p>}
+      {session ? <Header s={session} turns={turns} onAction={onAction} busy={busy} delivery={delivery} /> : !error && <p className="empty">Loading…</p>}
+      {history ? <Chat id={id} initial={history} onActivity={refresh} reattach={reattach} syncKey={session ? `${session.turns}:${session.phase}` : ''} runningTurn={session?.phase === 'running' ? session.current_turn : null} onDelivery={setDelivery} /> : !error && <p className="empty">Loading the conversation…</p>}
+    </main>
+  );
+}
+

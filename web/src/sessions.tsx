@@ -1,0 +1,62 @@
+import { useEffect, useState } from 'react';
+import { ApiError, client, LIVE, PHASES, type Session } from './api';
+import { Link } from './app';
+import { age } from './util';
+
+export function PhaseBadge({ phase }: { phase: string }) {
+  return <span className={`badge phase-${phase}`}>{phase}</span>;
+}
+
+export function Sessions() {
+  const [phase, setPhase] = useState('');
+  const [repo, setRepo] = useState('');
+  const [archived, setArchived] = useState(false);
+  const [sessions, setSessions] = useState<Session[] | null>(null);
+  const [error, setError] = useState<string | null>(null);
+  const [tick, setTick] = useState(0);
+  useEffect(() => {
+    let live = true;
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const load = () => client.sessions({ phase, repo, archived }).then((r) => {
+      if (!live) return;
+      setSessions(r.sessions);
+      setError(null);
+      // Poll while anything is live; slowly otherwise.
+      timer = setTimeout(load, r.sessions.some((s) => LIVE.includes(s.phase)) ? 1500 : 10000);
+    }).catch((e: ApiError) => { if (live) { setError(`${e.code}: ${e.message}`); timer = setTimeout(load, 5000); } });
+    load();
+    return () => { live = false; clearTimeout(timer); };
+  }, [phase, repo, archived, tick]);
+  return (
+    <main>
+      <div className="toolbar">
+        <h1>Sessions</h1>
+        <label>Phase <select value={phase} onChange={(e) => setPhase(e.target.value)}>
+          <option value="">any</option>{PHASES.map((p) => <option key={p}>{p}</option>)}
+        </select></label>
+        <label>Repo <input value={repo} onChange={(e) => setRepo(e.target.value)} placeholder="any" /></label>
+        <label><input type="checkbox" checked={archived} onChange={(e) => setArchived(e.target.checked)} /> Archived</label>
+        <button onClick={() => setTick(tick + 1)}>Refresh</button>
+        <Link to="/new" className="button primary">New session</Link>
+      </div>
+      {error && <p className="error" role="alert">{error}</p>}
+      {sessions == null ? <p className="empty">Loading…</p> : sessions.length === 0 ? <p className="empty">No sessions{phase || repo || archived ? ' match these filters' : ' yet'}.</p> : (
+        <table className="sessions">
+          <thead><tr><th>Phase</th><th>Title</th><th>Repo</th><th>Agent</th><th>Turns</th><th>Age</th></tr></thead>
+          <tbody>
+            {sessions.map((s) => (
+              <tr key={s.id}>
+                <td><PhaseBadge phase={s.phase} /></td>
+                <td><Link to={`/sessions/${s.id}`}>{s.title || s.id}</Link></td>
+                <td><code>{s.repo}</code></td>
+                <td>{s.agent}</td>
+                <td>{s.turns}</td>
+                <td title={s.created_at}>{age(s.created_at)}</td>
+              </tr>
+            ))}
+          </tbody>
+        </table>
+      )}
+    </main>
+  );
+}
