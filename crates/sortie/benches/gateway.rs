@@ -146,6 +146,7 @@ impl World {
             drivers: Arc::new(Drivers([(session.clone(), socket)].into_iter().collect())),
             allowed_origins: Arc::new(Vec::new()),
             heartbeat: Duration::from_secs(15),
+            slow_client_limit: sortie_gateway::attach::SLOW_CLIENT_LIMIT,
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let gateway = format!(

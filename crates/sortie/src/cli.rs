@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
-use sortie_protocol::api::Role;
+use sortie_protocol::api::{ModelApi, Role};
 
 use crate::config::env;
 
@@ -55,6 +55,9 @@ pub enum Command {
     /// Manage tokens (works on the store directly).
     #[command(subcommand)]
     Token(TokenCommand),
+    /// Install and list coding agents (their pinned npm packages, under the data dir).
+    #[command(subcommand)]
+    Agents(AgentsCommand),
     /// Start a session: an agent works on TASK in a sandbox and delivers a branch.
     Run(RunArgs),
     /// List sessions, newest first.
@@ -73,6 +76,30 @@ pub enum Command {
     Stop { id: String },
     /// End the session for good.
     Cancel { id: String },
+    /// The workspace's model keys (vendor API keys for the model proxy), as its admin token allows.
+    #[command(subcommand)]
+    Keys(KeysCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AgentsCommand {
+    /// Install an agent's pinned npm package under `<data dir>/agents/<id>` (npm uses the host's settings).
+    Install {
+        id: String,
+        /// An agent manifest (TOML) adding or overriding profiles.
+        #[arg(long, env = env::AGENT_PROFILES)]
+        profiles: Option<PathBuf>,
+        /// Install under this directory instead of `<data dir>/agents`.
+        #[arg(long, env = env::AGENTS_DIR)]
+        agents_dir: Option<PathBuf>,
+    },
+    /// The agents sortie knows: installed or not, and what each needs.
+    List {
+        #[arg(long, env = env::AGENT_PROFILES)]
+        profiles: Option<PathBuf>,
+        #[arg(long, env = env::AGENTS_DIR)]
+        agents_dir: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -117,6 +144,32 @@ pub struct DriverArgs {
     /// Relay 127.0.0.1:3128 to this egress socket and point the agent's proxy variables at it.
     #[arg(long)]
     pub egress_socket: Option<PathBuf>,
+    /// Deliver each turn's work to this branch (e.g. `sortie/ses_…`): commit, scan for secrets, push.
+    /// Without it the work stays in the workspace.
+    #[arg(long)]
+    pub branch: Option<String>,
+    /// The remote to push to: a name in the workspace's git config, a URL or a path.
+    #[arg(long, default_value = "origin", requires = "branch")]
+    pub remote: String,
+    /// The author and committer name of delivered commits.
+    #[arg(long, default_value = "sortie", requires = "branch")]
+    pub author_name: String,
+    /// The author and committer email of delivered commits.
+    #[arg(long, default_value = "sortie@localhost", requires = "branch")]
+    pub author_email: String,
+    /// A file of known secret values' SHA-256 digests (lowercase hex, one a line): a delivery whose
+    /// changes hold one of them fails SECRET_DETECTED.
+    #[arg(long, requires = "branch")]
+    pub secret_digests: Option<PathBuf>,
+    /// The gateway's model proxy as the agent reaches it; `/<api>` is appended for the profile's API.
+    #[arg(long, default_value = "http://127.0.0.1:3128/_sortie/model")]
+    pub model_proxy: String,
+    /// The model the agent uses; default: its profile's.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Where `sortie agents install` put agents (`<dir>/<id>/node_modules/.bin`), searched first.
+    #[arg(long)]
+    pub agents_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -148,6 +201,9 @@ pub struct SandboxExecArgs {
     /// An environment variable inside, NAME=VALUE (repeatable).
     #[arg(long = "env")]
     pub env: Vec<String>,
+    /// A host path bound read-only at the same path inside (repeatable), e.g. an installed agent.
+    #[arg(long = "ro")]
+    pub read_only: Vec<PathBuf>,
     /// The host uid sandboxes run as when sortie runs as root.
     #[arg(long, env = env::SANDBOX_UID, default_value_t = sortie_sandbox::local::DEFAULT_SANDBOX_UID)]
     pub sandbox_uid: u32,
@@ -176,6 +232,69 @@ pub struct ServeArgs {
     /// The agent used when a request names none.
     #[arg(long, env = env::DEFAULT_AGENT)]
     pub default_agent: Option<String>,
+    /// The roles to run, comma-separated: `api` (REST), `gateway` (streams), `worker` (sandboxes).
+    #[arg(long, env = env::ROLES, value_delimiter = ',', default_value = "api,gateway,worker")]
+    pub roles: Vec<ServeRole>,
+    /// Browser origins (`https://tools.example.com`) whose pages may attach to streams; the
+    /// dashboard sortie serves itself needs none.
+    #[arg(long, env = env::CORS_ORIGINS, value_delimiter = ',')]
+    pub cors_origin: Vec<String>,
+    #[command(flatten)]
+    pub worker: WorkerArgs,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ServeRole {
+    Api,
+    Gateway,
+    Worker,
+}
+
+/// How the worker role runs sandboxes.
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    /// Mirrors, session workspaces and homes, sandbox state; default `<data dir>/work`.
+    #[arg(long, env = env::WORK_DIR)]
+    pub work_dir: Option<PathBuf>,
+    /// Live sandboxes per workspace; more turns wait in `queued`.
+    #[arg(long, env = env::SANDBOXES_PER_WORKSPACE, default_value_t = 4)]
+    pub sandboxes_per_workspace: usize,
+    /// Seconds a turn may run before it fails with TURN_TIMEOUT (never disabled).
+    #[arg(long, env = env::TURN_TIMEOUT, default_value_t = 1800)]
+    pub turn_timeout: u64,
+    /// Seconds a warm sandbox may idle before its session is hibernated.
+    #[arg(long, env = env::IDLE_GRACE, default_value_t = 600)]
+    pub idle_grace: u64,
+    /// Seconds a setup script may run.
+    #[arg(long, env = env::SETUP_TIMEOUT, default_value_t = 600)]
+    pub setup_timeout: u64,
+    /// Hosts reachable during the setup phase only; default: the host's package registries.
+    #[arg(long, env = env::SETUP_HOSTS, value_delimiter = ',')]
+    pub setup_hosts: Option<Vec<String>>,
+    /// CIDRs the egress proxy may reach although private (an internal registry).
+    #[arg(long, env = env::EGRESS_EXEMPT, value_delimiter = ',')]
+    pub egress_exempt: Vec<String>,
+    /// Fixed resolver answers for the egress proxy, `name=ip` (internal names).
+    #[arg(long, env = env::EGRESS_HOSTS, value_delimiter = ',')]
+    pub egress_hosts: Vec<String>,
+    /// An agent manifest (TOML) adding or overriding profiles.
+    #[arg(long, env = env::AGENT_PROFILES)]
+    pub agent_profiles: Option<PathBuf>,
+    /// The host uid sandboxes run as when sortie runs as root.
+    #[arg(long, env = env::SANDBOX_UID, default_value_t = sortie_sandbox::local::DEFAULT_SANDBOX_UID)]
+    pub sandbox_uid: u32,
+    /// Where `sortie agents install` put the agents; default `<data dir>/agents`.
+    #[arg(long, env = env::AGENTS_DIR)]
+    pub agents_dir: Option<PathBuf>,
+    /// Where the model proxy sends Anthropic requests (default: Anthropic's public API).
+    #[arg(long, env = env::UPSTREAM_ANTHROPIC)]
+    pub upstream_anthropic: Option<String>,
+    /// Where the model proxy sends OpenAI requests (default: OpenAI's public API).
+    #[arg(long, env = env::UPSTREAM_OPENAI)]
+    pub upstream_openai: Option<String>,
+    /// Where the model proxy sends Gemini requests (default: Google's public Gemini API).
+    #[arg(long, env = env::UPSTREAM_GEMINI)]
+    pub upstream_gemini: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -208,6 +327,47 @@ pub enum TokenCommand {
         #[command(flatten)]
         store: StoreArgs,
     },
+}
+
+/// Model keys, through the server with an admin token: the token's workspace is the one changed.
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// Set the key for API (anthropic, openai, gemini), read from stdin (never an argument).
+    Set {
+        #[arg(value_parser = parse_model_api)]
+        api: ModelApi,
+        /// A note saying whose key it is.
+        #[arg(long)]
+        label: Option<String>,
+        #[command(flatten)]
+        workspace: KeysWorkspaceArgs,
+    },
+    /// List the workspace's keys: API, fingerprint, label; never a key.
+    #[command(alias = "ls")]
+    List {
+        #[command(flatten)]
+        workspace: KeysWorkspaceArgs,
+    },
+    /// Remove the key for API.
+    #[command(alias = "remove")]
+    Rm {
+        #[arg(value_parser = parse_model_api)]
+        api: ModelApi,
+        #[command(flatten)]
+        workspace: KeysWorkspaceArgs,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct KeysWorkspaceArgs {
+    /// Refuse unless the token is an admin token of this workspace (the token decides the workspace;
+    /// for another one, set SORTIE_TOKEN to an admin token of it).
+    #[arg(long)]
+    pub workspace: Option<String>,
+}
+
+fn parse_model_api(text: &str) -> Result<ModelApi, String> {
+    text.parse().map_err(|_| "one of anthropic, openai, gemini".to_owned())
 }
 
 fn parse_role(text: &str) -> Result<Role, String> {

@@ -1,6 +1,7 @@
-//! The client commands: `run`, `ls`, `show`, `steer`, `stop`, `cancel` over the REST API. Errors
-//! print the server's code and sentence and exit non-zero.
+//! The client commands: `run`, `ls`, `show`, `steer`, `stop`, `cancel` and `keys` over the REST API.
+//! Errors print the server's code and sentence and exit non-zero.
 
+use std::io::{IsTerminal, Read};
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -9,9 +10,11 @@ use reqwest::{Method, StatusCode};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use sortie_protocol::ApiErrorBody;
-use sortie_protocol::api::{Session, SessionList, Turn, TurnList};
+use sortie_protocol::api::{
+    MODEL_KEY_MAX_BYTES, ModelApi, ModelKey, ModelKeyList, Session, SessionList, Turn, TurnList,
+};
 
-use crate::cli::{ClientArgs, Command, LsArgs, RunArgs};
+use crate::cli::{ClientArgs, Command, KeysCommand, LsArgs, RunArgs};
 use crate::config::{self, ADMIN_TOKEN_FILE, env};
 
 struct Client {
@@ -73,8 +76,12 @@ impl Client {
         let status = response.status();
         let text = response.text().await.context("the server's answer broke off")?;
         if status.is_success() {
-            let value: Value = serde_json::from_str(&text)
-                .with_context(|| format!("the server answered {status} with a body that is not JSON"))?;
+            let value: Value = if status == StatusCode::NO_CONTENT {
+                Value::Null
+            } else {
+                serde_json::from_str(&text)
+                    .with_context(|| format!("the server answered {status} with a body that is not JSON"))?
+            };
             let typed = serde_json::from_value(value.clone())
                 .context("the server's answer has an unexpected shape (is it the same version?)")?;
             return Ok(Answer::Ok(typed, value));
@@ -123,12 +130,14 @@ pub async fn run(args: ClientArgs, command: Command) -> anyhow::Result<ExitCode>
                 .await?;
             finish(&client, answer, |session| format!("{} {}", session.id, session.phase))
         }
+        Command::Keys(command) => keys(&client, command).await,
         Command::Serve(_)
         | Command::Driver(_)
         | Command::Sandbox(_)
         | Command::Relay(_)
         | Command::Workspace(_)
-        | Command::Token(_) => unreachable_command(),
+        | Command::Token(_)
+        | Command::Agents(_) => unreachable_command(),
     }
 }
 
@@ -313,4 +322,152 @@ async fn show(client: &Client, id: &str) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+async fn keys(client: &Client, command: KeysCommand) -> anyhow::Result<ExitCode> {
+    match command {
+        KeysCommand::Set { api, label, workspace } => {
+            if std::io::stdin().is_terminal() {
+                eprintln!("paste the {api} key, then Enter and Ctrl-D (or pipe it: `sortie keys set {api} < key.txt`)");
+            }
+            let key = read_key(std::io::stdin().lock(), api)?;
+            if let Some(code) = refuse_another_workspace(client, workspace.workspace.as_deref()).await? {
+                return Ok(code);
+            }
+            let mut body = json!({"key": key});
+            if let Some(label) = label {
+                body["label"] = json!(label);
+            }
+            let answer = client
+                .call::<ModelKey>(Method::PUT, &format!("/v1/model-keys/{api}"), Some(body))
+                .await?;
+            finish(client, answer, |key| {
+                format!("set {} key {}", key.api, shown_fingerprint(key))
+            })
+        }
+        KeysCommand::List { workspace } => {
+            let answer = client.call::<ModelKeyList>(Method::GET, "/v1/model-keys", None).await?;
+            if let (Answer::Ok(list, _), Some(expected)) = (&answer, &workspace.workspace) {
+                refuse_mismatch(&list.workspace, expected)?;
+            }
+            finish(client, answer, |list| {
+                if list.keys.is_empty() {
+                    return format!("no model keys in workspace {}", list.workspace);
+                }
+                let mut out = format!("{:<10}  {:<10}  {:<24}  {}", "API", "KEY", "SET", "LABEL");
+                for key in &list.keys {
+                    out.push_str(&format!(
+                        "\n{:<10}  {:<10}  {:<24}  {}",
+                        key.api.as_str(),
+                        shown_fingerprint(key),
+                        key.created_at,
+                        key.label.as_deref().unwrap_or_default()
+                    ));
+                }
+                out
+            })
+        }
+        KeysCommand::Rm { api, workspace } => {
+            if let Some(code) = refuse_another_workspace(client, workspace.workspace.as_deref()).await? {
+                return Ok(code);
+            }
+            let answer = client
+                .call::<Value>(Method::DELETE, &format!("/v1/model-keys/{api}"), None)
+                .await?;
+            match answer {
+                Answer::Ok(..) => {
+                    if client.json {
+                        println!("{}", json!({"api": api, "removed": true}));
+                    } else {
+                        println!("removed {api} key");
+                    }
+                    Ok(ExitCode::SUCCESS)
+                }
+                refused @ Answer::Refused(_) => finish(client, refused, |_: &Value| String::new()),
+            }
+        }
+    }
+}
+
+/// `…abcd`, or why there is nothing to show.
+fn shown_fingerprint(key: &ModelKey) -> String {
+    match key.fingerprint.as_deref() {
+        Some("") => "(short)".to_owned(),
+        Some(fingerprint) => format!("…{fingerprint}"),
+        None => "(does not open: set it again)".to_owned(),
+    }
+}
+
+/// With `--workspace W`: the token decides the workspace, so refuse unless it is W. `Some` is the
+/// exit code after the server refused to say.
+async fn refuse_another_workspace(client: &Client, expected: Option<&str>) -> anyhow::Result<Option<ExitCode>> {
+    let Some(expected) = expected else {
+        return Ok(None);
+    };
+    match client.call::<ModelKeyList>(Method::GET, "/v1/model-keys", None).await? {
+        Answer::Ok(list, _) => {
+            refuse_mismatch(&list.workspace, expected)?;
+            Ok(None)
+        }
+        refused @ Answer::Refused(_) => finish(client, refused, |_: &ModelKeyList| String::new()).map(Some),
+    }
+}
+
+fn refuse_mismatch(actual: &str, expected: &str) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        actual == expected,
+        "the token is an admin token of workspace {actual:?}, not {expected:?}: the token decides the \
+         workspace, so set {} to an admin token of {expected:?} (`sortie token create --workspace {expected} --role admin`)",
+        env::TOKEN
+    );
+    Ok(())
+}
+
+/// The key from stdin: one trailing newline dropped, never empty, at most the server's limit.
+fn read_key(input: impl Read, api: ModelApi) -> anyhow::Result<String> {
+    let mut bytes = Vec::new();
+    input
+        .take(MODEL_KEY_MAX_BYTES as u64 + 3)
+        .read_to_end(&mut bytes)
+        .context("cannot read the key from stdin")?;
+    if bytes.last() == Some(&b'\n') {
+        bytes.pop();
+        if bytes.last() == Some(&b'\r') {
+            bytes.pop();
+        }
+    }
+    anyhow::ensure!(
+        !bytes.is_empty(),
+        "no key on stdin: pipe it in, e.g. `sortie keys set {api} < key.txt`"
+    );
+    anyhow::ensure!(
+        bytes.len() <= MODEL_KEY_MAX_BYTES,
+        "the key on stdin is longer than {MODEL_KEY_MAX_BYTES} bytes"
+    );
+    String::from_utf8(bytes)
+        .map_err(|_| anyhow::anyhow!("the key on stdin is not text (a model key is printable ASCII)"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_from_stdin_loses_one_trailing_newline_and_is_never_empty() {
+        let read = |input: &[u8]| read_key(input, ModelApi::Anthropic);
+        assert_eq!(read(b"sk-ant-1\n").expect("key"), "sk-ant-1");
+        assert_eq!(read(b"sk-ant-1\r\n").expect("key"), "sk-ant-1");
+        assert_eq!(read(b"sk-ant-1").expect("key"), "sk-ant-1");
+        assert_eq!(
+            read(b"sk-ant-1\n\n").expect("key"),
+            "sk-ant-1\n",
+            "only one newline goes"
+        );
+        for empty in [&b""[..], b"\n", b"\r\n"] {
+            assert!(read(empty).is_err(), "{empty:?}");
+        }
+        assert!(read(&[b'k'; MODEL_KEY_MAX_BYTES + 1]).is_err());
+        assert!(read(&[b'k'; MODEL_KEY_MAX_BYTES]).is_ok());
+        assert!(read(&[0xff, 0xfe]).is_err());
+    }
 }

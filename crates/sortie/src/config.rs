@@ -23,6 +23,44 @@ pub mod env {
     pub const SANDBOX_UID: &str = "SORTIE_SANDBOX_UID";
     /// Log filter (tracing `EnvFilter` syntax), e.g. `info,sortie_server=debug`.
     pub const LOG: &str = "SORTIE_LOG";
+    /// The roles `serve` runs (`--roles`): any of `api`, `gateway`, `worker`, comma-separated.
+    pub const ROLES: &str = "SORTIE_ROLES";
+    /// Mirrors, session workspaces and homes, sandbox state (`--work-dir`); default `<data dir>/work`.
+    pub const WORK_DIR: &str = "SORTIE_WORK_DIR";
+    /// Live sandboxes per workspace; more turns wait in `queued` (`--sandboxes-per-workspace`).
+    pub const SANDBOXES_PER_WORKSPACE: &str = "SORTIE_SANDBOXES_PER_WORKSPACE";
+    /// Seconds a turn may run before `TURN_TIMEOUT` (`--turn-timeout`).
+    pub const TURN_TIMEOUT: &str = "SORTIE_TURN_TIMEOUT";
+    /// Seconds a warm sandbox may idle before its session is hibernated (`--idle-grace`).
+    pub const IDLE_GRACE: &str = "SORTIE_IDLE_GRACE";
+    /// Seconds a setup script may run (`--setup-timeout`).
+    pub const SETUP_TIMEOUT: &str = "SORTIE_SETUP_TIMEOUT";
+    /// Hosts reachable during the setup phase only, comma-separated (`--setup-hosts`); default: the
+    /// registries of the host's npm, pip, cargo and apt settings.
+    pub const SETUP_HOSTS: &str = "SORTIE_SETUP_HOSTS";
+    /// CIDRs the egress proxy may reach although private (an internal registry), comma-separated.
+    pub const EGRESS_EXEMPT: &str = "SORTIE_EGRESS_EXEMPT";
+    /// Fixed answers for the egress proxy's resolver, `name=ip` comma-separated (internal names; tests).
+    pub const EGRESS_HOSTS: &str = "SORTIE_EGRESS_HOSTS";
+    /// Browser origins allowed to attach to streams from another site, comma-separated (`--cors-origin`).
+    pub const CORS_ORIGINS: &str = "SORTIE_CORS_ORIGINS";
+    /// An agent manifest (TOML) adding or overriding profiles (`--agent-profiles`).
+    pub const AGENT_PROFILES: &str = "SORTIE_AGENT_PROFILES";
+    /// Where installed agents live (`--agents-dir`); default `<data dir>/agents`.
+    pub const AGENTS_DIR: &str = "SORTIE_AGENTS_DIR";
+    /// The model proxy's upstream for Anthropic (`--upstream-anthropic`).
+    pub const UPSTREAM_ANTHROPIC: &str = "SORTIE_UPSTREAM_ANTHROPIC";
+    /// The model proxy's upstream for OpenAI (`--upstream-openai`).
+    pub const UPSTREAM_OPENAI: &str = "SORTIE_UPSTREAM_OPENAI";
+    /// The model proxy's upstream for Gemini (`--upstream-gemini`).
+    pub const UPSTREAM_GEMINI: &str = "SORTIE_UPSTREAM_GEMINI";
+    /// Master key sealing model keys at rest, base64 of 32 bytes; default: the file `<data dir>/keyring.key` (created once, 0600).
+    pub const KEYRING_KEY: &str = "SORTIE_KEYRING_KEY";
+}
+
+/// Where `sortie agents install` puts agents: `<data dir>/agents/<id>`.
+pub fn agents_dir(data_dir: &Path) -> PathBuf {
+    data_dir.join("agents")
 }
 
 /// The file `serve` writes the first admin token to.

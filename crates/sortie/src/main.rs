@@ -3,6 +3,7 @@
 //! off; each command lives in its own module.
 
 mod admin;
+mod agents;
 mod cli;
 mod client;
 mod config;
@@ -36,6 +37,7 @@ fn main() -> ExitCode {
             Command::Relay(args) => sandbox::relay(args).await,
             Command::Workspace(command) => admin::workspace(&cli.client, command).await,
             Command::Token(command) => admin::token(&cli.client, command).await,
+            Command::Agents(command) => agents::run(&cli.client, command).await,
             client_command => client::run(cli.client, client_command).await,
         }
     });

@@ -63,6 +63,9 @@ async fn exec_in(scratch: &std::path::Path, args: SandboxExecArgs) -> anyhow::Re
     }
     let mut command = args.command.clone();
     let mut read_only = Vec::new();
+    for path in &args.read_only {
+        read_only.push(std::fs::canonicalize(path).with_context(|| format!("--ro {} does not exist", path.display()))?);
+    }
     let egress_dir = match &args.egress_socket {
         Some(socket) => {
             let socket = std::fs::canonicalize(socket)

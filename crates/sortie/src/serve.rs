@@ -10,13 +10,23 @@ use sortie_protocol::api::Role;
 use sortie_server::{AgentCatalog, ApiState, Secret, tokens};
 use sortie_store::{Backend, RepoAccess, SqlStore, Store, StoreError};
 
-use crate::cli::{ClientArgs, ServeArgs};
-use crate::config::{self, ADMIN_TOKEN_FILE, env};
+use sortie_sandbox::local::{LocalConfig, LocalRuntime};
+use sortie_worker::{Worker, WorkerConfig};
+
+use crate::cli::{ClientArgs, ServeArgs, ServeRole, WorkerArgs};
+use crate::config::{self, ADMIN_TOKEN_FILE, DATABASE_FILE, env};
 
 pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCode> {
     let data_dir = config::data_dir(client.data_dir);
     let database_url = config::database_url(args.store.database_url, &data_dir);
     let mut agents = AgentCatalog::default();
+    // Agents an operator's manifest adds are as good as the built-in ones.
+    let profiles = sortie_driver::profile::load(args.worker.agent_profiles.as_deref())?;
+    for profile in profiles {
+        if !agents.known.contains(&profile.id) {
+            agents.known.push(profile.id);
+        }
+    }
     if let Some(default_agent) = args.default_agent {
         anyhow::ensure!(
             agents.known.contains(&default_agent),
@@ -47,44 +57,243 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
         }
     };
 
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let address = listener.local_addr().context("the listener has no address")?;
-    println!("sortie listening on http://{address}");
-    tracing::info!(%address, data_dir = %data_dir.display(), backend = ?store.backend(), "serving");
-
-    let attach = sortie_gateway::attach::AttachState {
-        store: store.clone(),
-        ticket_secret: Arc::from(ticket_secret.expose()),
-        // Sandboxes and their drivers come with the worker; until then a stream waits for its turn.
-        drivers: Arc::new(NoDrivers),
-        allowed_origins: Arc::new(Vec::new()),
-        heartbeat: std::time::Duration::from_secs(15),
-    };
-    let state = ApiState {
-        store: store.clone(),
-        agents: Arc::new(agents),
-        ticket_secret,
-    };
-    sortie_server::run_with(
-        listener,
-        state,
-        sortie_gateway::attach::router(attach),
-        shutdown_signal(),
+    let keyring = sortie_store::KeyRing::from_env_or_file(
+        std::env::var(env::KEYRING_KEY).ok().as_deref(),
+        &data_dir.join(sortie_store::keys::KEYRING_FILE),
     )
-    .await
-    .context("the server failed")?;
+    .with_context(|| {
+        format!(
+            "cannot load the model keys' master key ({} or keyring.key)",
+            env::KEYRING_KEY
+        )
+    })?;
+    let keyring = Arc::new(keyring);
+    let roles = args.roles.clone();
+    let worker = if roles.contains(&ServeRole::Worker) {
+        Some(build_worker(&data_dir, &args.worker, store.clone(), keyring.clone())?)
+    } else {
+        None
+    };
+    let drivers: Arc<dyn sortie_gateway::attach::DriverLocator> = match &worker {
+        Some(worker) => worker.drivers(),
+        None => Arc::new(NoDrivers),
+    };
+
+    let cors_origins = args
+        .cors_origin
+        .iter()
+        .map(|origin| valid_origin(origin))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+
+    // One shutdown signal for every role.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = move || {
+        let mut stop_rx = stop_rx.clone();
+        async move {
+            let _ = stop_rx.wait_for(|stop| *stop).await;
+        }
+    };
+    if let Some(worker) = &worker {
+        worker.reconcile().await;
+    }
+    let worker_task = worker.map(|worker| tokio::spawn(worker.run(stopped())));
+
+    if roles.contains(&ServeRole::Api) || roles.contains(&ServeRole::Gateway) {
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", args.listen))?;
+        let address = listener.local_addr().context("the listener has no address")?;
+        announce(&format!("sortie listening on http://{address}"));
+        tracing::info!(%address, data_dir = %data_dir.display(), backend = ?store.backend(), ?roles, "serving");
+
+        let gateway = if roles.contains(&ServeRole::Gateway) {
+            sortie_gateway::attach::router(sortie_gateway::attach::AttachState {
+                store: store.clone(),
+                ticket_secret: Arc::from(ticket_secret.expose()),
+                drivers,
+                allowed_origins: Arc::new(cors_origins),
+                heartbeat: std::time::Duration::from_secs(15),
+                slow_client_limit: sortie_gateway::attach::SLOW_CLIENT_LIMIT,
+            })
+        } else {
+            axum::Router::new()
+        };
+        let signins = Arc::new(sortie_server::signin::SignIns::default());
+        if roles.contains(&ServeRole::Api) {
+            print_signin_link(&data_dir, address, &signins);
+        }
+        let state = ApiState {
+            store: store.clone(),
+            agents: Arc::new(agents),
+            ticket_secret,
+            keyring,
+            signins,
+        };
+        // A client that leaves a write blocked past the limit (a stalled stream) is reset, never waited for.
+        let listener = sortie_gateway::stall::StalledWrites::new(listener, sortie_gateway::attach::SLOW_CLIENT_LIMIT);
+        sortie_server::run_with(listener, state, gateway, Some(sortie_web::router()), stopped())
+            .await
+            .context("the server failed")?;
+    } else {
+        stopped().await;
+    }
+    if let Some(task) = worker_task {
+        let _ = task.await;
+    }
     store.close().await;
     Ok(ExitCode::SUCCESS)
 }
 
-/// No session has a driver yet: the worker that starts sandboxes is not part of this build.
+/// The worker role on the local sandbox runtime, configured from flags and env.
+fn build_worker(
+    data_dir: &Path,
+    args: &WorkerArgs,
+    store: Arc<SqlStore>,
+    keyring: Arc<sortie_store::KeyRing>,
+) -> anyhow::Result<Worker> {
+    use std::os::unix::fs::PermissionsExt;
+    let work_dir = args.work_dir.clone().unwrap_or_else(|| data_dir.join("work"));
+    if work_dir.starts_with(data_dir) {
+        // The sandbox uid must pass through the data dir to its workspace: searchable, not listable.
+        // Its own files (the database, the admin token) stay private to root.
+        std::fs::set_permissions(data_dir, std::fs::Permissions::from_mode(0o711))
+            .with_context(|| format!("cannot open {} for the sandbox uid", data_dir.display()))?;
+        for name in [DATABASE_FILE, "sortie.db-wal", "sortie.db-shm"] {
+            let path = data_dir.join(name);
+            if path.exists() {
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+            }
+        }
+    }
+    std::fs::create_dir_all(&work_dir).with_context(|| format!("cannot create {}", work_dir.display()))?;
+    std::fs::set_permissions(&work_dir, std::fs::Permissions::from_mode(0o755))?;
+    let mut local = LocalConfig::new(work_dir.join("state"));
+    local.sandbox_uid = args.sandbox_uid;
+    local.sandbox_gid = args.sandbox_uid;
+    let runtime = LocalRuntime::new(local)
+        .context("the worker cannot run sandboxes on this host (run `sortie serve --roles api,gateway` without it)")?;
+
+    let mut exe = std::env::current_exe().context("cannot find the sortie binary")?;
+    if !runtime.is_reachable(&exe) {
+        // The sandbox uid cannot reach where this binary lives (a private checkout): use copies, with
+        // the agents installed beside it.
+        let bin = work_dir.join("bin");
+        std::fs::create_dir_all(&bin)?;
+        let from = exe.parent().context("the sortie binary has no directory")?.to_owned();
+        for name in ["sortie", "sortie-scripted-agent"] {
+            if from.join(name).is_file() {
+                std::fs::copy(from.join(name), bin.join(name))
+                    .with_context(|| format!("cannot copy {name} for the sandboxes"))?;
+            }
+        }
+        exe = bin.join("sortie");
+    }
+
+    let mut config = WorkerConfig::new(work_dir, exe);
+    config.sandboxes_per_workspace = args.sandboxes_per_workspace.max(1);
+    config.turn_timeout = std::time::Duration::from_secs(args.turn_timeout.max(1));
+    config.idle_grace = std::time::Duration::from_secs(args.idle_grace);
+    config.setup_timeout = std::time::Duration::from_secs(args.setup_timeout.max(1));
+    config.agent_profiles = args.agent_profiles.clone();
+    config.agents_dir = Some(args.agents_dir.clone().unwrap_or_else(|| config::agents_dir(data_dir)));
+    config.keyring = Some(keyring);
+    for (api, value) in [
+        ("anthropic", &args.upstream_anthropic),
+        ("openai", &args.upstream_openai),
+        ("gemini", &args.upstream_gemini),
+    ] {
+        let Some(url) = value.as_ref().filter(|u| !u.is_empty()) else {
+            continue;
+        };
+        anyhow::ensure!(
+            url.starts_with("https://") || url.starts_with("http://"),
+            "the {api} upstream {url:?} is not an http(s) URL"
+        );
+        match api {
+            "anthropic" => config.model_upstreams.anthropic = url.clone(),
+            "openai" => config.model_upstreams.openai = url.clone(),
+            _ => config.model_upstreams.gemini = url.clone(),
+        }
+    }
+    config.setup_hosts = match &args.setup_hosts {
+        Some(hosts) => hosts.iter().filter(|h| !h.is_empty()).cloned().collect(),
+        None => {
+            let home = std::env::var_os("HOME")
+                .map(std::path::PathBuf::from)
+                .unwrap_or_default();
+            sortie_gateway::egress::registries::from_host(&home)
+        }
+    };
+    for text in args.egress_exempt.iter().filter(|t| !t.is_empty()) {
+        let cidr = sortie_gateway::egress::policy::Cidr::parse(text)
+            .with_context(|| format!("--egress-exempt {text:?} is not an address or CIDR"))?;
+        config.egress_exempt.push(cidr);
+    }
+    let mut table = std::collections::HashMap::new();
+    for pair in args.egress_hosts.iter().filter(|t| !t.is_empty()) {
+        let (name, ip) = pair
+            .split_once('=')
+            .with_context(|| format!("--egress-hosts {pair:?} is not name=ip"))?;
+        let ip: std::net::IpAddr = ip
+            .parse()
+            .with_context(|| format!("--egress-hosts {pair:?}: {ip:?} is not an IP address"))?;
+        table.entry(name.to_ascii_lowercase()).or_insert_with(Vec::new).push(ip);
+    }
+    if !table.is_empty() {
+        config.resolver = Arc::new(TableFirst(sortie_gateway::egress::proxy::StaticResolver(table)));
+    }
+    Ok(Worker::new(config, store, Arc::new(runtime)))
+}
+
+/// Fixed answers first (operator-configured internal names), then the host's resolver.
+struct TableFirst(sortie_gateway::egress::proxy::StaticResolver);
+
+impl sortie_gateway::egress::proxy::Resolver for TableFirst {
+    fn resolve<'a>(
+        &'a self,
+        host: &'a str,
+        port: u16,
+    ) -> std::pin::Pin<Box<dyn Future<Output = std::io::Result<Vec<std::net::SocketAddr>>> + Send + 'a>> {
+        Box::pin(async move {
+            match self.0.resolve(host, port).await {
+                Ok(found) => Ok(found),
+                Err(_) => sortie_gateway::egress::proxy::SystemResolver.resolve(host, port).await,
+            }
+        })
+    }
+}
+
+/// No session has a driver: this process runs no worker.
 struct NoDrivers;
 
 impl sortie_gateway::attach::DriverLocator for NoDrivers {
     fn driver_socket(&self, _session_id: &sortie_protocol::SessionId) -> Option<std::path::PathBuf> {
         None
+    }
+}
+
+/// Prints a one-time link that signs a browser in to the dashboard as the saved admin token.
+fn print_signin_link(data_dir: &Path, address: std::net::SocketAddr, signins: &sortie_server::signin::SignIns) {
+    let Ok(token) = std::fs::read_to_string(data_dir.join(ADMIN_TOKEN_FILE)) else {
+        announce(&format!("dashboard: http://{address}/ (sign in with a token)"));
+        return;
+    };
+    match signins.issue_code(&tokens::hash_token(token.trim())) {
+        Ok(code) => {
+            let mut shown = address;
+            if shown.ip().is_unspecified() {
+                shown.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+            }
+            let minutes = sortie_server::signin::CODE_TTL.as_secs() / 60;
+            announce(&format!(
+                "dashboard sign-in link (works once, for {minutes} minutes): http://{shown}/signin#{code}"
+            ));
+        }
+        Err(error) => tracing::warn!(%error, "no randomness for a sign-in code"),
     }
 }
 
@@ -151,4 +360,29 @@ pub async fn shutdown_signal() {
         () = terminate => {}
     }
     tracing::info!("shutting down");
+}
+
+/// A line on stdout for whoever started the server; a reader that went away must not stop it.
+fn announce(line: &str) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    let _ = writeln!(stdout, "{line}");
+    let _ = stdout.flush();
+}
+
+/// A browser origin as the `Origin` header carries it: `http(s)://host[:port]`, nothing after.
+fn valid_origin(origin: &str) -> anyhow::Result<String> {
+    let rest = origin
+        .strip_prefix("https://")
+        .or_else(|| origin.strip_prefix("http://"))
+        .unwrap_or_default();
+    let well_formed = !rest.is_empty()
+        && rest
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':' | b'[' | b']'));
+    anyhow::ensure!(
+        well_formed,
+        "--cors-origin {origin:?} is not an origin: give scheme and host (and port), e.g. https://tools.example.com"
+    );
+    Ok(origin.to_owned())
 }

@@ -123,6 +123,7 @@ impl World {
             drivers: Arc::new(Drivers([(session.clone(), socket.clone())].into_iter().collect())),
             allowed_origins: Arc::new(vec!["http://dashboard.local".into()]),
             heartbeat: Duration::from_secs(15),
+            slow_client_limit: sortie_gateway::attach::SLOW_CLIENT_LIMIT,
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let base = format!("http://{}", listener.local_addr().expect("addr"));

@@ -349,3 +349,65 @@ fn serve_answers_the_stream_with_single_use_tickets() {
         assert_eq!(bearer.status().as_u16(), 401, "a bearer token is not a ticket");
     });
 }
+
+#[test]
+fn only_configured_origins_may_attach_from_another_site() {
+    let temp = tempfile::tempdir().expect("temp");
+    let data_dir = temp.path().join("data");
+    let server = Server::start_with(
+        temp.path(),
+        &data_dir,
+        None,
+        &["--cors-origin", "https://tools.example.com"],
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let client = support::http_client();
+        let preflight = |origin: &'static str| {
+            client
+                .request(
+                    reqwest::Method::OPTIONS,
+                    format!("{}/v1/sessions/ses_01jd8x3k4m5n6p7q8r9s0t1v2w/stream", server.url),
+                )
+                .header("origin", origin)
+                .header("access-control-request-method", "GET")
+                .header("access-control-request-headers", "authorization")
+                .send()
+        };
+        let allowed = preflight("https://tools.example.com").await.expect("preflight");
+        assert_eq!(allowed.status().as_u16(), 204);
+        assert_eq!(
+            allowed
+                .headers()
+                .get("access-control-allow-origin")
+                .and_then(|v| v.to_str().ok()),
+            Some("https://tools.example.com")
+        );
+        assert!(
+            allowed
+                .headers()
+                .get("access-control-allow-headers")
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|h| h.contains("authorization"))
+        );
+        let other = preflight("https://elsewhere.example.com").await.expect("preflight");
+        assert!(other.headers().get("access-control-allow-origin").is_none());
+    });
+    drop(server);
+
+    let refused = sortie(temp.path())
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(temp.path().join("other-data"))
+        .args(["--cors-origin", "https://tools.example.com/app"])
+        .output()
+        .expect("serve");
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("is not an origin"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+}

@@ -5,7 +5,7 @@ mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -51,8 +51,10 @@ struct DriverProcess {
     child: Child,
     socket: PathBuf,
     workspace: PathBuf,
+    home: PathBuf,
     client: reqwest::Client,
-    _temp: tempfile::TempDir,
+    /// Shared by drivers that run one after the other on the same workspace and home.
+    _root: Arc<tempfile::TempDir>,
 }
 
 impl DriverProcess {
@@ -61,12 +63,17 @@ impl DriverProcess {
     }
 
     fn start_with(extra: &[&str], manifest: Option<&str>) -> Self {
+        Self::start_in(Arc::new(tempfile::tempdir().expect("temp")), extra, manifest)
+    }
+
+    /// A driver on `root/workspace` and `root/home`, where an earlier driver may have run.
+    fn start_in(root: Arc<tempfile::TempDir>, extra: &[&str], manifest: Option<&str>) -> Self {
         ensure_scripted_agent();
-        let temp = tempfile::tempdir().expect("temp");
-        let socket = temp.path().join("driver.sock");
-        let workspace = temp.path().join("workspace");
+        let socket = root.path().join("driver.sock");
+        let workspace = root.path().join("workspace");
+        let home = root.path().join("home");
         std::fs::create_dir_all(&workspace).expect("workspace");
-        let mut command = support::sortie(temp.path());
+        let mut command = support::sortie(root.path());
         command
             .arg("driver")
             .arg("--socket")
@@ -74,12 +81,12 @@ impl DriverProcess {
             .arg("--workspace")
             .arg(&workspace)
             .arg("--home")
-            .arg(temp.path().join("home"));
+            .arg(&home);
         command
             .args(["--agent", "scripted", "--session", "ses_test", "--kill-grace", "1"])
             .args(extra);
         if let Some(manifest) = manifest {
-            let path = temp.path().join("agents.toml");
+            let path = root.path().join("agents.toml");
             std::fs::write(&path, manifest).expect("manifest");
             command.arg("--profiles").arg(path);
         }
@@ -108,8 +115,9 @@ impl DriverProcess {
             child,
             socket,
             workspace,
+            home,
             client,
-            _temp: temp,
+            _root: root,
         };
         assert!(
             listening.recv_timeout(Duration::from_secs(30)).is_ok(),
@@ -143,13 +151,21 @@ impl DriverProcess {
         assert_eq!(status, 202, "{body}");
     }
 
-    /// Polls `/status` until turn `n` is no longer running; returns its report.
+    /// Starts turn `n` with a body of the caller's (`n` is added).
+    async fn start_turn_with(&self, n: u32, mut body: Value) {
+        body["n"] = json!(n);
+        let (status, answer) = self.post("/turns", body).await;
+        assert_eq!(status, 202, "{answer}");
+    }
+
+    /// Polls `/status` until turn `n` is neither running nor delivering; returns its report.
     async fn wait_turn(&self, n: u32, within: Duration) -> Value {
         let deadline = Instant::now() + within;
         loop {
             let status = self.status().await;
             if let Some(turn) = status["turns"].as_array().and_then(|t| t.iter().find(|t| t["n"] == n))
                 && turn["state"] != "running"
+                && turn["state"] != "delivering"
             {
                 return turn.clone();
             }
@@ -468,7 +484,7 @@ async fn an_agent_exiting_mid_turn_fails_it_with_its_last_words() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_that_never_answers_initialize_fails_to_start() {
     let manifest = "[[agent]]\nid = \"scripted\"\ncommand = \"/bin/sleep\"\nargs = [\"1000\"]\n";
-    let driver = DriverProcess::start_with(&["--start-timeout", "2"], Some(manifest));
+    let driver = DriverProcess::start_with(&["--start-timeout", "2", "--branch", BRANCH], Some(manifest));
     driver.start_turn(1, "say: hi").await;
     let turn = driver.wait_turn(1, Duration::from_secs(20)).await;
     assert_eq!(
@@ -484,6 +500,7 @@ async fn an_agent_that_never_answers_initialize_fails_to_start() {
         "{turn}"
     );
     assert_eq!(driver.status().await["agent"]["state"], "failed");
+    assert!(turn["delivery"].is_null(), "no agent, nothing to deliver: {turn}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -565,4 +582,604 @@ async fn a_failed_turn_leaves_the_agent_ready_for_the_next() {
     .await;
     driver.start_turn(2, "say: fixed").await;
     assert_eq!(driver.wait_turn(2, Duration::from_secs(20)).await["state"], "completed");
+}
+
+// Delivery (§7.3), the setup script, priming (§6.4) and timings.
+
+/// The branch the tests deliver to.
+const BRANCH: &str = "sortie/ses_test";
+
+/// Runs git in `dir` and answers its stdout; any owner of `dir` is fine (CI runs as root).
+fn git(dir: &Path, args: &[&str]) -> String {
+    let output = Command::new("git")
+        .args([
+            "-c",
+            "safe.directory=*",
+            "-c",
+            "user.name=Test",
+            "-c",
+            "user.email=test@localhost",
+        ])
+        .args(["-c", "init.defaultBranch=main"])
+        .args(args)
+        .current_dir(dir)
+        .env("GIT_TERMINAL_PROMPT", "0")
+        .output()
+        .expect("git");
+    assert!(
+        output.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+}
+
+/// A workspace with one commit and a bare remote cloned from it, so that the base is already there.
+struct Repo {
+    root: Arc<tempfile::TempDir>,
+    workspace: PathBuf,
+    remote: PathBuf,
+    base: String,
+}
+
+impl Repo {
+    fn new() -> Self {
+        let root = Arc::new(tempfile::tempdir().expect("temp"));
+        let workspace = root.path().join("workspace");
+        std::fs::create_dir_all(&workspace).expect("workspace");
+        git(&workspace, &["init", "-q"]);
+        std::fs::write(workspace.join("README.md"), "# project\n").expect("readme");
+        git(&workspace, &["add", "README.md"]);
+        git(&workspace, &["commit", "-q", "-m", "base"]);
+        git(root.path(), &["clone", "-q", "--bare", "workspace", "remote.git"]);
+        let base = git(&workspace, &["rev-parse", "HEAD"]);
+        Self {
+            remote: root.path().join("remote.git"),
+            workspace,
+            root,
+            base,
+        }
+    }
+
+    /// A driver that delivers to the bare remote.
+    fn driver(&self, extra: &[&str]) -> DriverProcess {
+        let remote = self.remote.to_str().expect("a UTF-8 path");
+        let mut args = vec![
+            "--branch",
+            BRANCH,
+            "--remote",
+            remote,
+            "--author-name",
+            "Sortie Test",
+            "--author-email",
+            "sortie-test@localhost",
+        ];
+        args.extend_from_slice(extra);
+        DriverProcess::start_in(self.root.clone(), &args, None)
+    }
+
+    /// The remote's commit for the session's branch, if the branch exists there.
+    fn remote_head(&self) -> Option<String> {
+        let reference = format!("refs/heads/{BRANCH}");
+        let listed = git(&self.remote, &["for-each-ref", "--format=%(objectname)", &reference]);
+        (!listed.is_empty()).then_some(listed)
+    }
+
+    /// The files a commit changed.
+    fn files_of(&self, commit: &str) -> String {
+        git(
+            &self.remote,
+            &["diff-tree", "--no-commit-id", "--name-only", "-r", commit],
+        )
+    }
+}
+
+/// The chunks of an SSE body, in order.
+fn chunks(stream: &str) -> Vec<Value> {
+    stream
+        .lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .filter(|data| *data != "[DONE]")
+        .filter_map(|data| serde_json::from_str(data).ok())
+        .collect()
+}
+
+/// The `data` of every chunk of one type, in order.
+fn data_of(stream: &str, kind: &str) -> Vec<Value> {
+    chunks(stream)
+        .into_iter()
+        .filter(|chunk| chunk["type"] == kind)
+        .map(|chunk| chunk["data"].clone())
+        .collect()
+}
+
+fn text_of(stream: &str) -> String {
+    chunks(stream)
+        .iter()
+        .filter(|chunk| chunk["type"] == "text-delta")
+        .filter_map(|chunk| chunk["delta"].as_str())
+        .collect()
+}
+
+fn sha256_hex(value: &str) -> String {
+    use std::io::Write;
+    let mut child = Command::new("sha256sum")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("sha256sum");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(value.as_bytes())
+        .expect("write");
+    let output = child.wait_with_output().expect("sha256sum");
+    String::from_utf8_lossy(&output.stdout)
+        .split_whitespace()
+        .next()
+        .expect("digest")
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_turn_is_delivered_as_one_commit_on_its_branch() {
+    let repo = Repo::new();
+    let driver = repo.driver(&[]);
+    driver
+        .start_turn_with(
+            1,
+            json!({
+                "prompt": "#!scripted\nwrite: hello.txt\nhello\n>>>\nsay: wrote it",
+                "baseline": null,
+                "host_timings": {"queued_ms": 3, "sandbox_ms": 40},
+            }),
+        )
+        .await;
+    let turn = driver.wait_turn(1, Duration::from_secs(30)).await;
+    assert_eq!(turn["state"], "completed", "{turn}");
+    let delivery = &turn["delivery"];
+    let first = delivery["head_sha"].as_str().expect("head_sha").to_owned();
+    assert_eq!(
+        delivery,
+        &json!({"head_sha": first, "pushed": true, "changed": true, "files": 1, "insertions": 1, "deletions": 0, "error": null}),
+    );
+    assert_eq!(repo.remote_head().as_deref(), Some(first.as_str()));
+    assert_eq!(
+        git(&repo.remote, &["rev-parse", &format!("{first}^")]),
+        repo.base,
+        "one commit on the base"
+    );
+    assert_eq!(repo.files_of(&first), "hello.txt");
+    assert_eq!(
+        git(&repo.remote, &["log", "-1", "--format=%an <%ae>|%cn <%ce>", &first]),
+        "Sortie Test <sortie-test@localhost>|Sortie Test <sortie-test@localhost>"
+    );
+    let message = git(&repo.remote, &["log", "-1", "--format=%B", &first]);
+    assert!(
+        message.starts_with("#!scripted\n\n#!scripted\nwrite: hello.txt\n")
+            && message.ends_with("\n\nSortie-Session: ses_test"),
+        "{message}"
+    );
+    let timings = &turn["timings"];
+    assert_eq!((&timings["queued_ms"], &timings["sandbox_ms"]), (&json!(3), &json!(40)));
+    for measured in ["agent_ready_ms", "first_part_ms", "agent_turn_ms", "delivery_ms"] {
+        assert!(timings[measured].is_u64(), "{measured} in {timings}");
+    }
+
+    let stream = driver.stream(1, None).await;
+    let phases: Vec<Value> = data_of(&stream, "data-sortie-phase")
+        .iter()
+        .map(|data| data["phase"].clone())
+        .collect();
+    assert_eq!(phases, vec![json!("running"), json!("delivering"), json!("done")]);
+    let types: Vec<Value> = chunks(&stream).iter().map(|chunk| chunk["type"].clone()).collect();
+    let delivery_at = types
+        .iter()
+        .position(|t| t == "data-sortie-delivery")
+        .expect("delivery part");
+    assert_eq!(
+        types.len() - delivery_at,
+        4,
+        "delivery, phase done, finish-step, finish: {types:?}"
+    );
+    let validated = driver.node("validate.mjs", 1, &["--print"]);
+    assert!(
+        validated.status.success(),
+        "{}",
+        String::from_utf8_lossy(&validated.stderr)
+    );
+    let message: Value = serde_json::from_slice(&validated.stdout).expect("message");
+    let parts = message["parts"].as_array().expect("parts");
+    let part = |kind: &str| parts.iter().filter(|p| p["type"] == kind).cloned().collect::<Vec<_>>();
+    let delivered = part("data-sortie-delivery");
+    assert_eq!(delivered.len(), 1);
+    assert_eq!(
+        delivered[0]["data"],
+        json!({"branch": BRANCH, "headSha": first, "pushed": true, "changed": true, "diffStat": {"files": 1, "insertions": 1, "deletions": 0}})
+    );
+    let phase = part("data-sortie-phase");
+    assert_eq!(phase.len(), 1, "one phase part, replaced in place: {phase:?}");
+    assert_eq!(phase[0]["data"]["phase"], "done");
+    assert!(phase[0]["data"]["delivery_ms"].is_u64() && phase[0]["data"]["queued_ms"] == 3);
+
+    // The next turn builds on the delivered commit.
+    driver
+        .start_turn_with(
+            2,
+            json!({"prompt": "#!scripted\nwrite: second.txt\ntwo\n>>>", "baseline": first}),
+        )
+        .await;
+    let turn = driver.wait_turn(2, Duration::from_secs(30)).await;
+    assert_eq!(turn["state"], "completed", "{turn}");
+    let second = turn["delivery"]["head_sha"].as_str().expect("head_sha").to_owned();
+    assert_eq!(repo.remote_head().as_deref(), Some(second.as_str()));
+    assert_eq!(git(&repo.remote, &["rev-parse", &format!("{second}^")]), first);
+    assert_eq!(repo.files_of(&second), "second.txt");
+
+    // A turn that changes nothing delivers nothing, and that is no failure.
+    driver
+        .start_turn_with(
+            3,
+            json!({"prompt": "#!scripted\nsay: nothing to do", "baseline": second}),
+        )
+        .await;
+    let turn = driver.wait_turn(3, Duration::from_secs(30)).await;
+    assert_eq!(
+        (&turn["state"], &turn["failure"]),
+        (&json!("completed"), &Value::Null),
+        "{turn}"
+    );
+    assert_eq!(
+        turn["delivery"],
+        json!({"head_sha": second, "pushed": false, "changed": false, "files": 0, "insertions": 0, "deletions": 0, "error": null})
+    );
+    assert_eq!(repo.remote_head().as_deref(), Some(second.as_str()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_branch_someone_else_moved_is_a_push_conflict_and_is_left_alone() {
+    let repo = Repo::new();
+    let driver = repo.driver(&[]);
+    driver.start_turn(1, "write: a.txt\na\n>>>").await;
+    let turn = driver.wait_turn(1, Duration::from_secs(30)).await;
+    let first = turn["delivery"]["head_sha"].as_str().expect("head_sha").to_owned();
+    assert_eq!(repo.remote_head().as_deref(), Some(first.as_str()));
+
+    // Someone else moves the branch (back to the base) behind the session's back.
+    git(
+        &repo.remote,
+        &["update-ref", &format!("refs/heads/{BRANCH}"), &repo.base],
+    );
+    let turn = failing_turn_with(
+        &driver,
+        2,
+        json!({"prompt": "#!scripted\nwrite: b.txt\nb\n>>>", "baseline": first}),
+        "PUSH_CONFLICT",
+        "someone else moved the branch",
+    )
+    .await;
+    assert_eq!(turn["delivery"]["pushed"], false, "{turn}");
+    assert_eq!(turn["delivery"]["error"]["code"], "PUSH_CONFLICT", "{turn}");
+    assert_eq!(
+        repo.remote_head().as_deref(),
+        Some(repo.base.as_str()),
+        "the remote is unchanged"
+    );
+
+    // A branch that exists although the turn expects none is the same conflict.
+    let turn = failing_turn_with(
+        &driver,
+        3,
+        json!({"prompt": "#!scripted\nwrite: c.txt\nc\n>>>", "baseline": null}),
+        "PUSH_CONFLICT",
+        "expected it absent",
+    )
+    .await;
+    assert_eq!(turn["delivery"]["pushed"], false);
+    assert_eq!(repo.remote_head().as_deref(), Some(repo.base.as_str()));
+}
+
+/// Runs one turn that must fail with `code`, with the body given, and answers its report.
+async fn failing_turn_with(driver: &DriverProcess, n: u32, body: Value, code: &str, reason_part: &str) -> Value {
+    driver.start_turn_with(n, body).await;
+    let turn = driver.wait_turn(n, Duration::from_secs(30)).await;
+    assert_eq!(
+        (&turn["state"], &turn["failure"]["code"]),
+        (&json!("failed"), &json!(code)),
+        "{turn}"
+    );
+    let reason = turn["failure"]["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains(reason_part),
+        "{reason:?} should mention {reason_part:?}"
+    );
+    let stream = driver.stream(n, None).await;
+    let delivered = data_of(&stream, "data-sortie-delivery");
+    assert_eq!(delivered.len(), 1, "{stream}");
+    // The delivery's own failure is in its part; an earlier failure of the turn is not the delivery's.
+    let delivery_failed = ["SECRET_DETECTED", "PUSH_CONFLICT", "DELIVERY_FAILED"].contains(&code);
+    assert_eq!(
+        delivered[0]["error"]["code"],
+        if delivery_failed { json!(code) } else { Value::Null }
+    );
+    assert!(
+        stream.contains(r#""type":"error""#) && stream.contains(r#""finishReason":"error""#),
+        "{stream}"
+    );
+    turn
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_in_the_changes_is_never_pushed() {
+    let repo = Repo::new();
+    let digests = repo.root.path().join("digests");
+    std::fs::write(
+        &digests,
+        format!("# known values\n{}\n", sha256_hex("correct-horse-battery-staple")),
+    )
+    .expect("digests");
+    let driver = repo.driver(&["--secret-digests", digests.to_str().expect("utf-8")]);
+
+    let turn = failing_turn_with(
+        &driver,
+        1,
+        json!({"prompt": "#!scripted\nwrite: ok.txt\nfine\n>>>\nwrite: config/prod.env\nAWS_ACCESS_KEY_ID=AKIAIOSFODNN7EXAMPLE\n>>>"}),
+        "SECRET_DETECTED",
+        "an AWS access key id in config/prod.env",
+    )
+    .await;
+    assert!(
+        !turn.to_string().contains("AKIAIOSFODNN7EXAMPLE"),
+        "the value is never shown: {turn}"
+    );
+    assert!(turn["delivery"]["head_sha"].is_null() && turn["delivery"]["pushed"] == false);
+    assert_eq!(repo.remote_head(), None, "nothing was pushed");
+    assert_eq!(
+        git(&repo.workspace, &["rev-parse", "HEAD"]),
+        repo.base,
+        "the commit was undone"
+    );
+    assert!(repo.workspace.join("config/prod.env").exists(), "the files stay");
+
+    let turn = failing_turn_with(
+        &driver,
+        2,
+        json!({"prompt": "#!scripted\nrun: rm config/prod.env\nwrite: db.yml\npassword: correct-horse-battery-staple\n>>>"}),
+        "SECRET_DETECTED",
+        "a known secret value in db.yml",
+    )
+    .await;
+    assert!(!turn.to_string().contains("correct-horse"), "{turn}");
+    assert_eq!(repo.remote_head(), None);
+
+    // Once the secret is gone, the rest is delivered.
+    driver.start_turn(3, "run: rm db.yml").await;
+    let turn = driver.wait_turn(3, Duration::from_secs(30)).await;
+    assert_eq!(turn["state"], "completed", "{turn}");
+    let head = turn["delivery"]["head_sha"].as_str().expect("head_sha");
+    assert_eq!(repo.remote_head().as_deref(), Some(head));
+    assert_eq!(repo.files_of(head), "ok.txt");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_turn_keeps_its_failure_and_still_delivers_its_work() {
+    let repo = Repo::new();
+    let driver = repo.driver(&[]);
+    let turn = failing_turn_with(
+        &driver,
+        1,
+        json!({"prompt": "#!scripted\nwrite: partial.txt\nhalf done\n>>>\nfail: the build is broken"}),
+        "AGENT_ERROR",
+        "the build is broken",
+    )
+    .await;
+    assert_eq!(
+        (&turn["delivery"]["pushed"], &turn["delivery"]["error"]),
+        (&json!(true), &Value::Null),
+        "{turn}"
+    );
+    let head = turn["delivery"]["head_sha"].as_str().expect("head_sha");
+    assert_eq!(repo.remote_head().as_deref(), Some(head));
+    assert_eq!(repo.files_of(head), "partial.txt");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_setup_script_runs_in_the_workspace_and_is_killed_at_its_deadline() {
+    let driver = DriverProcess::start(&[]);
+    let home = std::fs::canonicalize(&driver.home).expect("home");
+    let (status, ran) = driver
+        .post(
+            "/setup",
+            json!({"script": "pwd; echo \"home=$HOME\"; echo to stderr >&2", "timeout_secs": 30}),
+        )
+        .await;
+    assert_eq!(status, 200, "{ran}");
+    assert_eq!(
+        (&ran["exit_code"], &ran["timed_out"]),
+        (&json!(0), &json!(false)),
+        "{ran}"
+    );
+    let tail = ran["output_tail"].as_str().unwrap_or_default();
+    assert!(
+        tail.contains(&driver.workspace.display().to_string())
+            && tail.contains(&format!("home={}", home.display()))
+            && tail.contains("to stderr"),
+        "{tail}"
+    );
+
+    let (status, failed) = driver
+        .post(
+            "/setup",
+            json!({"script": "seq 1 5000; echo about to fail; exit 3", "timeout_secs": 30}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!((&failed["exit_code"], &failed["timed_out"]), (&json!(3), &json!(false)));
+    let tail = failed["output_tail"].as_str().unwrap_or_default();
+    assert!(
+        tail.len() <= 8192 && tail.ends_with("4999\n5000\nabout to fail\n"),
+        "{tail}"
+    );
+
+    let started = Instant::now();
+    let (status, slow) = driver
+        .post(
+            "/setup",
+            json!({"script": "sleep 300 & echo $! > bg.pid; echo waiting; sleep 300", "timeout_secs": 1}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
+    assert_eq!(
+        (&slow["exit_code"], &slow["timed_out"], &slow["output_tail"]),
+        (&Value::Null, &json!(true), &json!("waiting\n"))
+    );
+    let background: i64 = std::fs::read_to_string(driver.workspace.join("bg.pid"))
+        .expect("pid")
+        .trim()
+        .parse()
+        .expect("number");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !process_is_gone(background) {
+        assert!(
+            Instant::now() < deadline,
+            "the script's background child {background} survived"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Not while a turn runs.
+    driver.start_turn(1, "sleep: 600000").await;
+    let (status, busy) = driver.post("/setup", json!({"script": "true"})).await;
+    assert_eq!(
+        (status, &busy["error"]["code"]),
+        (409, &json!("TURN_RUNNING")),
+        "{busy}"
+    );
+    let (status, _) = driver.post("/turns/1/cancel", json!({})).await;
+    assert_eq!(status, 202);
+    driver.wait_turn(1, Duration::from_secs(20)).await;
+    let (status, bad) = driver.post("/setup", json!({"timeout_secs": 3})).await;
+    assert_eq!(status, 400, "{bad}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_driver_on_the_same_home_loads_the_agents_session() {
+    let root = Arc::new(tempfile::tempdir().expect("temp"));
+    {
+        let first = DriverProcess::start_in(root.clone(), &[], None);
+        first.start_turn(1, "say: remember the number seven").await;
+        let turn = first.wait_turn(1, Duration::from_secs(30)).await;
+        assert_eq!(
+            (&turn["state"], &turn["priming"]),
+            (&json!("completed"), &Value::Null),
+            "{turn}"
+        );
+    }
+    let persisted = std::fs::read_to_string(root.path().join("home/.sortie/acp-session")).expect("persisted");
+    assert!(!persisted.trim().is_empty());
+
+    let second = DriverProcess::start_in(root.clone(), &[], None);
+    second
+        .start_turn_with(
+            2,
+            json!({
+                "prompt": "#!scripted\nsay: still here",
+                "priming_context": {"preamble": "user: remember the number seven", "task": "remember"},
+            }),
+        )
+        .await;
+    let turn = second.wait_turn(2, Duration::from_secs(30)).await;
+    assert_eq!(
+        (&turn["state"], &turn["priming"]),
+        (&json!("completed"), &json!("session_load")),
+        "{turn}"
+    );
+    let stream = second.stream(2, None).await;
+    assert_eq!(
+        data_of(&stream, "data-sortie-priming"),
+        vec![json!({"rung": "session_load"})]
+    );
+    assert_eq!(
+        text_of(&stream),
+        "still here",
+        "the replay of turn 1 is not part of turn 2"
+    );
+    assert_eq!(
+        std::fs::read_to_string(root.path().join("home/.sortie/acp-session")).expect("persisted"),
+        persisted,
+        "the same session"
+    );
+
+    // A warm agent needs no priming.
+    second.start_turn(3, "say: warm").await;
+    let turn = second.wait_turn(3, Duration::from_secs(30)).await;
+    assert_eq!(turn["priming"], Value::Null, "{turn}");
+    assert!(data_of(&second.stream(3, None).await, "data-sortie-priming").is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_loadable_session_the_transcript_or_the_task_primes_the_agent() {
+    // A later turn on a fresh sandbox whose agent state is gone: the preamble.
+    let driver = DriverProcess::start(&[]);
+    driver
+        .start_turn_with(
+            2,
+            json!({
+                "prompt": "what next?",
+                "priming_context": {"preamble": "user: build a thing\nassistant: built it", "task": "build a thing"},
+            }),
+        )
+        .await;
+    let turn = driver.wait_turn(2, Duration::from_secs(30)).await;
+    assert_eq!(
+        (&turn["state"], &turn["priming"]),
+        (&json!("completed"), &json!("transcript")),
+        "{turn}"
+    );
+    let stream = driver.stream(2, None).await;
+    assert_eq!(
+        data_of(&stream, "data-sortie-priming"),
+        vec![json!({"rung": "transcript"})]
+    );
+    let text = text_of(&stream);
+    assert!(
+        text.starts_with("scripted agent received: <sortie-context>\n") && text.contains("user: build a thing"),
+        "{text}"
+    );
+    drop(driver);
+
+    // A persisted session the agent cannot load: a new session, the task, and the failed load said.
+    let root = Arc::new(tempfile::tempdir().expect("temp"));
+    let persisted = root.path().join("home/.sortie/acp-session");
+    std::fs::create_dir_all(persisted.parent().expect("parent")).expect("dir");
+    std::fs::write(&persisted, "01JZZZZZZZZZZZZZZZZZZZZZZZ\n").expect("persist");
+    let driver = DriverProcess::start_in(root.clone(), &[], None);
+    driver
+        .start_turn_with(
+            1,
+            json!({"prompt": "what next?", "priming_context": {"preamble": null, "task": "build a thing"}}),
+        )
+        .await;
+    let turn = driver.wait_turn(1, Duration::from_secs(30)).await;
+    assert_eq!(
+        (&turn["state"], &turn["priming"]),
+        (&json!("completed"), &json!("task")),
+        "{turn}"
+    );
+    let stream = driver.stream(1, None).await;
+    let priming = data_of(&stream, "data-sortie-priming");
+    assert_eq!(priming.len(), 1);
+    assert_eq!(priming[0]["rung"], "task");
+    assert!(priming[0]["load_error"].is_string(), "{priming:?}");
+    assert_eq!(
+        text_of(&stream),
+        "scripted agent received: Original task:\nbuild a thing\n\nNow: what next?"
+    );
+    let now = std::fs::read_to_string(&persisted).expect("persisted");
+    assert!(
+        !now.starts_with("01JZZZ") && !now.is_empty(),
+        "the new session replaced it: {now}"
+    );
 }

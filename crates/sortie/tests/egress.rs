@@ -54,6 +54,8 @@ async fn only_allowlisted_public_names_are_reachable() {
         ("rebind.sortie-test.dev", vec!["10.1.2.3"]),
         ("metadata.sortie-test.dev", vec!["169.254.169.254"]),
         ("loopback6.sortie-test.dev", vec!["::1"]),
+        // Loopback beyond the one exempted test address.
+        ("loopback4.sortie-test.dev", vec!["127.0.0.2"]),
         ("mixed.sortie-test.dev", vec!["127.0.0.1", "192.168.0.10"]),
     ]
     .into_iter()
@@ -64,7 +66,7 @@ async fn only_allowlisted_public_names_are_reachable() {
         )
     })
     .collect();
-    let allow: Vec<String> = ["pkg", "rebind", "metadata", "loopback6", "mixed"]
+    let allow: Vec<String> = ["pkg", "rebind", "metadata", "loopback6", "loopback4", "mixed"]
         .iter()
         .map(|n| format!("{n}.sortie-test.dev"))
         .collect();
@@ -94,7 +96,7 @@ def get(name):
         return "refused %d %s" % (error.code, error.read().decode().strip())
     except Exception as error:
         return "error %r" % error
-for name in ["pkg", "other", "rebind", "metadata", "loopback6", "mixed", "late"]:
+for name in ["pkg", "other", "rebind", "metadata", "loopback6", "loopback4", "mixed", "late"]:
     print(name, "->", get(name + ".sortie-test.dev"))
 tunnel = http.client.HTTPConnection("127.0.0.1", 3128, timeout=10)
 tunnel.set_tunnel("pkg.sortie-test.dev", {port})
@@ -159,6 +161,10 @@ PY"#
     );
     assert!(
         line("loopback6").contains("refused 403") && line("loopback6").contains("loopback"),
+        "{said}"
+    );
+    assert!(
+        line("loopback4").contains("refused 403") && line("loopback4").contains("loopback"),
         "{said}"
     );
     assert!(

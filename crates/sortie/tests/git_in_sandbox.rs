@@ -133,7 +133,9 @@ git -C /workspace/repo remote get-url origin
         "clone ok",
         "own push ok",
         "force push ok",
+        "big push ok",
         "main refused",
+        "other session refused",
         "tag refused",
         "delete refused",
         "fetch ok",
@@ -151,6 +153,7 @@ git -C /workspace/repo remote get-url origin
         "main unchanged"
     );
     assert!(rev(&upstream, "refs/tags/v1").is_none());
+    assert!(rev(&upstream, "refs/heads/sortie/ses_01jd8x3k4m5n6p7q8r9s0t1v2w").is_none());
     assert_eq!(
         rev(&upstream, &own),
         rev(&work.join("repo"), "HEAD"),

@@ -41,11 +41,18 @@ pub struct Server {
 }
 
 impl Server {
+    /// The control plane and streams only: sessions wait in `queued` (no worker takes them).
     pub fn start(home: &Path, data_dir: &Path, database_url: Option<&str>) -> Server {
+        Self::start_with(home, data_dir, database_url, &["--roles", "api,gateway"])
+    }
+
+    /// `sortie serve` with extra arguments (e.g. the worker's settings); every role unless they say otherwise.
+    pub fn start_with(home: &Path, data_dir: &Path, database_url: Option<&str>, extra: &[&str]) -> Server {
         let mut command = sortie(home);
         command
             .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-            .arg(data_dir);
+            .arg(data_dir)
+            .args(extra);
         if let Some(url) = database_url {
             command.args(["--database-url", url]);
         }
@@ -126,4 +133,40 @@ pub fn git_repo(parent: &Path, name: &str) -> PathBuf {
         .expect("git");
     assert!(status.success());
     std::fs::canonicalize(path).expect("canonical")
+}
+
+/// `git` with a fixed identity and default branch and no host or user config; panics with git's
+/// stderr if it fails; its stdout, trimmed.
+pub fn git(dir: &Path, args: &[&str]) -> String {
+    let output = Command::new("git")
+        .args(["-c", "user.name=seed", "-c", "user.email=seed@sortie.invalid"])
+        .args(["-c", "init.defaultBranch=main", "-c", "safe.directory=*"])
+        .args(args)
+        .current_dir(dir)
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("HOME", dir)
+        .output()
+        .expect("git");
+    assert!(
+        output.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+}
+
+/// A bare repository `root/upstream.git` whose `main` holds one commit with a README.
+pub fn upstream_with_main(root: &Path) -> PathBuf {
+    let upstream = root.join("upstream.git");
+    git(root, &["init", "-q", "--bare", upstream.to_str().expect("utf-8")]);
+    let seed = root.join("seed");
+    git(root, &["init", "-q", seed.to_str().expect("utf-8")]);
+    std::fs::write(seed.join("README.md"), "hello\n").expect("write");
+    git(&seed, &["add", "."]);
+    git(&seed, &["commit", "-q", "-m", "first"]);
+    git(
+        &seed,
+        &["push", "-q", upstream.to_str().expect("utf-8"), "HEAD:refs/heads/main"],
+    );
+    upstream
 }

@@ -1,0 +1,562 @@
+//! Real coding agents from npm, end to end: a real `sortie serve`, the agent's pinned package installed by
+//! `sortie agents install`, a real sandbox, and a fake vendor (`sortie-testkit`) reached only through the
+//! gateway's model proxy. The agent writes a file with its own tool; the branch holds it; the transcript
+//! validates with the `ai` package; the usage ledger holds the fake's tokens; the workspace's key reaches
+//! the vendor and appears nowhere inside the sandbox.
+//!
+//! Agents are installed into `SORTIE_TEST_AGENTS_DIR` (default `/var/cache/sortie-test-agents`; npm keeps
+//! its own cache too), so only the first run downloads them. `SORTIE_TEST_AGENTS` picks which run
+//! (comma-separated; default all four).
+
+mod support;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sortie_testkit::{FakeVendor, FakeVendorOptions, ToolCall, VendorKind};
+use support::{Server, git, http_client, sortie};
+
+const CANARY_KEY: &str = "sk-canary-4f1d9e0b7c2a5e8f3b6d1a9c0e7f2b4d";
+
+fn selected(agent: &str) -> bool {
+    match std::env::var("SORTIE_TEST_AGENTS") {
+        Ok(list) => list.split(',').any(|a| a.trim() == agent),
+        Err(_) => true,
+    }
+}
+
+fn agents_dir() -> PathBuf {
+    std::env::var_os("SORTIE_TEST_AGENTS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/sortie-test-agents"))
+}
+
+/// Every file under `root` (not following links) whose bytes contain `needle`.
+fn files_containing(root: &Path, needle: &[u8]) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut pending = vec![root.to_owned()];
+    while let Some(path) = pending.pop() {
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if meta.is_dir() {
+            if let Ok(entries) = std::fs::read_dir(&path) {
+                pending.extend(entries.flatten().map(|e| e.path()));
+            }
+        } else if meta.is_file()
+            && meta.len() < 64 << 20
+            && let Ok(bytes) = std::fs::read(&path)
+            && bytes.windows(needle.len()).any(|w| w == needle)
+        {
+            found.push(path);
+        }
+    }
+    found
+}
+
+/// Host pids of the processes of the sandbox of `session` (its driver and everything under it).
+fn sandbox_pids(session: &str) -> Vec<u32> {
+    let mut driver = None;
+    let mut parents = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("proc").flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if args.get(1).is_some_and(|a| a == "driver") && args.windows(2).any(|w| w[0] == "--session" && w[1] == session)
+        {
+            driver = Some(pid);
+        }
+        let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
+        let ppid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("PPid:"))
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .unwrap_or(0);
+        parents.push((pid, ppid));
+    }
+    let Some(driver) = driver else { return Vec::new() };
+    let mut tree = vec![driver];
+    let mut grew = true;
+    while grew {
+        grew = false;
+        for (pid, ppid) in &parents {
+            if tree.contains(ppid) && !tree.contains(pid) {
+                tree.push(*pid);
+                grew = true;
+            }
+        }
+    }
+    tree
+}
+
+fn install(agent: &str, root: &Path) {
+    let dir = agents_dir();
+    let listed = sortie(root)
+        .args(["--json", "agents", "list", "--agents-dir"])
+        .arg(&dir)
+        .output()
+        .expect("agents list");
+    let rows: Value = serde_json::from_slice(&listed.stdout).expect("agents list json");
+    let installed = rows.as_array().expect("rows").iter().any(|r| {
+        r["id"] == agent
+            && r["installed"] == true
+            && r["command"]
+                .as_str()
+                .is_some_and(|c| c.starts_with(dir.to_str().unwrap_or("-")))
+    });
+    if installed {
+        return;
+    }
+    std::fs::create_dir_all(&dir).expect("agents dir");
+    let out = sortie(root)
+        .args(["agents", "install", agent, "--agents-dir"])
+        .arg(&dir)
+        .env("HOME", std::env::var_os("HOME").unwrap_or_default())
+        .output()
+        .expect("agents install");
+    assert!(
+        out.status.success(),
+        "sortie agents install {agent}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+async fn agent_writes_a_file_through_the_model_proxy(agent: &str, vendor: VendorKind, tool: ToolCall) {
+    if !selected(agent) {
+        eprintln!("skipped {agent}: not in SORTIE_TEST_AGENTS");
+        return;
+    }
+    let temp = tempfile::tempdir().expect("temp");
+    std::fs::set_permissions(temp.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let root = temp.path().to_owned();
+    install(agent, &root);
+
+    let upstream = support::upstream_with_main(&root);
+
+    let mut options = FakeVendorOptions::new(vendor);
+    options.tool = tool;
+    options.require_key = Some(CANARY_KEY.to_owned());
+    let fake = FakeVendor::start_with(vendor, options).await.expect("fake vendor");
+    let api = match vendor {
+        VendorKind::Anthropic => "anthropic",
+        VendorKind::OpenAi => "openai",
+        VendorKind::Gemini => "gemini",
+    };
+    let data_dir = root.join("data");
+    let agents = agents_dir();
+    let server = Server::start_with(
+        &root,
+        &data_dir,
+        None,
+        &[
+            &format!("--upstream-{api}"),
+            &fake.url,
+            "--agents-dir",
+            agents.to_str().expect("utf-8"),
+        ],
+    );
+    let token = std::fs::read_to_string(data_dir.join("admin-token"))
+        .expect("token")
+        .trim()
+        .to_owned();
+    let http = http_client();
+    let put = http
+        .put(format!("{}/v1/model-keys/{api}", server.url))
+        .bearer_auth(&token)
+        .json(&json!({"key": CANARY_KEY}))
+        .send()
+        .await
+        .expect("put key");
+    assert!(put.status().is_success(), "{}", put.text().await.unwrap_or_default());
+
+    let created: Value = http
+        .post(format!("{}/v1/sessions", server.url))
+        .bearer_auth(&token)
+        .json(&json!({"repo": upstream, "task": "Create hello.txt saying hello.", "agent": agent}))
+        .send()
+        .await
+        .expect("create")
+        .json()
+        .await
+        .expect("json");
+    let id = created["id"].as_str().expect("id").to_owned();
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let session = loop {
+        let session: Value = http
+            .get(format!("{}/v1/sessions/{id}", server.url))
+            .bearer_auth(&token)
+            .send()
+            .await
+            .expect("session")
+            .json()
+            .await
+            .expect("json");
+        if ["idle", "failed"].contains(&session["phase"].as_str().unwrap_or("")) {
+            break session;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{agent}: the session did not finish: {session:#}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(session["phase"], "idle", "{agent}: {session:#}");
+
+    // The branch holds the file the agent's own tool wrote.
+    let branch = format!("refs/heads/sortie/{id}");
+    let files = git(&upstream, &["diff", "--name-only", "refs/heads/main", &branch]);
+    assert!(files.lines().any(|f| f == "hello.txt"), "{agent}: {files}");
+    assert_eq!(git(&upstream, &["show", &format!("{branch}:hello.txt")]), "hello");
+
+    // The stream of the turn validates with the `ai` package and shows the tool call.
+    let ticket: Value = http
+        .post(format!("{}/v1/sessions/{id}/attach-ticket", server.url))
+        .bearer_auth(&token)
+        .json(&json!({"action": "attach"}))
+        .send()
+        .await
+        .expect("ticket")
+        .json()
+        .await
+        .expect("json");
+    let validated = Command::new("node")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/ai-sdk/validate.mjs"))
+        .args(["--url", &format!("{}/v1/sessions/{id}/stream?turn=1", server.url)])
+        .args([
+            "--header",
+            &format!("Authorization: Ticket {}", ticket["ticket"].as_str().expect("ticket")),
+        ])
+        .arg("--print")
+        .output()
+        .expect("node");
+    assert!(
+        validated.status.success(),
+        "{agent}: {}",
+        String::from_utf8_lossy(&validated.stderr)
+    );
+    let message: Value = serde_json::from_slice(&validated.stdout).expect("message");
+    let parts = message["parts"].as_array().expect("parts");
+    assert!(
+        parts.iter().any(|p| p["type"] == "dynamic-tool"),
+        "{agent}: no tool call in {message:#}"
+    );
+    // Claude Code, Gemini and Codex (its `apply_patch`) report the edit's diff; opencode reports an
+    // `edit` tool on the file (no diff for a new file).
+    let mentions = |p: &&Value| p.to_string().contains("hello.txt");
+    match agent {
+        "claude-code" | "gemini" | "codex" => assert!(
+            parts.iter().filter(mentions).any(|p| p["type"] == "data-acp-diff"),
+            "{agent}: no diff in {message:#}"
+        ),
+        "opencode" => assert!(
+            parts
+                .iter()
+                .filter(mentions)
+                .any(|p| p["type"] == "dynamic-tool" && p["toolName"] == "edit"),
+            "{agent}: no edit in {message:#}"
+        ),
+        _ => {}
+    }
+    // The model proxy's reading of each answer is in the turn too.
+    assert!(
+        parts
+            .iter()
+            .any(|p| p["type"] == "data-sortie-usage" && p["data"]["inputTokens"] == 123),
+        "{agent}: no usage part in {message:#}"
+    );
+
+    // The ledger holds exactly what the fake reported, once every answer has been read to its end.
+    let answers = fake.usage_answers() as u64;
+    assert!(answers >= 1, "{agent}: the fake answered nothing");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let usage: Value = http
+            .get(format!("{}/v1/usage", server.url))
+            .bearer_auth(&token)
+            .send()
+            .await
+            .expect("usage")
+            .json()
+            .await
+            .expect("json");
+        let models: Vec<&Value> = usage["rows"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|row| row["session_id"] == id.as_str())
+            .flat_map(|row| row["models"].as_array().into_iter().flatten())
+            .collect();
+        let input: u64 = models.iter().filter_map(|m| m["input_tokens"].as_u64()).sum();
+        let output: u64 = models.iter().filter_map(|m| m["output_tokens"].as_u64()).sum();
+        // Every answer of the fake reports 123 in and 45 out.
+        if (input, output) == (answers * 123, answers * 45) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{agent}: {answers} answers, but the ledger holds {input} in and {output} out: {usage:#}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // The vendor saw the real key and only it; the sandbox holds it nowhere.
+    let requests = fake.requests();
+    assert!(!requests.is_empty());
+    assert!(
+        requests.iter().all(|r| r.key_matched == Some(true)),
+        "{agent}: a request reached the vendor without the key"
+    );
+    let placeholder = sortie_driver::profile::API_KEY_PLACEHOLDER;
+    for request in &requests {
+        let headers = format!("{:?}", request.headers);
+        assert!(
+            !headers.contains(placeholder)
+                && !request.path.contains(placeholder)
+                && !request
+                    .body
+                    .windows(placeholder.len())
+                    .any(|w| w == placeholder.as_bytes()),
+            "{agent}: the agent's placeholder reached the vendor in {} {}",
+            request.method,
+            request.path
+        );
+    }
+    let pids = sandbox_pids(&id);
+    assert!(!pids.is_empty(), "{agent}: the warm sandbox is gone");
+    for pid in &pids {
+        for file in ["environ", "cmdline"] {
+            let bytes = std::fs::read(format!("/proc/{pid}/{file}")).unwrap_or_default();
+            assert!(
+                !bytes.windows(CANARY_KEY.len()).any(|w| w == CANARY_KEY.as_bytes()),
+                "{agent}: the key is in /proc/{pid}/{file}"
+            );
+        }
+    }
+    let inside = PathBuf::from(format!("/proc/{}/root", pids[0]));
+    // The sortie binary's directory is bound read-only at its host path; in a checkout under /tmp
+    // it holds this very test binary, whose constant is the canary: host files, not the sandbox's.
+    let binaries = Path::new(support::BINARY).parent().expect("binary dir");
+    let bound_binaries = inside.join(binaries.strip_prefix("/").unwrap_or(binaries));
+    for dir in ["workspace", "home/agent", "tmp"] {
+        let mut hits = files_containing(&inside.join(dir), CANARY_KEY.as_bytes());
+        hits.retain(|hit| !hit.starts_with(&bound_binaries));
+        assert!(hits.is_empty(), "{agent}: the key is in {hits:?}");
+    }
+    let (_, transcript) = {
+        let messages = http
+            .get(format!("{}/v1/sessions/{id}/messages", server.url))
+            .bearer_auth(&token)
+            .send()
+            .await
+            .expect("messages")
+            .text()
+            .await
+            .expect("text");
+        ((), messages)
+    };
+    assert!(
+        !transcript.contains(CANARY_KEY),
+        "{agent}: the key is in the transcript"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_writes_a_file() {
+    agent_writes_a_file_through_the_model_proxy(
+        "claude-code",
+        VendorKind::Anthropic,
+        ToolCall::write_hello(VendorKind::Anthropic),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_writes_a_file() {
+    agent_writes_a_file_through_the_model_proxy("codex", VendorKind::OpenAi, ToolCall::apply_patch_hello()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gemini_writes_a_file() {
+    agent_writes_a_file_through_the_model_proxy(
+        "gemini",
+        VendorKind::Gemini,
+        ToolCall::write_hello(VendorKind::Gemini),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opencode_writes_a_file() {
+    agent_writes_a_file_through_the_model_proxy(
+        "opencode",
+        VendorKind::Anthropic,
+        ToolCall {
+            name: "write".to_owned(),
+            arguments: json!({"filePath": "/workspace/hello.txt", "content": "hello\n"}),
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_key_fails_the_turn_at_once_and_the_session_goes_on_once_it_is_fixed() {
+    let agent = "claude-code";
+    if !selected(agent) {
+        return;
+    }
+    let temp = tempfile::tempdir().expect("temp");
+    std::fs::set_permissions(temp.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let root = temp.path().to_owned();
+    install(agent, &root);
+    let upstream = support::upstream_with_main(&root);
+
+    let mut options = FakeVendorOptions::new(VendorKind::Anthropic);
+    options.require_key = Some(CANARY_KEY.to_owned());
+    let fake = FakeVendor::start_with(VendorKind::Anthropic, options)
+        .await
+        .expect("fake");
+    let data_dir = root.join("data");
+    let agents = agents_dir();
+    let server = Server::start_with(
+        &root,
+        &data_dir,
+        None,
+        &[
+            "--upstream-anthropic",
+            &fake.url,
+            "--agents-dir",
+            agents.to_str().expect("utf-8"),
+        ],
+    );
+    let token = std::fs::read_to_string(data_dir.join("admin-token"))
+        .expect("token")
+        .trim()
+        .to_owned();
+    let http = http_client();
+    let set_key = |key: &'static str| {
+        let http = http.clone();
+        let url = format!("{}/v1/model-keys/anthropic", server.url);
+        let token = token.clone();
+        async move {
+            let put = http
+                .put(url)
+                .bearer_auth(token)
+                .json(&json!({"key": key}))
+                .send()
+                .await
+                .expect("put");
+            assert!(put.status().is_success());
+        }
+    };
+    set_key("sk-wrong-key-0000000000000000000000").await;
+    let created: Value = http
+        .post(format!("{}/v1/sessions", server.url))
+        .bearer_auth(&token)
+        .json(&json!({"repo": upstream, "task": "Create hello.txt saying hello.", "agent": agent}))
+        .send()
+        .await
+        .expect("create")
+        .json()
+        .await
+        .expect("json");
+    let id = created["id"].as_str().expect("id").to_owned();
+
+    // From the vendor's first refusal to a failed turn.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !fake.requests().iter().any(|r| r.key_matched == Some(false)) {
+        assert!(Instant::now() < deadline, "the agent never called the vendor");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let refused = Instant::now();
+    let turn = loop {
+        let turns: Value = http
+            .get(format!("{}/v1/sessions/{id}/turns", server.url))
+            .bearer_auth(&token)
+            .send()
+            .await
+            .expect("turns")
+            .json()
+            .await
+            .expect("json");
+        let turn = turns["turns"][0].clone();
+        if turn["status"] == "failed" {
+            break turn;
+        }
+        assert!(
+            refused.elapsed() < Duration::from_secs(10),
+            "the turn did not fail: {turn:#}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let took = refused.elapsed();
+    eprintln!("VENDOR_AUTH_REJECTED {} ms after the vendor's 401", took.as_millis());
+    assert_eq!(turn["failure"]["code"], "VENDOR_AUTH_REJECTED", "{turn:#}");
+    assert!(
+        turn["failure"]["reason"].as_str().unwrap_or("").contains("anthropic"),
+        "{turn:#}"
+    );
+    assert!(
+        took < Duration::from_secs(2),
+        "the turn failed {took:?} after the vendor's answer"
+    );
+    assert!(
+        !turn.to_string().contains("sk-wrong-key"),
+        "the reason never quotes a key"
+    );
+
+    // Fix the key; the session takes the next turn and delivers.
+    set_key(CANARY_KEY).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let session: Value = http
+            .get(format!("{}/v1/sessions/{id}", server.url))
+            .bearer_auth(&token)
+            .send()
+            .await
+            .expect("session")
+            .json()
+            .await
+            .expect("json");
+        if session["phase"] == "failed" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{session:#}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let steered = http
+        .post(format!("{}/v1/sessions/{id}/steer", server.url))
+        .bearer_auth(&token)
+        .json(&json!({"prompt": "Create hello.txt saying hello."}))
+        .send()
+        .await
+        .expect("steer");
+    assert_eq!(steered.status(), 202);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let session: Value = http
+            .get(format!("{}/v1/sessions/{id}", server.url))
+            .bearer_auth(&token)
+            .send()
+            .await
+            .expect("session")
+            .json()
+            .await
+            .expect("json");
+        if session["phase"] == "idle" && session["turns"] == 2 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{session:#}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let branch = format!("refs/heads/sortie/{id}");
+    assert_eq!(git(&upstream, &["show", &format!("{branch}:hello.txt")]), "hello");
+}

@@ -1,0 +1,953 @@
+//! The whole session end to end (DESIGN §2): a real `sortie serve` with every role, real sandboxes, the
+//! real driver and scripted agent, real git against a real bare repository. Each test owns its server,
+//! directories and database.
+
+mod support;
+
+use std::collections::HashSet;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use support::{Server, git, http_client, sortie};
+
+fn rev(repo: &Path, reference: &str) -> Option<String> {
+    let output = Command::new("git")
+        .args(["-c", "safe.directory=*", "rev-parse", "--verify", "--quiet", reference])
+        .current_dir(repo)
+        .output()
+        .expect("git");
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
+}
+
+/// Session ids of the `sortie driver` processes alive on this machine (one per live sandbox).
+fn live_sandboxes() -> HashSet<String> {
+    let mut found = HashSet::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return found;
+    };
+    for entry in entries.flatten() {
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if args.iter().any(|a| a == "driver")
+            && let Some(at) = args.iter().position(|a| a == "--session")
+            && let Some(id) = args.get(at + 1)
+        {
+            found.insert(id.clone());
+        }
+    }
+    found
+}
+
+fn driver_pid(session: &str) -> Option<i32> {
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let is_driver =
+            args.first().is_some_and(|a| a.ends_with("sortie")) && args.get(1).is_some_and(|a| a == "driver");
+        if is_driver && args.windows(2).any(|w| w[0] == "--session" && w[1] == session) {
+            return entry.file_name().to_string_lossy().parse().ok();
+        }
+    }
+    None
+}
+
+struct World {
+    _temp: tempfile::TempDir,
+    root: PathBuf,
+    upstream: PathBuf,
+    data_dir: PathBuf,
+    server: Option<Server>,
+    extra: Vec<String>,
+    database_url: Option<String>,
+    token: String,
+    http: reqwest::Client,
+}
+
+impl World {
+    fn start(extra: &[&str]) -> World {
+        Self::start_on(extra, None)
+    }
+
+    fn start_on(extra: &[&str], database: Option<&sortie_store::testing::TestDatabase>) -> World {
+        let temp = tempfile::tempdir().expect("temp");
+        std::fs::set_permissions(temp.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let root = temp.path().to_owned();
+        let upstream = support::upstream_with_main(&root);
+        let data_dir = root.join("data");
+        let database_url = database.map(|d| d.url.clone());
+        let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
+        let args: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let server = Server::start_with(&root, &data_dir, database_url.as_deref(), &args);
+        let token = match &database_url {
+            None => std::fs::read_to_string(data_dir.join("admin-token"))
+                .expect("admin token")
+                .trim()
+                .to_owned(),
+            Some(url) => {
+                // A shared database's `default` workspace may use no local repository: make one that may.
+                let made = sortie(&root)
+                    .args(["workspace", "create", "e2e", "--allow-root"])
+                    .arg(&root)
+                    .args(["--database-url", url])
+                    .output()
+                    .expect("workspace create");
+                assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+                let token = sortie(&root)
+                    .args([
+                        "token",
+                        "create",
+                        "--workspace",
+                        "e2e",
+                        "--role",
+                        "operator",
+                        "--database-url",
+                        url,
+                    ])
+                    .output()
+                    .expect("token create");
+                assert!(token.status.success(), "{}", String::from_utf8_lossy(&token.stderr));
+                String::from_utf8_lossy(&token.stdout).trim().to_owned()
+            }
+        };
+        World {
+            _temp: temp,
+            root,
+            upstream,
+            data_dir,
+            server: Some(server),
+            extra,
+            database_url,
+            token,
+            http: http_client(),
+        }
+    }
+
+    fn url(&self) -> String {
+        self.server.as_ref().expect("server").url.clone()
+    }
+
+    fn kill_server(&mut self) {
+        if let Some(server) = self.server.take() {
+            server.kill_hard();
+        }
+    }
+
+    fn restart_server(&mut self) {
+        let args: Vec<&str> = self.extra.iter().map(String::as_str).collect();
+        self.server = Some(Server::start_with(
+            &self.root,
+            &self.data_dir,
+            self.database_url.as_deref(),
+            &args,
+        ));
+    }
+
+    async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut request = self
+            .http
+            .request(method, format!("{}{path}", self.url()))
+            .bearer_auth(&self.token);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.expect("request");
+        let status = response.status().as_u16();
+        let text = response.text().await.expect("body");
+        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    }
+
+    async fn create(&self, task: &str, extra: Value) -> String {
+        let mut body = json!({"repo": self.upstream, "task": task, "agent": "scripted"});
+        if let (Some(body), Some(extra)) = (body.as_object_mut(), extra.as_object()) {
+            for (key, value) in extra {
+                body.insert(key.clone(), value.clone());
+            }
+        }
+        let (status, created) = self.call(reqwest::Method::POST, "/v1/sessions", Some(body)).await;
+        assert_eq!(status, 202, "{created}");
+        created["id"].as_str().expect("id").to_owned()
+    }
+
+    async fn session(&self, id: &str) -> Value {
+        let (status, session) = self
+            .call(reqwest::Method::GET, &format!("/v1/sessions/{id}"), None)
+            .await;
+        assert_eq!(status, 200, "{session}");
+        session
+    }
+
+    async fn turns(&self, id: &str) -> Vec<Value> {
+        let (_, turns) = self
+            .call(reqwest::Method::GET, &format!("/v1/sessions/{id}/turns"), None)
+            .await;
+        turns["turns"].as_array().cloned().unwrap_or_default()
+    }
+
+    async fn steer(&self, id: &str, prompt: &str, mode: &str) {
+        let (status, body) = self
+            .call(
+                reqwest::Method::POST,
+                &format!("/v1/sessions/{id}/steer"),
+                Some(json!({"prompt": prompt, "mode": mode})),
+            )
+            .await;
+        assert_eq!(status, 202, "{body}");
+    }
+
+    async fn post(&self, id: &str, action: &str) {
+        let (status, body) = self
+            .call(reqwest::Method::POST, &format!("/v1/sessions/{id}/{action}"), None)
+            .await;
+        assert_eq!(status, 202, "{action}: {body}");
+    }
+
+    /// Polls the session until `done` holds (or panics at the deadline with what it last saw).
+    async fn wait(&self, id: &str, seconds: u64, done: impl Fn(&Value, &[Value]) -> bool) -> (Value, Vec<Value>) {
+        let deadline = Instant::now() + Duration::from_secs(seconds);
+        loop {
+            let session = self.session(id).await;
+            let turns = self.turns(id).await;
+            if done(&session, &turns) {
+                return (session, turns);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "session {id} did not get there in {seconds}s: {session:#}\nturns: {turns:#?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until turn `n` ended and the session rests (`idle`, `failed`, `canceled`).
+    async fn settled(&self, id: &str, n: usize) -> (Value, Vec<Value>) {
+        self.wait(id, 60, |session, turns| {
+            turns.len() >= n
+                && turns[n - 1]["completed_at"].is_string()
+                && ["idle", "failed", "canceled", "hibernated"].contains(&session["phase"].as_str().unwrap_or(""))
+        })
+        .await
+    }
+
+    /// Whether an assistant message (not a prompt) of the session says `text`.
+    async fn assistant_said(&self, id: &str, text: &str) -> bool {
+        self.messages(id)
+            .await
+            .iter()
+            .filter(|m| m["role"] == "assistant")
+            .any(|m| m["parts"].to_string().contains(text))
+    }
+
+    async fn wait_said(&self, id: &str, text: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !self.assistant_said(id, text).await {
+            assert!(Instant::now() < deadline, "the agent never said {text:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn messages(&self, id: &str) -> Vec<Value> {
+        let (status, messages) = self
+            .call(reqwest::Method::GET, &format!("/v1/sessions/{id}/messages"), None)
+            .await;
+        assert_eq!(status, 200, "{messages}");
+        messages.as_array().cloned().unwrap_or_default()
+    }
+
+    /// Attaches with a fresh ticket and reads the stream to `[DONE]`: the chunks, in order.
+    async fn attach(&self, id: &str, turn: Option<u32>) -> Vec<Value> {
+        let (status, ticket) = self
+            .call(
+                reqwest::Method::POST,
+                &format!("/v1/sessions/{id}/attach-ticket"),
+                Some(json!({"action": "attach"})),
+            )
+            .await;
+        assert_eq!(status, 201, "{ticket}");
+        let query = turn.map(|n| format!("?turn={n}")).unwrap_or_default();
+        let response = self
+            .http
+            .get(format!("{}/v1/sessions/{id}/stream{query}", self.url()))
+            .header(
+                "authorization",
+                format!("Ticket {}", ticket["ticket"].as_str().expect("ticket")),
+            )
+            .send()
+            .await
+            .expect("attach");
+        assert_eq!(response.status(), 200);
+        let body = tokio::time::timeout(Duration::from_secs(60), response.text())
+            .await
+            .expect("the stream ends")
+            .expect("body");
+        let mut chunks = Vec::new();
+        let mut done = false;
+        for event in body.split("\n\n") {
+            for line in event.lines() {
+                if let Some(data) = line.strip_prefix("data: ") {
+                    if data == "[DONE]" {
+                        done = true;
+                    } else {
+                        chunks.push(serde_json::from_str::<Value>(data).expect("chunk json"));
+                    }
+                }
+            }
+        }
+        assert!(done, "the stream ends with [DONE]");
+        chunks
+    }
+
+    fn branch(&self, id: &str) -> Option<String> {
+        rev(&self.upstream, &format!("refs/heads/sortie/{id}"))
+    }
+
+    /// A working clone of the upstream under the world's root, as someone else would have one.
+    fn clone_upstream(&self, name: &str) -> PathBuf {
+        let dir = self.root.join(name);
+        git(
+            &self.root,
+            &[
+                "clone",
+                "-q",
+                self.upstream.to_str().expect("utf-8"),
+                dir.to_str().expect("utf-8"),
+            ],
+        );
+        dir
+    }
+
+    fn files_on_branch(&self, id: &str) -> Vec<String> {
+        let listed = git(
+            &self.upstream,
+            &[
+                "diff",
+                "--name-only",
+                "refs/heads/main",
+                &format!("refs/heads/sortie/{id}"),
+            ],
+        );
+        listed.lines().map(ToOwned::to_owned).collect()
+    }
+
+    fn commits_on_branch(&self, id: &str) -> usize {
+        git(
+            &self.upstream,
+            &[
+                "rev-list",
+                "--count",
+                &format!("refs/heads/main..refs/heads/sortie/{id}"),
+            ],
+        )
+        .parse()
+        .expect("count")
+    }
+}
+
+fn status_of(turns: &[Value], n: usize) -> &str {
+    turns[n - 1]["status"].as_str().unwrap_or("")
+}
+
+fn code_of(value: &Value) -> &str {
+    value["failure"]["code"].as_str().unwrap_or("")
+}
+
+async fn run_delivers_the_branch_and_the_transcript_is_what_a_live_client_saw(
+    database: Option<&sortie_store::testing::TestDatabase>,
+) {
+    let world = World::start_on(&[], database);
+    let script = "#!scripted\nplan: Write it | Check it\nthink: starting\nsay: working on it\nsleep: 400\nwrite: notes/hello.txt\nhello from the agent\n>>>\ndone: 1\nrun: cat notes/hello.txt\nsay: all done";
+    let id = if database.is_none() {
+        // The CLI, as a user would.
+        let created = world.server.as_ref().expect("server").client(
+            &world.root,
+            &world.data_dir,
+            &[
+                "run",
+                "--repo",
+                world.upstream.to_str().expect("utf-8"),
+                "--agent",
+                "scripted",
+                script,
+            ],
+        );
+        assert!(created.status.success(), "{}", String::from_utf8_lossy(&created.stderr));
+        String::from_utf8_lossy(&created.stdout)
+            .split_whitespace()
+            .next()
+            .expect("id")
+            .to_owned()
+    } else {
+        world.create(script, json!({})).await
+    };
+    // Attached at once: the stream waits for the turn, then follows it live to the end.
+    let live = world.attach(&id, None).await;
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(session["phase"], "idle", "{session:#}");
+    assert_eq!(status_of(&turns, 1), "completed", "{turns:#?}");
+
+    let head = world.branch(&id).expect("the branch was pushed");
+    assert_eq!(session["head_sha"].as_str(), Some(head.as_str()));
+    assert_eq!(turns[0]["head_sha"].as_str(), Some(head.as_str()));
+    assert_eq!(world.files_on_branch(&id), vec!["notes/hello.txt".to_owned()]);
+    assert_eq!(world.commits_on_branch(&id), 1);
+    let content = git(&world.upstream, &["show", &format!("{head}:notes/hello.txt")]);
+    assert_eq!(content, "hello from the agent");
+
+    // What the live client saw is what the store kept.
+    assert_eq!(live.first().map(|c| c["type"].clone()), Some(json!("start")));
+    assert_eq!(live.last().map(|c| c["type"].clone()), Some(json!("finish")));
+    let messages = world.messages(&id).await;
+    let assistant = messages
+        .iter()
+        .find(|m| m["role"] == "assistant")
+        .expect("an assistant message");
+    let seen = sortie_protocol::ui::assemble_parts(live.iter());
+    assert_eq!(
+        assistant["parts"],
+        Value::Array(seen),
+        "stored transcript = live stream"
+    );
+    let replay = world.attach(&id, Some(1)).await;
+    assert_eq!(replay, live, "a replay of the finished turn is the same stream");
+    let kinds: HashSet<String> = live
+        .iter()
+        .filter_map(|c| c["type"].as_str().map(ToOwned::to_owned))
+        .collect();
+    for kind in [
+        "data-sortie-delivery",
+        "data-sortie-phase",
+        "tool-input-available",
+        "reasoning-delta",
+        "text-delta",
+    ] {
+        assert!(kinds.contains(kind), "{kind} in {kinds:?}");
+    }
+    let delivery = live
+        .iter()
+        .rev()
+        .find(|c| c["type"] == "data-sortie-delivery")
+        .expect("delivery part");
+    assert_eq!(delivery["data"]["headSha"].as_str(), Some(head.as_str()), "{delivery}");
+    let timings = turns[0]["timings"].as_object().expect("timings");
+    for phase in ["queued", "clone", "sandbox", "setup", "agent_turn", "delivery"] {
+        assert!(timings.contains_key(phase), "{phase} in {timings:?}");
+    }
+
+    // `sortie show` says idle with the head.
+    let shown = world
+        .server
+        .as_ref()
+        .expect("server")
+        .client(&world.root, &world.data_dir, &["show", &id]);
+    if database.is_none() {
+        let text = String::from_utf8_lossy(&shown.stdout);
+        assert!(text.contains("idle") && text.contains(&head), "{text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_delivers_the_branch_on_sqlite() {
+    run_delivers_the_branch_and_the_transcript_is_what_a_live_client_saw(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_delivers_the_branch_on_postgres() {
+    let database = sortie_store::testing::TestDatabase::postgres().await.expect("postgres");
+    run_delivers_the_branch_and_the_transcript_is_what_a_live_client_saw(Some(&database)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steer_interrupt_stop_and_cancel() {
+    let world = World::start(&[]);
+    let id = world.create("#!scripted\nwrite: a.txt\na\n>>>", json!({})).await;
+    let (_, turns) = world.settled(&id, 1).await;
+    let first = turns[0]["head_sha"].as_str().expect("head").to_owned();
+
+    // A steer on the idle session: a second commit on the same branch, on the same sandbox.
+    world.steer(&id, "#!scripted\nwrite: b.txt\nb\n>>>", "queue").await;
+    let (session, turns) = world.settled(&id, 2).await;
+    assert_eq!(status_of(&turns, 2), "completed", "{turns:#?}");
+    assert_eq!(world.commits_on_branch(&id), 2);
+    let second = world.branch(&id).expect("branch");
+    assert_eq!(session["head_sha"].as_str(), Some(second.as_str()));
+    assert_eq!(git(&world.upstream, &["rev-parse", &format!("{second}^")]), first);
+
+    // An interrupt during a long sleep cancels it and runs the new prompt.
+    world
+        .steer(&id, "#!scripted\nsay: waiting\nsleep: 60000\nsay: never", "queue")
+        .await;
+    world
+        .wait(&id, 30, |s, t| {
+            t.len() == 3 && status_of(t, 3) == "running" && s["phase"] == "running"
+        })
+        .await;
+    world.steer(&id, "#!scripted\nwrite: c.txt\nc\n>>>", "interrupt").await;
+    let (_, turns) = world.settled(&id, 4).await;
+    assert_eq!(status_of(&turns, 3), "stopped", "{turns:#?}");
+    assert_eq!(status_of(&turns, 4), "completed", "{turns:#?}");
+    assert!(world.files_on_branch(&id).contains(&"c.txt".to_owned()));
+
+    // Stop mid-run pushes the work so far.
+    world
+        .steer(
+            &id,
+            "#!scripted\nwrite: d.txt\nd\n>>>\nsay: written d\nsleep: 60000",
+            "queue",
+        )
+        .await;
+    world
+        .wait(&id, 30, |_, t| t.len() == 5 && status_of(t, 5) == "running")
+        .await;
+    world.wait_said(&id, "written d").await;
+    world.post(&id, "stop").await;
+    let (session, turns) = world.settled(&id, 5).await;
+    assert_eq!(session["phase"], "idle");
+    assert_eq!(status_of(&turns, 5), "stopped", "{turns:#?}");
+    assert!(
+        world.files_on_branch(&id).contains(&"d.txt".to_owned()),
+        "stopped work is pushed"
+    );
+
+    // Cancel: stop, deliver, no sandbox process left, the session is over.
+    world
+        .steer(
+            &id,
+            "#!scripted\nwrite: e.txt\ne\n>>>\nsay: written e\nsleep: 60000",
+            "queue",
+        )
+        .await;
+    world.wait_said(&id, "written e").await;
+    world.post(&id, "cancel").await;
+    let (session, turns) = world.settled(&id, 6).await;
+    assert_eq!(session["phase"], "canceled");
+    assert_eq!(status_of(&turns, 6), "canceled", "{turns:#?}");
+    let delivered: Vec<Value> = world
+        .messages(&id)
+        .await
+        .iter()
+        .flat_map(|m| m["parts"].as_array().cloned().unwrap_or_default())
+        .filter(|p| p["type"] == "data-sortie-delivery")
+        .collect();
+    assert!(
+        world.files_on_branch(&id).contains(&"e.txt".to_owned()),
+        "canceled work is pushed: {turns:#?} {delivered:#?}"
+    );
+    let gone = Instant::now() + Duration::from_secs(10);
+    while live_sandboxes().contains(&id) {
+        assert!(Instant::now() < gone, "the canceled session's sandbox still runs");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hibernated_session_is_primed_when_steered() {
+    let world = World::start(&["--idle-grace", "1"]);
+    let id = world
+        .create("#!scripted\nwrite: a.txt\na\n>>>\nsay: first turn done", json!({}))
+        .await;
+    world.settled(&id, 1).await;
+    world.wait(&id, 30, |s, _| s["phase"] == "hibernated").await;
+    let gone = Instant::now() + Duration::from_secs(10);
+    while live_sandboxes().contains(&id) {
+        assert!(Instant::now() < gone, "a hibernated session keeps no sandbox");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    world.steer(&id, "#!scripted\nwrite: b.txt\nb\n>>>", "queue").await;
+    let (session, turns) = world.settled(&id, 2).await;
+    assert_eq!(status_of(&turns, 2), "completed", "{turns:#?}");
+    assert_eq!(turns[1]["priming"], "session_load", "{turns:#?}");
+    assert_eq!(world.commits_on_branch(&id), 2, "{session:#}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_carry_their_codes() {
+    let world = World::start(&["--turn-timeout", "3"]);
+    let crash = world
+        .create("#!scripted\nsay: about to crash\ncrash: 3", json!({}))
+        .await;
+    let timeout = world.create("#!scripted\nsay: sleeping\nsleep: 60000", json!({})).await;
+    let setup = world
+        .create(
+            "#!scripted\nsay: never runs",
+            json!({"setup": "echo preparing; echo the toolchain is broken >&2; exit 3"}),
+        )
+        .await;
+    let secret = world
+        .create(
+            "#!scripted\nwrite: config.env\nAWS_ACCESS_KEY_ID=AKIAIOSFODNN7EXAMPLE\n>>>",
+            json!({}),
+        )
+        .await;
+
+    let (session, _) = world.settled(&crash, 1).await;
+    assert_eq!(session["phase"], "failed");
+    assert_eq!(code_of(&session), "AGENT_ERROR", "{session:#}");
+
+    let (session, _) = world.settled(&timeout, 1).await;
+    assert_eq!(code_of(&session), "TURN_TIMEOUT", "{session:#}");
+
+    let (session, turns) = world.settled(&setup, 1).await;
+    assert_eq!(code_of(&session), "SETUP_FAILED", "{session:#}");
+    let reason = session["failure"]["reason"].as_str().unwrap_or("");
+    assert!(
+        reason.contains("code 3") && reason.contains("the toolchain is broken"),
+        "{reason}"
+    );
+    assert_eq!(status_of(&turns, 1), "failed");
+
+    let (session, _) = world.settled(&secret, 1).await;
+    assert_eq!(code_of(&session), "SECRET_DETECTED", "{session:#}");
+    assert!(world.branch(&secret).is_none(), "nothing was pushed");
+    assert!(
+        !session.to_string().contains("AKIAIOSFODNN7EXAMPLE"),
+        "the reason never quotes the secret"
+    );
+
+    // A model key set while the sandbox is warm is one of the workspace's known secrets at the next
+    // delivery: the value matches no common key format, only its digest.
+    let known = world
+        .create("#!scripted\nwrite: notes.txt\nplain\n>>>", json!({}))
+        .await;
+    world.settled(&known, 1).await;
+    let delivered = world.branch(&known).expect("the first turn is delivered");
+    let model_key = "team-model-key-Zq8w3N5r2T7yLm4";
+    let (status, body) = world
+        .call(
+            reqwest::Method::PUT,
+            "/v1/model-keys/openai",
+            Some(json!({"key": model_key})),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    world
+        .steer(
+            &known,
+            &format!("#!scripted\nwrite: settings.ini\n[model]\nkey={model_key}\n>>>"),
+            "queue",
+        )
+        .await;
+    let (session, _) = world.settled(&known, 2).await;
+    assert_eq!(code_of(&session), "SECRET_DETECTED", "{session:#}");
+    assert_eq!(world.branch(&known), Some(delivered), "the branch is untouched");
+    assert!(
+        !session.to_string().contains(model_key),
+        "the reason never quotes the key"
+    );
+
+    // Someone else moves the branch between two turns: the next delivery refuses to overwrite it.
+    let moved = world.create("#!scripted\nwrite: a.txt\na\n>>>", json!({})).await;
+    world.settled(&moved, 1).await;
+    let theirs = world.clone_upstream("theirs");
+    git(&theirs, &["checkout", "-q", &format!("sortie/{moved}")]);
+    std::fs::write(theirs.join("theirs.txt"), "theirs\n").expect("write");
+    git(&theirs, &["add", "."]);
+    git(&theirs, &["commit", "-q", "-m", "someone else"]);
+    git(
+        &theirs,
+        &["push", "-q", "origin", &format!("HEAD:refs/heads/sortie/{moved}")],
+    );
+    let their_head = world.branch(&moved).expect("branch");
+    world.steer(&moved, "#!scripted\nwrite: b.txt\nb\n>>>", "queue").await;
+    let (session, _) = world.settled(&moved, 2).await;
+    assert_eq!(code_of(&session), "PUSH_CONFLICT", "{session:#}");
+    assert_eq!(
+        world.branch(&moved).as_deref(),
+        Some(their_head.as_str()),
+        "their work is untouched"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capacity_limits_live_sandboxes_and_every_session_finishes() {
+    let world = World::start(&["--sandboxes-per-workspace", "2"]);
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        ids.push(
+            world
+                .create(
+                    &format!("#!scripted\nsleep: 1500\nwrite: f{i}.txt\n{i}\n>>>"),
+                    json!({}),
+                )
+                .await,
+        );
+    }
+    let watched: HashSet<String> = ids.iter().cloned().collect();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut most = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                most = most.max(live_sandboxes().intersection(&watched).count());
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            most
+        })
+    };
+    // The ones past the limit wait, and say why.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    'waiting: loop {
+        for id in &ids {
+            let session = world.session(id).await;
+            if session["phase"] == "queued" && session["queued_reason"] == "SANDBOX_CAPACITY_LIMIT" {
+                break 'waiting;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no session waited with SANDBOX_CAPACITY_LIMIT"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for id in &ids {
+        let (session, turns) = world
+            .wait(id, 120, |s, t| {
+                t.first().is_some_and(|t| t["completed_at"].is_string()) && s["phase"] != "queued"
+            })
+            .await;
+        assert_eq!(status_of(&turns, 1), "completed", "{session:#}");
+        assert!(world.branch(id).is_some());
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let most = sampler.join().expect("sampler");
+    assert!(most <= 2, "{most} sandboxes were alive at once");
+    assert!(most >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_server_or_driver_never_leaves_a_session_hanging() {
+    let mut world = World::start(&[]);
+    let id = world
+        .create("#!scripted\nsay: before the crash\nsleep: 120000", json!({}))
+        .await;
+    world.wait(&id, 30, |s, _| s["phase"] == "running").await;
+    world.wait_said(&id, "before the crash").await;
+    world.kill_server();
+    let restarted = Instant::now();
+    world.restart_server();
+    let (session, turns) = world
+        .wait(&id, 30, |s, _| {
+            ["failed", "idle"].contains(&s["phase"].as_str().unwrap_or(""))
+        })
+        .await;
+    assert!(restarted.elapsed() < Duration::from_secs(30));
+    assert_eq!(code_of(&session), "SANDBOX_LOST", "{session:#}");
+    assert_eq!(status_of(&turns, 1), "lost");
+    assert!(
+        world.assistant_said(&id, "before the crash").await,
+        "the transcript up to the crash is kept"
+    );
+    assert!(!live_sandboxes().contains(&id), "no sandbox survived its server");
+
+    // The session is steerable again; then its driver is killed mid-turn.
+    world
+        .steer(&id, "#!scripted\nsay: second try\nsleep: 120000", "queue")
+        .await;
+    world
+        .wait(&id, 30, |s, t| t.len() == 2 && s["phase"] == "running")
+        .await;
+    world.wait_said(&id, "second try").await;
+    let pid = {
+        let found = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(pid) = driver_pid(&id) {
+                break pid;
+            }
+            assert!(Instant::now() < found, "no driver process for the session");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    // A client attached across the crash gets what the turn said once and a clean end, whether it
+    // was reading from the driver when it died or joined after.
+    let attached = world.attach(&id, None);
+    let kill = async {
+        let killed = Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status()
+            .expect("kill");
+        assert!(killed.success());
+    };
+    let (chunks, ()) = tokio::join!(attached, kill);
+    let text: String = chunks
+        .iter()
+        .filter(|c| c["type"] == "text-delta")
+        .filter_map(|c| c["delta"].as_str())
+        .collect();
+    assert_eq!(text.matches("second try").count(), 1, "{chunks:?}");
+    let (session, turns) = world
+        .wait(&id, 30, |s, t| {
+            t.len() == 2 && ["failed", "idle"].contains(&s["phase"].as_str().unwrap_or(""))
+        })
+        .await;
+    assert_eq!(code_of(&session), "SANDBOX_LOST", "{session:#}");
+    assert_eq!(status_of(&turns, 2), "lost");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_worker_starting_leaves_the_first_ones_turns_alone() {
+    let database = sortie_store::testing::TestDatabase::postgres().await.expect("postgres");
+    let world = World::start_on(&[], Some(&database));
+    let id = world
+        .create(
+            "#!scripted\nsay: working\nsleep: 3000\nwrite: done.txt\ndone\n>>>",
+            json!({}),
+        )
+        .await;
+    world.wait(&id, 30, |s, _| s["phase"] == "running").await;
+    world.wait_said(&id, "working").await;
+
+    // Another `sortie serve` on the same database, its own data dir: it says it listens only once
+    // it has reconciled what it held, which is nothing of the first one's.
+    let second = Server::start_with(&world.root, &world.root.join("data-second"), Some(&database.url), &[]);
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(status_of(&turns, 1), "completed", "{session:#}");
+    assert_eq!(session["phase"], "idle", "{session:#}");
+    assert_eq!(world.files_on_branch(&id), vec!["done.txt".to_owned()]);
+    second.kill_hard();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manifest_agent_installed_outside_usr_runs_from_its_read_only_path() {
+    // An operator's own ACP agent: a program in a directory of its own, named by the manifest.
+    let install = tempfile::tempdir().expect("temp");
+    let agent_dir = install.path().join("my-agent");
+    std::fs::create_dir(&agent_dir).expect("mkdir");
+    for dir in [install.path(), agent_dir.as_path()] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    }
+    let scripted = Path::new(support::BINARY).with_file_name("sortie-scripted-agent");
+    std::fs::copy(&scripted, agent_dir.join("agent")).expect("copy the scripted agent");
+    let manifest = install.path().join("agents.toml");
+    let write_manifest = |read_only: &Path| {
+        std::fs::write(
+            &manifest,
+            format!(
+                "[[agent]]\nid = \"mine\"\ncommand = \"{}\"\nread_only_paths = [\"{}\"]\n",
+                agent_dir.join("agent").display(),
+                read_only.display()
+            ),
+        )
+        .expect("manifest");
+    };
+    write_manifest(&agent_dir);
+    let world = World::start(&["--agent-profiles", manifest.to_str().expect("utf-8")]);
+    let id = world
+        .create("#!scripted\nwrite: mine.txt\nmine\n>>>", json!({"agent": "mine"}))
+        .await;
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(status_of(&turns, 1), "completed", "{session:#}");
+    assert_eq!(world.files_on_branch(&id), vec!["mine.txt".to_owned()]);
+
+    // A path that does not exist is the operator's to fix, and the turn says so.
+    write_manifest(&install.path().join("gone"));
+    let broken = world.create("#!scripted\nsay: never", json!({"agent": "mine"})).await;
+    let (session, _) = world.settled(&broken, 1).await;
+    assert_eq!(code_of(&session), "AGENT_START_FAILED", "{session:#}");
+    assert!(
+        session["failure"]["reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("read_only_paths"),
+        "{session:#}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_repositorys_setup_script_runs_unless_the_session_names_one() {
+    let world = World::start(&[]);
+    let local = world.clone_upstream("with-setup");
+    std::fs::create_dir_all(local.join(".sortie")).expect("mkdir");
+    std::fs::write(
+        local.join(".sortie/setup.sh"),
+        "echo the repository prepares; echo its toolchain is missing >&2; exit 4\n",
+    )
+    .expect("write");
+    git(&local, &["add", "."]);
+    git(&local, &["commit", "-q", "-m", "setup script"]);
+    git(&local, &["push", "-q", "origin", "HEAD:refs/heads/main"]);
+
+    let from_repo = world.create("#!scripted\nsay: never runs", json!({})).await;
+    let (session, _) = world.settled(&from_repo, 1).await;
+    assert_eq!(code_of(&session), "SETUP_FAILED", "{session:#}");
+    let reason = session["failure"]["reason"].as_str().unwrap_or("");
+    assert!(
+        reason.contains("code 4") && reason.contains("its toolchain is missing"),
+        "{reason}"
+    );
+
+    let named = world
+        .create(
+            "#!scripted\nwrite: ok.txt\nok\n>>>",
+            json!({"setup": "echo the session names its own setup"}),
+        )
+        .await;
+    let (session, turns) = world.settled(&named, 1).await;
+    assert_eq!(status_of(&turns, 1), "completed", "{session:#}");
+    assert_eq!(world.files_on_branch(&named), vec!["ok.txt".to_owned()]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_joining_a_recorded_turn_midway_get_it_whole_and_once() {
+    // The stored prefix (the recorder's) and the driver's live tail after it must meet exactly.
+    let world = std::sync::Arc::new(World::start(&[]));
+    let steps: Vec<String> = (0..40).map(|i| format!("say: [{i:02}]\nsleep: 60")).collect();
+    let id = world
+        .create(&format!("#!scripted\n{}", steps.join("\n")), json!({}))
+        .await;
+    let mut clients = Vec::new();
+    for join_at in (0..40).step_by(5) {
+        let world = world.clone();
+        let id = id.clone();
+        clients.push(tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                // Only the agent's answer counts: the prompt itself names every marker.
+                let stored = world.messages(&id).await;
+                let said = stored
+                    .iter()
+                    .filter(|m| m["role"] == "assistant")
+                    .map(|m| m["parts"].to_string())
+                    .collect::<String>();
+                if (0..join_at).all(|i| said.contains(&format!("[{i:02}]"))) {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "the turn never reached [{join_at:02}]");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            (join_at, world.attach(&id, None).await)
+        }));
+    }
+    for client in clients {
+        let (join_at, chunks) = client.await.expect("join");
+        let text: String = chunks
+            .iter()
+            .filter(|c| c["type"] == "text-delta")
+            .filter_map(|c| c["delta"].as_str())
+            .collect();
+        for i in 0..40 {
+            assert_eq!(
+                text.matches(&format!("[{i:02}]")).count(),
+                1,
+                "joined after [{join_at:02}]: [{i:02}] once: {text}"
+            );
+        }
+        let count = |kind: &str| chunks.iter().filter(|c| c["type"] == kind).count();
+        assert_eq!((count("start"), count("finish")), (1, 1), "joined after [{join_at:02}]");
+    }
+    world.settled(&id, 1).await;
+}
