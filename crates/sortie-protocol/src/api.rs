@@ -395,6 +395,142 @@ pub struct ModelKeyList {
     pub keys: Vec<ModelKey>,
 }
 
+/// What a forge is, which says what sortie does there besides pushing the session's branch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum ForgeKind {
+    /// GitHub or GitHub Enterprise: smart HTTP with the token as `x-access-token`, pull requests by its REST API.
+    #[default]
+    Github,
+    /// Any other smart-HTTP git host: branches only, no pull requests.
+    Git,
+}
+
+impl ForgeKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Github => "github",
+            Self::Git => "git",
+        }
+    }
+}
+
+impl std::str::FromStr for ForgeKind {
+    type Err = crate::phase::UnknownName;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        [Self::Github, Self::Git]
+            .into_iter()
+            .find(|kind| kind.as_str() == s)
+            .ok_or_else(|| crate::phase::UnknownName {
+                kind: "forge kind",
+                value: s.to_owned(),
+            })
+    }
+}
+
+/// `PUT /v1/forge-connections/{host}`: the workspace's token for the forge at `host` (the authority of
+/// its repository URLs: `github.com`, `git.example.com:8443`), replacing any earlier one. Its
+/// `Debug` never shows the token.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct SetForgeConnectionRequest {
+    /// The token (1 to 4096 bytes of printable ASCII, no whitespace) the gateway sends as Basic
+    /// `x-access-token:<token>`. Never answered back, never inside a sandbox.
+    pub token: String,
+    /// Default `github`.
+    #[serde(default)]
+    pub kind: Option<ForgeKind>,
+    /// The forge's REST API base (`https://…`); for GitHub it defaults to `https://api.<host>` for
+    /// github.com and `https://<host>/api/v3` for an Enterprise host.
+    #[serde(default)]
+    pub api_base: Option<String>,
+}
+
+impl std::fmt::Debug for SetForgeConnectionRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SetForgeConnectionRequest")
+            .field("token", &"[redacted]")
+            .field("kind", &self.kind)
+            .field("api_base", &self.api_base)
+            .finish()
+    }
+}
+
+/// A forge connection as the control plane shows it. Never the token.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ForgeConnection {
+    pub host: String,
+    pub kind: ForgeKind,
+    /// Empty for a plain git host.
+    pub api_base: String,
+    /// RFC 3339 UTC: when this connection was set.
+    pub created_at: String,
+    /// The token's last characters, as for model keys; null when it cannot be decrypted (set it again).
+    pub fingerprint: Option<String>,
+}
+
+/// `GET /v1/forge-connections`: the forges the token's workspace reaches.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ForgeConnectionList {
+    /// The workspace's name.
+    pub workspace: String,
+    pub connections: Vec<ForgeConnection>,
+}
+
+/// A forge host as connections and repository URLs name it: `host` or `host:port`, lowercased; a
+/// DNS name or an IP address, no user, path or scheme.
+pub fn check_forge_host(host: &str) -> Result<String, crate::validate::Refusal> {
+    let refuse = |why: &str| crate::validate::Refusal {
+        code: crate::error::ErrorCode::ForgeConnectionInvalid,
+        message: format!("forge host {host:?} {why}"),
+    };
+    let lower = host.to_ascii_lowercase();
+    let (name, port) = match lower.rsplit_once(':') {
+        Some((name, port)) if !name.contains(':') => (name, Some(port)),
+        _ => (lower.as_str(), None),
+    };
+    if name.is_empty() || name.len() > 253 {
+        return Err(refuse("is not a host name (e.g. github.com or git.example.com:8443)"));
+    }
+    if port.is_some_and(|p| p.parse::<u16>().map_or(true, |p| p == 0)) {
+        return Err(refuse("has a port that is not 1 to 65535"));
+    }
+    let label_ok = |label: &str| {
+        !label.is_empty()
+            && label.len() <= 63
+            && !label.starts_with('-')
+            && !label.ends_with('-')
+            && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+    };
+    if !name.split('.').all(label_ok) {
+        return Err(refuse("is not a host name (e.g. github.com or git.example.com:8443)"));
+    }
+    Ok(lower)
+}
+
+/// The forge host of an `https://` repository URL (its authority, lowercased), the key of the
+/// workspace's forge connection for it; `None` for anything else.
+pub fn repo_forge_host(repo: &str) -> Option<String> {
+    let rest = repo.strip_prefix("https://")?;
+    let authority = rest.split(['/', '?', '#']).next()?;
+    if authority.contains('@') {
+        return None;
+    }
+    check_forge_host(authority).ok()
+}
+
+/// A forge token: the rules of a model key, refused as `FORGE_CONNECTION_INVALID` and never quoted.
+pub fn check_forge_token(token: &str) -> Result<(), crate::validate::Refusal> {
+    check_model_key(token).map_err(|refusal| crate::validate::Refusal {
+        code: crate::error::ErrorCode::ForgeConnectionInvalid,
+        message: refusal.message.replacen("key", "token", 1),
+    })
+}
+
 /// A model key: 1 to 4096 bytes, each printable ASCII other than space. The refusal never quotes it.
 pub fn check_model_key(key: &str) -> Result<(), crate::validate::Refusal> {
     let refuse = |message: String| crate::validate::Refusal {
@@ -509,6 +645,9 @@ mod tests {
 
     #[test]
     fn model_apis_round_trip_and_unknown_ones_are_refused() {
+        for kind in [ForgeKind::Github, ForgeKind::Git] {
+            assert_eq!(kind.as_str().parse::<ForgeKind>(), Ok(kind));
+        }
         for api in ModelApi::ALL {
             assert_eq!(api.as_str().parse::<ModelApi>(), Ok(api));
             assert_eq!(
@@ -577,5 +716,46 @@ mod tests {
         assert!(Role::Viewer < Role::Operator && Role::Operator < Role::Admin);
         assert_eq!("operator".parse::<Role>(), Ok(Role::Operator));
         assert!("root".parse::<Role>().is_err());
+    }
+
+    #[test]
+    fn forge_hosts_are_authorities_and_repo_urls_name_theirs() {
+        assert_eq!(check_forge_host("GitHub.com"), Ok("github.com".to_owned()));
+        assert_eq!(
+            check_forge_host("git.example.com:8443"),
+            Ok("git.example.com:8443".to_owned())
+        );
+        assert_eq!(check_forge_host("127.0.0.1:41234"), Ok("127.0.0.1:41234".to_owned()));
+        for bad in [
+            "",
+            "https://github.com",
+            "github.com/o",
+            "a..b",
+            "-a.com",
+            "x:0",
+            "x:70000",
+            "u@h",
+            "h :1",
+        ] {
+            assert_eq!(
+                check_forge_host(bad).map_err(|r| r.code),
+                Err(crate::ErrorCode::ForgeConnectionInvalid),
+                "{bad:?}"
+            );
+        }
+        assert_eq!(
+            repo_forge_host("https://GitHub.com/o/r.git"),
+            Some("github.com".to_owned())
+        );
+        assert_eq!(
+            repo_forge_host("https://127.0.0.1:8443/o/r"),
+            Some("127.0.0.1:8443".to_owned())
+        );
+        assert_eq!(repo_forge_host("https://user:pw@github.com/o/r"), None);
+        assert_eq!(repo_forge_host("/srv/git/r"), None);
+        assert!(check_forge_token("ghp_abc").is_ok());
+        let refusal = check_forge_token("has space").expect_err("space");
+        assert_eq!(refusal.code, crate::ErrorCode::ForgeConnectionInvalid);
+        assert!(!refusal.message.contains("has space"), "{}", refusal.message);
     }
 }

@@ -83,6 +83,10 @@ error_codes! {
     ModelKeyInvalid = 400,
     /// The workspace keeps no key for this model API.
     ModelKeyNotFound = 404,
+    /// A forge connection's host is not `host` or `host:port`, or its token or API base is malformed.
+    ForgeConnectionInvalid = 400,
+    /// The workspace has no connection to this forge host.
+    ForgeConnectionNotFound = 404,
     /// The store did not answer; try again.
     StoreUnavailable = 503,
     /// A fault of the server; the log has the detail.
@@ -210,6 +214,8 @@ mod tests {
             (ModelApiUnknown, 404),
             (ModelKeyInvalid, 400),
             (ModelKeyNotFound, 404),
+            (ForgeConnectionInvalid, 400),
+            (ForgeConnectionNotFound, 404),
             (Internal, 500),
         ];
         for (code, status) in expected {

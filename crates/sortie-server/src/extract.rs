@@ -126,6 +126,20 @@ impl FromRequestParts<ApiState> for ModelApiPath {
     }
 }
 
+/// The `{host}` of a forge-connection path, lowercased; anything but `host[:port]` is
+/// `FORGE_CONNECTION_INVALID`.
+pub struct ForgeHostPath(pub String);
+
+impl FromRequestParts<ApiState> for ForgeHostPath {
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, state: &ApiState) -> Result<Self, Self::Rejection> {
+        let Path(host) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(|_| ApiError::new(ErrorCode::ForgeConnectionInvalid, "the path names no forge host"))?;
+        Ok(ForgeHostPath(sortie_protocol::api::check_forge_host(&host)?))
+    }
+}
+
 /// The `{id}` of a session path. A malformed id cannot name a session, so it is `SESSION_NOT_FOUND`.
 pub struct SessionPath(pub SessionId);
 

@@ -8,6 +8,7 @@
 mod agents;
 pub mod error;
 mod extract;
+mod forges;
 mod health;
 mod metrics_layer;
 mod model_keys;
@@ -85,6 +86,7 @@ pub fn router_and_openapi(state: ApiState) -> (Router, utoipa::openapi::OpenApi)
     let (api_routes, openapi) = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .merge(sessions::routes())
         .merge(model_keys::routes())
+        .merge(forges::routes())
         .merge(signin::routes())
         .merge(agents::routes())
         .merge(health::routes())

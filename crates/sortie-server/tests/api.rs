@@ -61,6 +61,7 @@ on_every_server!(
     model_keys_are_set_listed_and_removed_by_admins_only,
     model_keys_refuse_bad_apis_and_bad_keys_and_write_nothing,
     model_keys_stay_in_their_workspace_and_sealed_at_rest,
+    forge_connections_are_set_listed_and_removed_by_admins_only,
 );
 
 /// A model key no answer may ever show, whole or but for its fingerprint.
@@ -93,6 +94,100 @@ async fn put_model_key(h: &Harness, token: &str, api: &str, body: Value) -> Repl
         Payload::Json(body),
     )
     .await
+}
+
+async fn forge_connections_are_set_listed_and_removed_by_admins_only(h: Harness) {
+    const TOKEN: &str = "ghp_NEVER-SHOWN-forge-token-0123456789wxyz";
+    let answers = Answers::default();
+    let put = |token: &'static str, host: &'static str, body: Value| {
+        let h = &h;
+        let token = match token {
+            "admin" => h.admin.clone(),
+            "operator" => h.operator.clone(),
+            _ => h.viewer.clone(),
+        };
+        async move {
+            h.send(
+                Method::PUT,
+                &format!("/v1/forge-connections/{host}"),
+                Some(&token),
+                Payload::Json(body),
+            )
+            .await
+        }
+    };
+    let set = answers.keep(put("admin", "GitHub.com", json!({"token": TOKEN})).await);
+    assert_eq!(set.status, StatusCode::OK, "{}", set.body);
+    let mut fields: Vec<&str> = set
+        .body
+        .as_object()
+        .expect("object")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    fields.sort_unstable();
+    assert_eq!(
+        fields,
+        ["api_base", "created_at", "fingerprint", "host", "kind"],
+        "never the token"
+    );
+    assert_eq!(
+        (
+            &set.body["host"],
+            &set.body["kind"],
+            &set.body["api_base"],
+            &set.body["fingerprint"]
+        ),
+        (
+            &json!("github.com"),
+            &json!("github"),
+            &json!("https://api.github.com"),
+            &json!("wxyz")
+        )
+    );
+    let plain = answers.keep(
+        put(
+            "admin",
+            "git.example.com:8443",
+            json!({"token": "tok-1234", "kind": "git"}),
+        )
+        .await,
+    );
+    assert_eq!((plain.status, &plain.body["api_base"]), (StatusCode::OK, &json!("")));
+    let listed = answers.keep(h.get("/v1/forge-connections", &h.admin).await);
+    assert_eq!(listed.body["connections"], json!([plain.body, set.body]), "by host");
+
+    for role in ["operator", "viewer"] {
+        let refused = answers.keep(put(role, "github.com", json!({"token": TOKEN})).await);
+        assert_error(&refused, StatusCode::FORBIDDEN, "FORBIDDEN");
+    }
+    for (host, body) in [
+        ("github.com", json!({"token": "has space"})),
+        ("github.com", json!({"token": ""})),
+        ("github.com", json!({"token": TOKEN, "api_base": "http://plain"})),
+        ("github.com", json!({"token": TOKEN, "kind": "gitlab"})),
+        ("bad_host", json!({"token": TOKEN})),
+        ("x:99999", json!({"token": TOKEN})),
+    ] {
+        let refused = answers.keep(put("admin", host, body.clone()).await);
+        assert!(
+            refused.status == StatusCode::BAD_REQUEST
+                && ["FORGE_CONNECTION_INVALID", "INVALID_REQUEST"]
+                    .contains(&refused.body["error"]["code"].as_str().unwrap_or("")),
+            "{host} {body}: {} {}",
+            refused.status,
+            refused.body
+        );
+    }
+    let unchanged = answers.keep(h.get("/v1/forge-connections", &h.admin).await);
+    assert_eq!(unchanged.body, listed.body, "a refusal writes nothing");
+
+    let path = "/v1/forge-connections/github.com";
+    let removed = h.send(Method::DELETE, path, Some(&h.admin), Payload::Empty).await;
+    assert_eq!(removed.status, StatusCode::NO_CONTENT);
+    let again = answers.keep(h.send(Method::DELETE, path, Some(&h.admin), Payload::Empty).await);
+    assert_error(&again, StatusCode::NOT_FOUND, "FORGE_CONNECTION_NOT_FOUND");
+    answers.assert_none_holds(TOKEN);
 }
 
 async fn model_keys_are_set_listed_and_removed_by_admins_only(h: Harness) {

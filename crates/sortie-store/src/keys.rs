@@ -17,7 +17,7 @@ use chacha20poly1305::aead::{Aead, KeyInit, Payload};
 use chacha20poly1305::{Key, XChaCha20Poly1305, XNonce};
 use sortie_protocol::api::ModelApi;
 
-use crate::{Store, StoreError};
+use crate::{ForgeConnectionRow, Store, StoreError};
 
 /// The length of the master key, in bytes.
 pub const MASTER_KEY_BYTES: usize = 32;
@@ -164,23 +164,7 @@ impl KeyRing {
 
     /// Seals a workspace's key for one API with a fresh random nonce.
     pub fn seal(&self, workspace_id: &str, api: ModelApi, plaintext: &[u8]) -> Result<SealedKey, KeyError> {
-        let mut nonce = [0_u8; NONCE_BYTES];
-        getrandom::fill(&mut nonce).map_err(|error| KeyError::Random(error.to_string()))?;
-        let aad = associated_data(workspace_id, api);
-        let ciphertext = self
-            .cipher
-            .encrypt(
-                &XNonce::from(nonce),
-                Payload {
-                    msg: plaintext,
-                    aad: &aad,
-                },
-            )
-            .map_err(|_| KeyError::Seal)?;
-        Ok(SealedKey {
-            ciphertext: STANDARD.encode(ciphertext),
-            nonce: STANDARD.encode(nonce),
-        })
+        self.seal_bound(&associated_data(workspace_id, api), plaintext)
     }
 
     /// Opens a key sealed by [`KeyRing::seal`] for the same workspace and API.
@@ -191,6 +175,39 @@ impl KeyRing {
         ciphertext_b64: &str,
         nonce_b64: &str,
     ) -> Result<Secret, KeyError> {
+        self.open_bound(&associated_data(workspace_id, api), ciphertext_b64, nonce_b64)
+    }
+
+    /// Seals a workspace's token for the forge at `host` with a fresh random nonce.
+    pub fn seal_forge_token(&self, workspace_id: &str, host: &str, token: &[u8]) -> Result<SealedKey, KeyError> {
+        self.seal_bound(&forge_associated_data(workspace_id, host), token)
+    }
+
+    /// Opens a token sealed by [`KeyRing::seal_forge_token`] for the same workspace and host.
+    pub fn open_forge_token(
+        &self,
+        workspace_id: &str,
+        host: &str,
+        ciphertext_b64: &str,
+        nonce_b64: &str,
+    ) -> Result<Secret, KeyError> {
+        self.open_bound(&forge_associated_data(workspace_id, host), ciphertext_b64, nonce_b64)
+    }
+
+    fn seal_bound(&self, aad: &[u8], plaintext: &[u8]) -> Result<SealedKey, KeyError> {
+        let mut nonce = [0_u8; NONCE_BYTES];
+        getrandom::fill(&mut nonce).map_err(|error| KeyError::Random(error.to_string()))?;
+        let ciphertext = self
+            .cipher
+            .encrypt(&XNonce::from(nonce), Payload { msg: plaintext, aad })
+            .map_err(|_| KeyError::Seal)?;
+        Ok(SealedKey {
+            ciphertext: STANDARD.encode(ciphertext),
+            nonce: STANDARD.encode(nonce),
+        })
+    }
+
+    fn open_bound(&self, aad: &[u8], ciphertext_b64: &str, nonce_b64: &str) -> Result<Secret, KeyError> {
         let nonce = STANDARD
             .decode(nonce_b64)
             .map_err(|_| KeyError::Malformed("the nonce is not base64"))?;
@@ -201,16 +218,9 @@ impl KeyRing {
         let ciphertext = STANDARD
             .decode(ciphertext_b64)
             .map_err(|_| KeyError::Malformed("the ciphertext is not base64"))?;
-        let aad = associated_data(workspace_id, api);
         let plaintext = self
             .cipher
-            .decrypt(
-                &XNonce::from(nonce),
-                Payload {
-                    msg: &ciphertext,
-                    aad: &aad,
-                },
-            )
+            .decrypt(&XNonce::from(nonce), Payload { msg: &ciphertext, aad })
             .map_err(|_| KeyError::Open)?;
         Ok(Secret::new(plaintext))
     }
@@ -225,6 +235,11 @@ fn associated_data(workspace_id: &str, api: ModelApi) -> Vec<u8> {
         api.as_str()
     )
     .into_bytes()
+}
+
+/// What a sealed forge token is bound to: the workspace and the forge's host, as for model keys.
+fn forge_associated_data(workspace_id: &str, host: &str) -> Vec<u8> {
+    format!("sortie forge token v1\n{}:{workspace_id}\n{host}", workspace_id.len()).into_bytes()
 }
 
 fn random_master_key() -> Result<[u8; MASTER_KEY_BYTES], KeyError> {
@@ -292,11 +307,46 @@ pub async fn workspace_model_key(
         .map(Some)
 }
 
+/// The workspace's connection to the forge at `host` and its token, opened; `None` if it has none.
+pub async fn workspace_forge_token(
+    store: &dyn Store,
+    ring: &KeyRing,
+    workspace_id: &str,
+    host: &str,
+) -> Result<Option<(ForgeConnectionRow, Secret)>, KeyError> {
+    let Some(row) = store.forge_connection(workspace_id, host).await? else {
+        return Ok(None);
+    };
+    let token = ring.open_forge_token(workspace_id, host, &row.token_ciphertext, &row.token_nonce)?;
+    Ok(Some((row, token)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const KEY: &[u8] = b"sk-ant-api03-PLAINTEXT-VALUE-0123456789abcd";
+
+    #[test]
+    fn a_forge_token_opens_only_for_its_workspace_and_host() {
+        let ring = KeyRing::generate().expect("ring");
+        let sealed = ring.seal_forge_token("ws_a", "github.com", KEY).expect("seal");
+        let opened = ring
+            .open_forge_token("ws_a", "github.com", &sealed.ciphertext, &sealed.nonce)
+            .expect("open");
+        assert_eq!(opened.expose(), KEY);
+        for (workspace, host) in [("ws_b", "github.com"), ("ws_a", "gitlab.com")] {
+            assert!(matches!(
+                ring.open_forge_token(workspace, host, &sealed.ciphertext, &sealed.nonce),
+                Err(KeyError::Open)
+            ));
+        }
+        // Nor does a forge token open as a model key, or the other way round.
+        assert!(matches!(
+            ring.open("ws_a", ModelApi::Anthropic, &sealed.ciphertext, &sealed.nonce),
+            Err(KeyError::Open)
+        ));
+    }
 
     #[test]
     fn a_sealed_key_opens_only_for_its_workspace_and_api() {

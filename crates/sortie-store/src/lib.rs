@@ -14,7 +14,7 @@ mod sql;
 pub mod testing;
 
 pub use error::StoreError;
-pub use keys::{KeyError, KeyRing, Secret, workspace_model_key};
+pub use keys::{KeyError, KeyRing, Secret, workspace_forge_token, workspace_model_key};
 pub use model::*;
 pub use sql::{Backend, SqlStore};
 
@@ -183,6 +183,25 @@ pub trait Store: Send + Sync + 'static {
     async fn model_keys(&self, workspace_id: &str) -> StoreResult<Vec<ModelKeyRow>>;
     /// Forgets the workspace's key for `api`; `false` if it had none.
     async fn delete_model_key(&self, workspace_id: &str, api: sortie_protocol::api::ModelApi) -> StoreResult<bool>;
+
+    // Forge connections, their tokens sealed by a [`KeyRing`] before they get here.
+
+    /// Stores the workspace's connection to `host`, replacing any earlier one (`created_at` is now).
+    async fn put_forge_connection(
+        &self,
+        workspace_id: &str,
+        host: &str,
+        kind: sortie_protocol::api::ForgeKind,
+        api_base: &str,
+        token_ciphertext: &str,
+        token_nonce: &str,
+    ) -> StoreResult<ForgeConnectionRow>;
+    /// The workspace's connection to `host`, if it has one.
+    async fn forge_connection(&self, workspace_id: &str, host: &str) -> StoreResult<Option<ForgeConnectionRow>>;
+    /// Every connection of the workspace, by host.
+    async fn forge_connections(&self, workspace_id: &str) -> StoreResult<Vec<ForgeConnectionRow>>;
+    /// Forgets the workspace's connection to `host`; `false` if it had none.
+    async fn delete_forge_connection(&self, workspace_id: &str, host: &str) -> StoreResult<bool>;
 }
 
 /// Milliseconds since the Unix epoch, from the system clock.

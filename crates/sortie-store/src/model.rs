@@ -203,6 +203,20 @@ pub struct SandboxRow {
     pub created_at: i64,
 }
 
+/// A workspace's connection to a forge (see [`crate::keys`]): its token only as ciphertext and nonce.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ForgeConnectionRow {
+    pub workspace_id: String,
+    /// `host` or `host:port`, lowercase: what a repository URL's authority must equal.
+    pub host: String,
+    pub kind: sortie_protocol::api::ForgeKind,
+    /// The forge's REST API (pull requests); empty for a plain git host.
+    pub api_base: String,
+    pub token_ciphertext: String,
+    pub token_nonce: String,
+    pub created_at: i64,
+}
+
 /// A workspace's sealed key for one model API (see [`crate::keys`]): only ciphertext and nonce, base64.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelKeyRow {

@@ -9,7 +9,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sortie_protocol::api::{ModelApi, Role};
+use sortie_protocol::api::{ForgeKind, ModelApi, Role};
 use sortie_protocol::limits::{SESSION_PROMPTS_MAX_BYTES, TURN_QUEUE_MAX};
 use sortie_protocol::phase::TurnMode;
 use sortie_protocol::{FailureCode, SessionId, SessionPhase, TurnStatus};
@@ -295,6 +295,31 @@ macro_rules! model_key_select {
     ($head:literal, $tail:literal) => {
         concat!(model_key_select!($head), " ", $tail)
     };
+}
+
+/// `head`, the columns of a forge connection, then `tail`.
+macro_rules! forge_connection_select {
+    ($head:literal, $tail:literal) => {
+        concat!(
+            $head,
+            " workspace_id, host, kind, api_base, token_ciphertext, token_nonce, created_at ",
+            $tail
+        )
+    };
+}
+
+fn forge_connection_from_row(row: &AnyRow) -> StoreResult<ForgeConnectionRow> {
+    let kind: String = row.try_get("kind")?;
+    Ok(ForgeConnectionRow {
+        workspace_id: row.try_get("workspace_id")?,
+        host: row.try_get("host")?,
+        kind: ForgeKind::from_str(&kind)
+            .map_err(|_| internal(format!("unknown forge kind {kind:?} in forge_connections")))?,
+        api_base: row.try_get("api_base")?,
+        token_ciphertext: row.try_get("token_ciphertext")?,
+        token_nonce: row.try_get("token_nonce")?,
+        created_at: row.try_get("created_at")?,
+    })
 }
 
 fn model_key_from_row(row: &AnyRow) -> StoreResult<ModelKeyRow> {
@@ -1228,6 +1253,68 @@ impl Store for SqlStore {
         let deleted = sqlx::query("DELETE FROM model_keys WHERE workspace_id = $1 AND api = $2")
             .bind(workspace_id)
             .bind(api.as_str())
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        Ok(deleted > 0)
+    }
+
+    async fn put_forge_connection(
+        &self,
+        workspace_id: &str,
+        host: &str,
+        kind: ForgeKind,
+        api_base: &str,
+        token_ciphertext: &str,
+        token_nonce: &str,
+    ) -> StoreResult<ForgeConnectionRow> {
+        let row = sqlx::query(forge_connection_select!(
+            "INSERT INTO forge_connections (workspace_id, host, kind, api_base, token_ciphertext, token_nonce, \
+             created_at) VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (workspace_id, host) DO UPDATE SET \
+             kind = $3, api_base = $4, token_ciphertext = $5, token_nonce = $6, created_at = $7 RETURNING",
+            ""
+        ))
+        .bind(workspace_id)
+        .bind(host)
+        .bind(kind.as_str())
+        .bind(api_base)
+        .bind(token_ciphertext)
+        .bind(token_nonce)
+        .bind(now_ms())
+        .fetch_one(&self.pool)
+        .await?;
+        forge_connection_from_row(&row)
+    }
+
+    async fn forge_connection(&self, workspace_id: &str, host: &str) -> StoreResult<Option<ForgeConnectionRow>> {
+        sqlx::query(forge_connection_select!(
+            "SELECT",
+            "FROM forge_connections WHERE workspace_id = $1 AND host = $2"
+        ))
+        .bind(workspace_id)
+        .bind(host)
+        .fetch_optional(&self.pool)
+        .await?
+        .as_ref()
+        .map(forge_connection_from_row)
+        .transpose()
+    }
+
+    async fn forge_connections(&self, workspace_id: &str) -> StoreResult<Vec<ForgeConnectionRow>> {
+        let rows = sqlx::query(forge_connection_select!(
+            "SELECT",
+            "FROM forge_connections WHERE workspace_id = $1 ORDER BY host"
+        ))
+        .bind(workspace_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(forge_connection_from_row).collect()
+    }
+
+    async fn delete_forge_connection(&self, workspace_id: &str, host: &str) -> StoreResult<bool> {
+        let deleted = sqlx::query("DELETE FROM forge_connections WHERE workspace_id = $1 AND host = $2")
+            .bind(workspace_id)
+            .bind(host)
             .execute(&self.pool)
             .await?
             .rows_affected();

@@ -93,7 +93,109 @@ on_both_databases!(
     egress_allowlists_are_amended_until_cancel,
     worker_finds_work_settles_sessions_and_counts_sandboxes,
     model_keys_are_sealed_per_workspace_and_api,
+    forge_connections_are_sealed_per_workspace_and_host,
 );
+
+async fn forge_connections_are_sealed_per_workspace_and_host(backend: TestBackend) {
+    use sortie_protocol::api::ForgeKind;
+    let f = fixture(backend).await;
+    let ws = f.workspace.id.clone();
+    let other = f
+        .store
+        .create_workspace("other", RepoAccess::default())
+        .await
+        .expect("other workspace");
+    let ring = KeyRing::generate().expect("ring");
+    assert_eq!(f.store.forge_connection(&ws, "github.com").await.expect("read"), None);
+    assert!(
+        workspace_forge_token(f.store.as_ref(), &ring, &ws, "github.com")
+            .await
+            .expect("none")
+            .is_none()
+    );
+
+    let sealed = ring.seal_forge_token(&ws, "github.com", b"ghp_first").expect("seal");
+    let stored = f
+        .store
+        .put_forge_connection(
+            &ws,
+            "github.com",
+            ForgeKind::Github,
+            "https://api.github.com",
+            &sealed.ciphertext,
+            &sealed.nonce,
+        )
+        .await
+        .expect("put");
+    assert_eq!((stored.host.as_str(), stored.kind), ("github.com", ForgeKind::Github));
+    let replacement = ring.seal_forge_token(&ws, "github.com", b"ghp_second").expect("seal");
+    f.store
+        .put_forge_connection(
+            &ws,
+            "github.com",
+            ForgeKind::Git,
+            "",
+            &replacement.ciphertext,
+            &replacement.nonce,
+        )
+        .await
+        .expect("replace");
+    let local = ring.seal_forge_token(&ws, "git.local:8443", b"tok").expect("seal");
+    f.store
+        .put_forge_connection(
+            &ws,
+            "git.local:8443",
+            ForgeKind::Git,
+            "",
+            &local.ciphertext,
+            &local.nonce,
+        )
+        .await
+        .expect("second host");
+    let (row, token) = workspace_forge_token(f.store.as_ref(), &ring, &ws, "github.com")
+        .await
+        .expect("open")
+        .expect("some");
+    assert_eq!(
+        (token.expose(), row.kind, row.api_base.as_str()),
+        (&b"ghp_second"[..], ForgeKind::Git, "")
+    );
+    let hosts: Vec<String> = f
+        .store
+        .forge_connections(&ws)
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|c| c.host)
+        .collect();
+    assert_eq!(hosts, ["git.local:8443", "github.com"]);
+    assert_eq!(f.store.forge_connections(&other.id).await.expect("other"), vec![]);
+
+    // A row copied to another workspace does not open there.
+    f.store
+        .put_forge_connection(
+            &other.id,
+            "github.com",
+            ForgeKind::Github,
+            "",
+            &replacement.ciphertext,
+            &replacement.nonce,
+        )
+        .await
+        .expect("copied");
+    assert!(matches!(
+        workspace_forge_token(f.store.as_ref(), &ring, &other.id, "github.com").await,
+        Err(KeyError::Open)
+    ));
+    assert!(
+        f.store
+            .delete_forge_connection(&ws, "github.com")
+            .await
+            .expect("delete")
+    );
+    assert!(!f.store.delete_forge_connection(&ws, "github.com").await.expect("again"));
+    assert_eq!(f.store.forge_connection(&ws, "github.com").await.expect("read"), None);
+}
 
 async fn model_keys_are_sealed_per_workspace_and_api(backend: TestBackend) {
     use sortie_protocol::api::ModelApi;

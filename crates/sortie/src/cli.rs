@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
-use sortie_protocol::api::{ModelApi, Role};
+use sortie_protocol::api::{ForgeKind, ModelApi, Role};
 
 use crate::config::env;
 
@@ -79,6 +79,9 @@ pub enum Command {
     /// The workspace's model keys (vendor API keys for the model proxy), as its admin token allows.
     #[command(subcommand)]
     Keys(KeysCommand),
+    /// The workspace's forge connections (tokens for `https://` repositories), as its admin token allows.
+    #[command(subcommand)]
+    Forge(ForgeCommand),
 }
 
 #[derive(Debug, Subcommand)]
@@ -295,6 +298,9 @@ pub struct WorkerArgs {
     /// Where the model proxy sends Gemini requests (default: Google's public Gemini API).
     #[arg(long, env = env::UPSTREAM_GEMINI)]
     pub upstream_gemini: Option<String>,
+    /// PEM certificates trusted as roots for forges besides the platform's (an internal forge's CA).
+    #[arg(long, env = env::FORGE_CA_FILE)]
+    pub forge_ca_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -356,6 +362,31 @@ pub enum KeysCommand {
         #[command(flatten)]
         workspace: KeysWorkspaceArgs,
     },
+}
+
+/// Forge connections, through the server with an admin token: the token's workspace is the one changed.
+#[derive(Debug, Subcommand)]
+pub enum ForgeCommand {
+    /// Set the token for HOST (`github.com`, `git.example.com:8443`), read from stdin (never an argument).
+    Set {
+        host: String,
+        /// `github` (default) or `git` (any other smart-HTTP host: branches only).
+        #[arg(long, value_parser = parse_forge_kind)]
+        kind: Option<ForgeKind>,
+        /// The forge's REST API base, when it is not GitHub's default for HOST.
+        #[arg(long)]
+        api_base: Option<String>,
+    },
+    /// List the workspace's forge connections: host, kind, fingerprint; never a token.
+    #[command(alias = "ls")]
+    List,
+    /// Remove the connection to HOST.
+    #[command(alias = "remove")]
+    Rm { host: String },
+}
+
+fn parse_forge_kind(text: &str) -> Result<ForgeKind, String> {
+    text.parse().map_err(|_| "one of github, git".to_owned())
 }
 
 #[derive(Debug, Args)]

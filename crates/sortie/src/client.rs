@@ -11,10 +11,11 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use sortie_protocol::ApiErrorBody;
 use sortie_protocol::api::{
-    MODEL_KEY_MAX_BYTES, ModelApi, ModelKey, ModelKeyList, Session, SessionList, Turn, TurnList,
+    ForgeConnection, ForgeConnectionList, MODEL_KEY_MAX_BYTES, ModelApi, ModelKey, ModelKeyList, Session, SessionList,
+    Turn, TurnList,
 };
 
-use crate::cli::{ClientArgs, Command, KeysCommand, LsArgs, RunArgs};
+use crate::cli::{ClientArgs, Command, ForgeCommand, KeysCommand, LsArgs, RunArgs};
 use crate::config::{self, ADMIN_TOKEN_FILE, env};
 
 struct Client {
@@ -131,6 +132,7 @@ pub async fn run(args: ClientArgs, command: Command) -> anyhow::Result<ExitCode>
             finish(&client, answer, |session| format!("{} {}", session.id, session.phase))
         }
         Command::Keys(command) => keys(&client, command).await,
+        Command::Forge(command) => forge(&client, command).await,
         Command::Serve(_)
         | Command::Driver(_)
         | Command::Sandbox(_)
@@ -389,9 +391,89 @@ async fn keys(client: &Client, command: KeysCommand) -> anyhow::Result<ExitCode>
     }
 }
 
+async fn forge(client: &Client, command: ForgeCommand) -> anyhow::Result<ExitCode> {
+    match command {
+        ForgeCommand::Set { host, kind, api_base } => {
+            if std::io::stdin().is_terminal() {
+                eprintln!(
+                    "paste the token for {host}, then Enter and Ctrl-D (or pipe it: `sortie forge set {host} < token.txt`)"
+                );
+            }
+            let token = read_secret(
+                std::io::stdin().lock(),
+                "token",
+                &format!("sortie forge set {host} < token.txt"),
+            )?;
+            let mut body = json!({"token": token});
+            if let Some(kind) = kind {
+                body["kind"] = json!(kind);
+            }
+            if let Some(api_base) = api_base {
+                body["api_base"] = json!(api_base);
+            }
+            let answer = client
+                .call::<ForgeConnection>(Method::PUT, &format!("/v1/forge-connections/{host}"), Some(body))
+                .await?;
+            finish(client, answer, |connection| {
+                format!(
+                    "set the {} token for {} {}",
+                    connection.kind.as_str(),
+                    connection.host,
+                    shown(connection.fingerprint.as_deref())
+                )
+            })
+        }
+        ForgeCommand::List => {
+            let answer = client
+                .call::<ForgeConnectionList>(Method::GET, "/v1/forge-connections", None)
+                .await?;
+            finish(client, answer, |list| {
+                if list.connections.is_empty() {
+                    return format!("no forge connections in workspace {}", list.workspace);
+                }
+                let mut out = format!(
+                    "{:<32}  {:<7}  {:<10}  {:<24}  {}",
+                    "HOST", "KIND", "TOKEN", "SET", "API"
+                );
+                for connection in &list.connections {
+                    out.push_str(&format!(
+                        "\n{:<32}  {:<7}  {:<10}  {:<24}  {}",
+                        connection.host,
+                        connection.kind.as_str(),
+                        shown(connection.fingerprint.as_deref()),
+                        connection.created_at,
+                        connection.api_base
+                    ));
+                }
+                out
+            })
+        }
+        ForgeCommand::Rm { host } => {
+            let answer = client
+                .call::<Value>(Method::DELETE, &format!("/v1/forge-connections/{host}"), None)
+                .await?;
+            match answer {
+                Answer::Ok(..) => {
+                    if client.json {
+                        println!("{}", json!({"host": host, "removed": true}));
+                    } else {
+                        println!("removed the connection to {host}");
+                    }
+                    Ok(ExitCode::SUCCESS)
+                }
+                refused @ Answer::Refused(_) => finish(client, refused, |_: &Value| String::new()),
+            }
+        }
+    }
+}
+
 /// `…abcd`, or why there is nothing to show.
 fn shown_fingerprint(key: &ModelKey) -> String {
-    match key.fingerprint.as_deref() {
+    shown(key.fingerprint.as_deref())
+}
+
+fn shown(fingerprint: Option<&str>) -> String {
+    match fingerprint {
         Some("") => "(short)".to_owned(),
         Some(fingerprint) => format!("…{fingerprint}"),
         None => "(does not open: set it again)".to_owned(),
@@ -425,27 +507,28 @@ fn refuse_mismatch(actual: &str, expected: &str) -> anyhow::Result<()> {
 
 /// The key from stdin: one trailing newline dropped, never empty, at most the server's limit.
 fn read_key(input: impl Read, api: ModelApi) -> anyhow::Result<String> {
+    read_secret(input, "key", &format!("sortie keys set {api} < key.txt"))
+}
+
+/// A secret from stdin: one trailing newline dropped, never empty, at most the limit of a model key.
+fn read_secret(input: impl Read, what: &str, example: &str) -> anyhow::Result<String> {
     let mut bytes = Vec::new();
     input
         .take(MODEL_KEY_MAX_BYTES as u64 + 3)
         .read_to_end(&mut bytes)
-        .context("cannot read the key from stdin")?;
+        .with_context(|| format!("cannot read the {what} from stdin"))?;
     if bytes.last() == Some(&b'\n') {
         bytes.pop();
         if bytes.last() == Some(&b'\r') {
             bytes.pop();
         }
     }
-    anyhow::ensure!(
-        !bytes.is_empty(),
-        "no key on stdin: pipe it in, e.g. `sortie keys set {api} < key.txt`"
-    );
+    anyhow::ensure!(!bytes.is_empty(), "no {what} on stdin: pipe it in, e.g. `{example}`");
     anyhow::ensure!(
         bytes.len() <= MODEL_KEY_MAX_BYTES,
-        "the key on stdin is longer than {MODEL_KEY_MAX_BYTES} bytes"
+        "the {what} on stdin is longer than {MODEL_KEY_MAX_BYTES} bytes"
     );
-    String::from_utf8(bytes)
-        .map_err(|_| anyhow::anyhow!("the key on stdin is not text (a model key is printable ASCII)"))
+    String::from_utf8(bytes).map_err(|_| anyhow::anyhow!("the {what} on stdin is not text (it is printable ASCII)"))
 }
 
 #[cfg(test)]

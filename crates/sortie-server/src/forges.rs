@@ -1,0 +1,184 @@
+//! The forge-connection endpoints (DESIGN §4): an admin sets, lists and removes the token the
+//! workspace reaches a forge with (`repo` URLs on that host). Tokens are sealed by the
+//! [`sortie_store::KeyRing`] before the store sees them; the gateway and the worker's mirror fetch
+//! are the only users of the plaintext, and no answer or log line ever carries it.
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use sortie_protocol::api::{
+    ForgeConnection, ForgeConnectionList, ForgeKind, SetForgeConnectionRequest, check_forge_token,
+    model_key_fingerprint, rfc3339_from_epoch_ms,
+};
+use sortie_protocol::{ApiErrorBody, ErrorCode};
+use sortie_store::{ForgeConnectionRow, KeyError};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::error::ApiError;
+use crate::extract::{Admin, ApiJson, ForgeHostPath};
+use crate::{ApiState, Secret};
+
+pub fn routes() -> OpenApiRouter<ApiState> {
+    OpenApiRouter::new()
+        .routes(routes!(list_forge_connections))
+        .routes(routes!(set_forge_connection, delete_forge_connection))
+}
+
+/// The longest API base URL taken, in bytes.
+const API_BASE_MAX_BYTES: usize = 2048;
+
+/// The REST API base a GitHub host has unless told otherwise.
+fn default_api_base(kind: ForgeKind, host: &str) -> String {
+    match kind {
+        ForgeKind::Github if host == "github.com" => "https://api.github.com".to_owned(),
+        ForgeKind::Github => format!("https://{host}/api/v3"),
+        ForgeKind::Git => String::new(),
+    }
+}
+
+/// Set the workspace's token for the forge at `host` (the authority of its repository URLs),
+/// replacing any earlier one. The answer shows its fingerprint, never the token.
+#[utoipa::path(
+    put, path = "/v1/forge-connections/{host}", tag = "forge-connections",
+    params(("host" = String, Path, description = "host or host:port, e.g. github.com")),
+    request_body = SetForgeConnectionRequest, security(("bearer" = [])),
+    responses(
+        (status = 200, description = "Set (the token sealed at rest)", body = ForgeConnection),
+        (status = 400, description = "FORGE_CONNECTION_INVALID, INVALID_REQUEST", body = ApiErrorBody),
+        (status = 401, description = "UNAUTHORIZED", body = ApiErrorBody),
+        (status = 403, description = "FORBIDDEN: only an admin token", body = ApiErrorBody),
+        (status = 413, description = "BODY_TOO_LARGE", body = ApiErrorBody),
+        (status = 415, description = "UNSUPPORTED_MEDIA_TYPE", body = ApiErrorBody),
+    )
+)]
+async fn set_forge_connection(
+    State(state): State<ApiState>,
+    Admin(caller): Admin,
+    ForgeHostPath(host): ForgeHostPath,
+    ApiJson(request): ApiJson<SetForgeConnectionRequest>,
+) -> Result<Json<ForgeConnection>, ApiError> {
+    check_forge_token(&request.token)?;
+    let kind = request.kind.unwrap_or_default();
+    let api_base = match request.api_base.filter(|base| !base.trim().is_empty()) {
+        Some(base) => {
+            if base.len() > API_BASE_MAX_BYTES
+                || !base.starts_with("https://")
+                || base.chars().any(|c| c.is_whitespace() || c.is_control())
+            {
+                return Err(ApiError::new(
+                    ErrorCode::ForgeConnectionInvalid,
+                    "api_base must be an https:// URL without spaces",
+                ));
+            }
+            base.trim_end_matches('/').to_owned()
+        }
+        None => default_api_base(kind, &host),
+    };
+    let token = Secret::new(request.token.into_bytes());
+    let sealed = state
+        .keyring
+        .seal_forge_token(&caller.workspace_id, &host, token.expose())
+        .map_err(key_fault)?;
+    let row = state
+        .store
+        .put_forge_connection(
+            &caller.workspace_id,
+            &host,
+            kind,
+            &api_base,
+            &sealed.ciphertext,
+            &sealed.nonce,
+        )
+        .await?;
+    tracing::info!(workspace = %caller.workspace_name, host = %host, token = %caller.token_id, "forge connection set");
+    Ok(Json(view(&row, Some(model_key_fingerprint(token.expose())))))
+}
+
+/// The workspace's forge connections: host, kind, API base, when set and fingerprint, never the token.
+#[utoipa::path(
+    get, path = "/v1/forge-connections", tag = "forge-connections", security(("bearer" = [])),
+    responses(
+        (status = 200, body = ForgeConnectionList),
+        (status = 401, description = "UNAUTHORIZED", body = ApiErrorBody),
+        (status = 403, description = "FORBIDDEN: only an admin token", body = ApiErrorBody),
+    )
+)]
+async fn list_forge_connections(
+    State(state): State<ApiState>,
+    Admin(caller): Admin,
+) -> Result<Json<ForgeConnectionList>, ApiError> {
+    let rows = state.store.forge_connections(&caller.workspace_id).await?;
+    let connections = rows
+        .iter()
+        .map(|row| {
+            let fingerprint = match state.keyring.open_forge_token(
+                &caller.workspace_id,
+                &row.host,
+                &row.token_ciphertext,
+                &row.token_nonce,
+            ) {
+                Ok(token) => Some(model_key_fingerprint(token.expose())),
+                Err(error) => {
+                    tracing::warn!(workspace = %caller.workspace_name, host = %row.host, %error, "a stored forge token does not open");
+                    None
+                }
+            };
+            view(row, fingerprint)
+        })
+        .collect();
+    Ok(Json(ForgeConnectionList {
+        workspace: caller.workspace_name,
+        connections,
+    }))
+}
+
+/// Forget the workspace's connection to the forge at `host`.
+#[utoipa::path(
+    delete, path = "/v1/forge-connections/{host}", tag = "forge-connections",
+    params(("host" = String, Path, description = "host or host:port")),
+    security(("bearer" = [])),
+    responses(
+        (status = 204, description = "Removed"),
+        (status = 400, description = "FORGE_CONNECTION_INVALID", body = ApiErrorBody),
+        (status = 401, description = "UNAUTHORIZED", body = ApiErrorBody),
+        (status = 403, description = "FORBIDDEN: only an admin token", body = ApiErrorBody),
+        (status = 404, description = "FORGE_CONNECTION_NOT_FOUND", body = ApiErrorBody),
+    )
+)]
+async fn delete_forge_connection(
+    State(state): State<ApiState>,
+    Admin(caller): Admin,
+    ForgeHostPath(host): ForgeHostPath,
+) -> Result<StatusCode, ApiError> {
+    if state.store.delete_forge_connection(&caller.workspace_id, &host).await? {
+        tracing::info!(workspace = %caller.workspace_name, host = %host, token = %caller.token_id, "forge connection removed");
+        Ok(StatusCode::NO_CONTENT)
+    } else {
+        Err(ApiError::new(
+            ErrorCode::ForgeConnectionNotFound,
+            format!("the workspace has no connection to {host}"),
+        ))
+    }
+}
+
+fn view(row: &ForgeConnectionRow, fingerprint: Option<String>) -> ForgeConnection {
+    ForgeConnection {
+        host: row.host.clone(),
+        kind: row.kind,
+        api_base: row.api_base.clone(),
+        created_at: rfc3339_from_epoch_ms(row.created_at),
+        fingerprint,
+    }
+}
+
+/// A keyring fault (no randomness, a cipher refusal): logged, answered `INTERNAL`. It carries no token.
+fn key_fault(error: KeyError) -> ApiError {
+    match error {
+        KeyError::Store(store) => store.into(),
+        other => {
+            tracing::error!(error = %other, "keyring fault");
+            ApiError::new(ErrorCode::Internal, "the server failed; the log has the detail")
+        }
+    }
+}
