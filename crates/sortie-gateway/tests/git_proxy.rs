@@ -10,6 +10,7 @@ use std::sync::Arc;
 use sortie_gateway::git::http::{ForgeTls, Upstream, Upstreams, router, router_with_forge_tls};
 use sortie_gateway::git::pktline;
 use sortie_protocol::SessionId;
+use sortie_testkit::forge::{make_certificates, serve_https as https_forge};
 
 struct OneRepo {
     session: SessionId,
@@ -396,131 +397,6 @@ async fn serve_proxy(app: axum::Router) -> String {
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     tokio::spawn(async move { axum::serve(listener, app).await });
     base
-}
-
-/// A CA and a certificate for 127.0.0.1 it signed, made with the `openssl` CLI.
-struct Certificates {
-    ca_pem: Vec<u8>,
-    forge_pem: Vec<u8>,
-    forge_key_pem: Vec<u8>,
-}
-
-fn make_certificates(dir: &Path) -> Certificates {
-    std::fs::create_dir_all(dir).expect("tls dir");
-    let openssl = |args: &[&str]| {
-        let output = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .expect("the openssl CLI");
-        assert!(
-            output.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    };
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
-    openssl(
-        &[
-            &["req", "-x509"][..],
-            &ec,
-            &[
-                "-keyout",
-                "ca.key",
-                "-out",
-                "ca.pem",
-                "-days",
-                "2",
-                "-subj",
-                "/CN=sortie test forge CA",
-                "-addext",
-                "basicConstraints=critical,CA:TRUE",
-                "-addext",
-                "keyUsage=critical,keyCertSign,cRLSign",
-            ],
-        ]
-        .concat(),
-    );
-    openssl(
-        &[
-            &["req"][..],
-            &ec,
-            &["-keyout", "forge.key", "-out", "forge.csr", "-subj", "/CN=127.0.0.1"],
-        ]
-        .concat(),
-    );
-    std::fs::write(
-        dir.join("forge.ext"),
-        "subjectAltName=IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
-    )
-    .expect("extensions");
-    openssl(&[
-        "x509",
-        "-req",
-        "-in",
-        "forge.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "forge.pem",
-        "-days",
-        "2",
-        "-extfile",
-        "forge.ext",
-    ]);
-    let read = |name: &str| std::fs::read(dir.join(name)).expect(name);
-    Certificates {
-        ca_pem: read("ca.pem"),
-        forge_pem: read("forge.pem"),
-        forge_key_pem: read("forge.key"),
-    }
-}
-
-/// Serves `app` over TLS on 127.0.0.1 with the forge certificate; returns its address and how many
-/// TLS handshakes failed.
-async fn https_forge(
-    app: axum::Router,
-    certificates: &Certificates,
-) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    use tower::ServiceExt;
-
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let chain = CertificateDer::pem_slice_iter(&certificates.forge_pem)
-        .collect::<Result<Vec<_>, _>>()
-        .expect("certificate");
-    let key = PrivateKeyDer::from_pem_slice(&certificates.forge_key_pem).expect("key");
-    let config = rustls::ServerConfig::builder()
-        .with_no_client_auth()
-        .with_single_cert(chain, key)
-        .expect("server config");
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let address = listener.local_addr().expect("addr");
-    let failed_handshakes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let failures = failed_handshakes.clone();
-    tokio::spawn(async move {
-        while let Ok((tcp, _)) = listener.accept().await {
-            let (acceptor, app, failures) = (acceptor.clone(), app.clone(), failures.clone());
-            tokio::spawn(async move {
-                let Ok(tls) = acceptor.accept(tcp).await else {
-                    failures.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    return;
-                };
-                let service = hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
-                    app.clone().oneshot(request.map(axum::body::Body::new))
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
-                    .await;
-            });
-        }
-    });
-    (address, failed_handshakes)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,8 +9,11 @@
 //! reports the same usage ([`FakeVendorOptions::input_tokens`], [`FakeVendorOptions::output_tokens`])
 //! and every request is recorded ([`RecordedRequest`]). Answers are deterministic: the same request
 //! gets the same bytes. [`sample`] builds requests like the agents' to drive a fake.
+//!
+//! [`forge`] is a git forge over real TLS: smart HTTP behind a token, as GitHub serves it.
 
 mod anthropic;
+pub mod forge;
 mod gemini;
 mod openai;
 pub mod sample;

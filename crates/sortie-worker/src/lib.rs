@@ -68,6 +68,12 @@ pub struct WorkerConfig {
     pub keyring: Option<Arc<sortie_store::KeyRing>>,
     /// Where the model proxy forwards each API.
     pub model_upstreams: sortie_gateway::model::Upstreams,
+    /// Reaches forges (`https://` repositories) for the git proxy, with the platform's roots and any
+    /// extra the operator trusts; `None`: the platform's roots only, made when the worker starts.
+    pub forge_http: Option<reqwest::Client>,
+    /// The CA bundle host-side git trusts for forges (the platform's plus the operator's extra roots);
+    /// `None`: git's default.
+    pub forge_ca_bundle: Option<PathBuf>,
     /// Author of delivered commits.
     pub author_name: String,
     pub author_email: String,
@@ -100,6 +106,8 @@ impl WorkerConfig {
             poll_interval: Duration::from_millis(100),
             keyring: None,
             model_upstreams: sortie_gateway::model::Upstreams::default(),
+            forge_http: None,
+            forge_ca_bundle: None,
             author_name: "sortie".into(),
             author_email: "sortie@localhost".into(),
         }
@@ -175,7 +183,12 @@ pub struct Worker {
 }
 
 impl Worker {
-    pub fn new(config: WorkerConfig, store: Arc<dyn Store>, runtime: Arc<dyn SandboxRuntime>) -> Self {
+    pub fn new(mut config: WorkerConfig, store: Arc<dyn Store>, runtime: Arc<dyn SandboxRuntime>) -> Self {
+        if config.forge_http.is_none() {
+            config.forge_http = sortie_gateway::git::http::forge_client(&Default::default())
+                .inspect_err(|error| tracing::error!(%error, "forges cannot be reached"))
+                .ok();
+        }
         Self {
             context: Arc::new(Context {
                 config,

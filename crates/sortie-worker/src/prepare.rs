@@ -66,8 +66,58 @@ pub fn mirror_path(mirrors: &Path, repo: &str) -> PathBuf {
     mirrors.join(format!("{name}.git"))
 }
 
+/// How host-side git reaches a forge: the token (sent as Basic `x-access-token:<token>`, as the git
+/// proxy does) and the CA bundle to trust. It goes to git through its environment, never its argv
+/// (which every local user can read) nor any config file. `Debug` never shows the token.
+#[derive(Clone)]
+pub struct ForgeAuth {
+    pub token: sortie_store::Secret,
+    pub ca_bundle: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for ForgeAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForgeAuth")
+            .field("token", &"[redacted]")
+            .field("ca_bundle", &self.ca_bundle)
+            .finish()
+    }
+}
+
+impl ForgeAuth {
+    fn apply(&self, command: &mut tokio::process::Command) {
+        use base64::Engine;
+        let mut basic = b"x-access-token:".to_vec();
+        basic.extend_from_slice(self.token.expose());
+        let header = format!(
+            "Authorization: Basic {}",
+            base64::engine::general_purpose::STANDARD.encode(basic)
+        );
+        command
+            .env("GIT_CONFIG_COUNT", "2")
+            .env("GIT_CONFIG_KEY_0", "http.extraHeader")
+            .env("GIT_CONFIG_VALUE_0", header)
+            // The credential must not follow a redirect to another host.
+            .env("GIT_CONFIG_KEY_1", "http.followRedirects")
+            .env("GIT_CONFIG_VALUE_1", "false");
+        if let Some(bundle) = &self.ca_bundle {
+            command.env("GIT_SSL_CAINFO", bundle);
+        }
+    }
+}
+
 /// Runs git with a deadline; stdout on success, else a sentence with the tail of its stderr.
 pub async fn git(binary: &Path, dir: Option<&Path>, args: &[&str], deadline: Duration) -> Result<String, PrepareError> {
+    git_with(binary, dir, args, deadline, None).await
+}
+
+async fn git_with(
+    binary: &Path,
+    dir: Option<&Path>,
+    args: &[&str],
+    deadline: Duration,
+    auth: Option<&ForgeAuth>,
+) -> Result<String, PrepareError> {
     let mut command = tokio::process::Command::new(binary);
     command
         .args(["-c", "safe.directory=*", "-c", "core.hooksPath=/dev/null"])
@@ -79,6 +129,9 @@ pub async fn git(binary: &Path, dir: Option<&Path>, args: &[&str], deadline: Dur
         .kill_on_drop(true);
     if let Some(dir) = dir {
         command.current_dir(dir);
+    }
+    if let Some(auth) = auth {
+        auth.apply(&mut command);
     }
     let what = format!("git {}", args.first().copied().unwrap_or_default());
     let output = tokio::time::timeout(deadline, command.output())
@@ -94,15 +147,22 @@ pub async fn git(binary: &Path, dir: Option<&Path>, args: &[&str], deadline: Dur
     Err(PrepareError(format!("{what} failed: {}", tail.join(" / "))))
 }
 
-/// Makes or refreshes the mirror of `repo`. Callers serialise calls per mirror.
-pub async fn ensure_mirror(binary: &Path, mirrors: &Path, repo: &str) -> Result<PathBuf, PrepareError> {
+/// Makes or refreshes the mirror of `repo` (a local path, or a forge URL reached with `auth`).
+/// Callers serialise calls per mirror.
+pub async fn ensure_mirror(
+    binary: &Path,
+    mirrors: &Path,
+    repo: &str,
+    auth: Option<&ForgeAuth>,
+) -> Result<PathBuf, PrepareError> {
     let mirror = mirror_path(mirrors, repo);
     if mirror.join("HEAD").is_file() {
-        git(
+        git_with(
             binary,
             Some(&mirror),
             &["fetch", "--quiet", "--force", "origin"],
             FETCH_DEADLINE,
+            auth,
         )
         .await
         .map_err(|e| PrepareError(format!("cannot fetch {repo}: {}", e.0)))?;
@@ -112,11 +172,12 @@ pub async fn ensure_mirror(binary: &Path, mirrors: &Path, repo: &str) -> Result<
     let partial = mirror.with_extension("partial");
     let _ = std::fs::remove_dir_all(&partial);
     let partial_text = partial.to_string_lossy().into_owned();
-    git(
+    git_with(
         binary,
         None,
         &["clone", "--quiet", "--mirror", "--no-local", repo, &partial_text],
         FETCH_DEADLINE,
+        auth,
     )
     .await
     .map_err(|e| PrepareError(format!("cannot clone {repo}: {}", e.0)))?;

@@ -522,6 +522,63 @@ fn start_failed(what: impl std::fmt::Display) -> Failure {
     (FailureCode::SandboxStartFailed, what.to_string())
 }
 
+/// Where the session's repository lives for the git proxy, and how host-side git reaches it: a local
+/// path as is; an `https://` URL through the workspace's connection to its forge, whose token only
+/// the gateway and the mirror fetch ever hold.
+async fn session_upstream(
+    context: &Arc<Context>,
+    session: &SessionRow,
+) -> Result<(Upstream, Option<prepare::ForgeAuth>), Failure> {
+    if session.repo.starts_with('/') {
+        return Ok((Upstream::Local(PathBuf::from(&session.repo)), None));
+    }
+    let Some(host) = sortie_protocol::api::repo_forge_host(&session.repo) else {
+        return Err((
+            FailureCode::CloneFailed,
+            format!(
+                "{:?} is neither a local path nor an https:// repository URL",
+                session.repo
+            ),
+        ));
+    };
+    let missing = || {
+        (
+            FailureCode::CloneFailed,
+            format!(
+                "the workspace has no connection to {host}: an admin adds one with `sortie forge set {host}`, then retry"
+            ),
+        )
+    };
+    let ring = context.config.keyring.as_ref().ok_or_else(missing)?;
+    let opened = sortie_store::workspace_forge_token(context.store.as_ref(), ring, &session.workspace_id, &host).await;
+    let (_, token) = match opened {
+        Ok(Some(found)) => found,
+        Ok(None) => return Err(missing()),
+        Err(sortie_store::KeyError::Store(_)) => {
+            return Err((FailureCode::CloneFailed, "the store did not answer; retry".into()));
+        }
+        Err(_) => {
+            return Err((
+                FailureCode::CloneFailed,
+                format!(
+                    "the stored token for {host} does not open with this server's master key: set it again with `sortie forge set {host}`"
+                ),
+            ));
+        }
+    };
+    let token_text = String::from_utf8_lossy(token.expose()).into_owned();
+    Ok((
+        Upstream::Remote {
+            url: session.repo.clone(),
+            token: token_text,
+        },
+        Some(prepare::ForgeAuth {
+            token,
+            ca_bundle: context.config.forge_ca_bundle.clone(),
+        }),
+    ))
+}
+
 /// Makes the session's sandbox: workspace, egress and git proxy, the driver, the setup script.
 async fn provision(
     context: &Arc<Context>,
@@ -530,13 +587,7 @@ async fn provision(
 ) -> Result<SandboxHandle, Failure> {
     let config = &context.config;
     let dirs = SessionDirs::new(&config.work_dir, &session.id);
-    let repo = PathBuf::from(&session.repo);
-    if !repo.is_absolute() {
-        return Err((
-            FailureCode::CloneFailed,
-            "this sortie has no forge connection for remote repositories yet: use a local repository path".into(),
-        ));
-    }
+    let (upstream, forge_auth) = session_upstream(context, session).await?;
 
     let clock = Instant::now();
     let mirrors = config.work_dir.join("mirrors");
@@ -545,7 +596,7 @@ async fn provision(
             .mirror_lock(&prepare::mirror_path(&mirrors, &session.repo))
             .await;
         let _held = lock.lock().await;
-        prepare::ensure_mirror(&config.git_binary, &mirrors, &session.repo)
+        prepare::ensure_mirror(&config.git_binary, &mirrors, &session.repo, forge_auth.as_ref())
             .await
             .map_err(|e| (FailureCode::CloneFailed, e.0))?
     };
@@ -584,13 +635,16 @@ async fn provision(
         }),
         config.setup_hosts.clone(),
     );
-    let git_routes = sortie_gateway::git::http::router(
-        Arc::new(SessionUpstream {
-            session_id: session.id.clone(),
-            upstream: Upstream::Local(repo),
-        }),
-        config.git_binary.clone(),
-    );
+    let session_upstream = Arc::new(SessionUpstream {
+        session_id: session.id.clone(),
+        upstream,
+    });
+    let git_routes = match &config.forge_http {
+        Some(http) => {
+            sortie_gateway::git::http::router_with_client(session_upstream, config.git_binary.clone(), http.clone())
+        }
+        None => sortie_gateway::git::http::router(session_upstream, config.git_binary.clone()),
+    };
     let meter = TurnMeter::new(context.store.clone(), session.id.clone(), dirs.driver_socket());
     let model_routes = sortie_gateway::model::router(
         sortie_gateway::model::ModelProxyConfig {

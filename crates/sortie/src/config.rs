@@ -54,6 +54,8 @@ pub mod env {
     pub const UPSTREAM_OPENAI: &str = "SORTIE_UPSTREAM_OPENAI";
     /// The model proxy's upstream for Gemini (`--upstream-gemini`).
     pub const UPSTREAM_GEMINI: &str = "SORTIE_UPSTREAM_GEMINI";
+    /// PEM roots trusted for forges (`https://` repositories) besides the platform's (`--forge-ca-file`).
+    pub const FORGE_CA_FILE: &str = "SORTIE_FORGE_CA_FILE";
     /// Master key sealing model keys at rest, base64 of 32 bytes; default: the file `<data dir>/keyring.key` (created once, 0600).
     pub const KEYRING_KEY: &str = "SORTIE_KEYRING_KEY";
 }

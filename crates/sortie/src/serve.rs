@@ -219,6 +219,26 @@ fn build_worker(
             _ => config.model_upstreams.gemini = url.clone(),
         }
     }
+    if let Some(ca_file) = args.forge_ca_file.as_ref().filter(|p| !p.as_os_str().is_empty()) {
+        let extra =
+            std::fs::read(ca_file).with_context(|| format!("cannot read the forge CA file {}", ca_file.display()))?;
+        config.forge_http = Some(
+            sortie_gateway::git::http::forge_client(&sortie_gateway::git::http::ForgeTls {
+                extra_roots_pem: extra.clone(),
+            })
+            .with_context(|| format!("the forge CA file {}", ca_file.display()))?,
+        );
+        // Host-side git takes one bundle: the platform's roots, then the operator's.
+        let platform = std::env::var_os("SSL_CERT_FILE")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| "/etc/ssl/certs/ca-certificates.crt".into());
+        let mut bundle = std::fs::read(&platform).unwrap_or_default();
+        bundle.push(b'\n');
+        bundle.extend_from_slice(&extra);
+        let path = config.work_dir.join("forge-ca-bundle.pem");
+        std::fs::write(&path, bundle).with_context(|| format!("cannot write {}", path.display()))?;
+        config.forge_ca_bundle = Some(path);
+    }
     config.setup_hosts = match &args.setup_hosts {
         Some(hosts) => hosts.iter().filter(|h| !h.is_empty()).cloned().collect(),
         None => {

@@ -951,3 +951,107 @@ async fn clients_joining_a_recorded_turn_midway_get_it_whole_and_once() {
     }
     world.settled(&id, 1).await;
 }
+
+/// Every file under `dir` (not following links) that holds `needle`.
+fn files_holding(dir: &Path, needle: &[u8]) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut pending = vec![dir.to_owned()];
+    while let Some(dir) = pending.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let Ok(kind) = entry.file_type() else { continue };
+            if kind.is_dir() {
+                pending.push(path);
+            } else if kind.is_file()
+                && std::fs::read(&path).is_ok_and(|bytes| bytes.windows(needle.len()).any(|w| w == needle))
+            {
+                found.push(path);
+            }
+        }
+    }
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repository_on_an_https_forge_is_delivered_with_a_token_no_sandbox_holds() {
+    use sortie_testkit::forge::{GitForge, make_certificates, serve_https};
+    const TOKEN: &str = "ghs_FORGE-canary-token-0123456789wxyz";
+    let forge_dir = tempfile::tempdir().expect("temp");
+    std::fs::set_permissions(forge_dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let certificates = make_certificates(&forge_dir.path().join("tls"));
+    let repos = forge_dir.path().join("repos");
+    std::fs::create_dir_all(&repos).expect("repos");
+    let repo = support::upstream_with_main(&repos);
+    let forge = GitForge::new(&repos, TOKEN);
+    let (address, _) = serve_https(forge.router(), &certificates).await;
+    let host = format!("127.0.0.1:{}", address.port());
+    let url = format!("https://{host}/upstream.git");
+    let ca_file = certificates.ca_file.to_str().expect("utf-8").to_owned();
+    let world = World::start(&["--forge-ca-file", &ca_file]);
+
+    // Without a connection to the forge the session says what to do.
+    let unconnected = world
+        .create("#!scripted\nwrite: x.txt\nx\n>>>", json!({"repo": url}))
+        .await;
+    let (session, _) = world.settled(&unconnected, 1).await;
+    assert_eq!(code_of(&session), "CLONE_FAILED", "{session:#}");
+    assert!(
+        session["failure"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains(&format!("sortie forge set {host}"))),
+        "{session:#}"
+    );
+
+    // An admin connects the workspace to the forge: the token from stdin, never an argument.
+    let mut child = sortie(&world.root)
+        .args(["--server", &world.url(), "--data-dir"])
+        .arg(&world.data_dir)
+        .args(["forge", "set", &host, "--kind", "git"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("sortie forge set");
+    std::io::Write::write_all(&mut child.stdin.take().expect("stdin"), format!("{TOKEN}\n").as_bytes()).expect("token");
+    let set = child.wait_with_output().expect("forge set");
+    let said = String::from_utf8_lossy(&set.stdout);
+    assert!(set.status.success(), "{}", String::from_utf8_lossy(&set.stderr));
+    assert!(
+        said.contains(&host) && said.contains("…wxyz") && !said.contains(&TOKEN[..20]),
+        "{said}"
+    );
+
+    let id = world
+        .create(
+            "#!scripted\nwrite: from-forge.txt\ndelivered through the forge\n>>>",
+            json!({"repo": url}),
+        )
+        .await;
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(status_of(&turns, 1), "completed", "{session:#}");
+    let branch = format!("refs/heads/sortie/{id}");
+    let head = rev(&repo, &branch).expect("the forge has the session's branch");
+    assert_eq!(session["head_sha"].as_str(), Some(head.as_str()));
+    let files = git(&repo, &["diff", "--name-only", "refs/heads/main", &branch]);
+    assert_eq!(files.trim(), "from-forge.txt");
+    let requests = forge.requests();
+    assert!(
+        requests.iter().any(|r| r.line.contains("git-receive-pack")),
+        "the push reached the forge: {requests:?}"
+    );
+    assert!(
+        requests.iter().all(|r| r.authorized),
+        "every request carried the token: {requests:?}"
+    );
+
+    // The token is nowhere a sandbox (or anyone reading the session) could see it.
+    let session_dir = world.data_dir.join("work/sessions").join(&id);
+    assert!(session_dir.join("workspace/.git").is_dir(), "{}", session_dir.display());
+    let holding = files_holding(&session_dir, TOKEN.as_bytes());
+    assert!(holding.is_empty(), "the token is in {holding:?}");
+    let mirrors = files_holding(&world.data_dir.join("work/mirrors"), TOKEN.as_bytes());
+    assert!(mirrors.is_empty(), "the token is in {mirrors:?}");
+    let transcript = serde_json::to_string(&world.messages(&id).await).expect("json");
+    assert!(!transcript.contains(TOKEN) && !session.to_string().contains(TOKEN));
+}

@@ -115,6 +115,12 @@ pub fn router_with_forge_tls(
     Ok(routes(upstreams, git, Some(forge_client(tls)?)))
 }
 
+/// The routes of the git proxy with a forge client made once by [`forge_client`] (a worker serves
+/// many sessions with one).
+pub fn router_with_client(upstreams: Arc<dyn Upstreams>, git: PathBuf, http: reqwest::Client) -> Router {
+    routes(upstreams, git, Some(http))
+}
+
 fn routes(upstreams: Arc<dyn Upstreams>, git: PathBuf, http: Option<reqwest::Client>) -> Router {
     Router::new()
         .route("/_sortie/git/{repo}/info/refs", get(info_refs))

@@ -1,0 +1,273 @@
+//! A fake forge for tests: smart HTTP over the bare repositories under a directory (served by the
+//! real `git http-backend`, with no branch rules, as a forge's would be), behind Basic auth as
+//! GitHub takes installation tokens (`x-access-token:<token>`), over real TLS with a certificate
+//! made here by the `openssl` CLI. Every request is recorded with whether it carried the token.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::Response;
+use base64::Engine;
+use tokio::io::AsyncWriteExt;
+
+/// A CA and a certificate for 127.0.0.1 it signed.
+pub struct Certificates {
+    /// Where the CA's PEM is, for clients to trust.
+    pub ca_file: PathBuf,
+    pub ca_pem: Vec<u8>,
+    pub forge_pem: Vec<u8>,
+    pub forge_key_pem: Vec<u8>,
+}
+
+/// Makes a CA and a server certificate for `IP:127.0.0.1` under `dir` with the `openssl` CLI.
+pub fn make_certificates(dir: &Path) -> Certificates {
+    std::fs::create_dir_all(dir).expect("tls dir");
+    let openssl = |args: &[&str]| {
+        let output = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("the openssl CLI");
+        assert!(
+            output.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    };
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+    let ca = [
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=sortie test forge CA",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    ];
+    openssl(&[&["req", "-x509"][..], &ec, &ca].concat());
+    let csr = ["-keyout", "forge.key", "-out", "forge.csr", "-subj", "/CN=127.0.0.1"];
+    openssl(&[&["req"][..], &ec, &csr].concat());
+    std::fs::write(
+        dir.join("forge.ext"),
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
+    )
+    .expect("extensions");
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "forge.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "forge.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "forge.ext",
+    ]);
+    let read = |name: &str| std::fs::read(dir.join(name)).expect(name);
+    Certificates {
+        ca_file: dir.join("ca.pem"),
+        ca_pem: read("ca.pem"),
+        forge_pem: read("forge.pem"),
+        forge_key_pem: read("forge.key"),
+    }
+}
+
+/// Serves `app` over TLS on 127.0.0.1 with the forge certificate; its address and a count of the
+/// TLS handshakes that failed.
+pub async fn serve_https(app: Router, certificates: &Certificates) -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    use tower::ServiceExt;
+
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let chain = CertificateDer::pem_slice_iter(&certificates.forge_pem)
+        .collect::<Result<Vec<_>, _>>()
+        .expect("certificate");
+    let key = PrivateKeyDer::from_pem_slice(&certificates.forge_key_pem).expect("key");
+    let config = rustls::ServerConfig::builder()
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .expect("server config");
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("addr");
+    let failed_handshakes = Arc::new(AtomicUsize::new(0));
+    let failures = failed_handshakes.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let (acceptor, app, failures) = (acceptor.clone(), app.clone(), failures.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    failures.fetch_add(1, Ordering::SeqCst);
+                    return;
+                };
+                let service = hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
+                    app.clone().oneshot(request.map(Body::new))
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                    .await;
+            });
+        }
+    });
+    (address, failed_handshakes)
+}
+
+/// One request the forge saw: `METHOD /path?query` and whether it carried the token.
+#[derive(Clone, Debug)]
+pub struct ForgeRequest {
+    pub line: String,
+    pub authorized: bool,
+}
+
+/// The bare repositories under `root` as a forge serves them (`/<name>.git/…`), for `token` only.
+pub struct GitForge {
+    root: PathBuf,
+    expected: String,
+    seen: Mutex<Vec<ForgeRequest>>,
+}
+
+impl GitForge {
+    pub fn new(root: &Path, token: &str) -> Arc<Self> {
+        Arc::new(Self {
+            root: root.to_owned(),
+            expected: format!(
+                "Basic {}",
+                base64::engine::general_purpose::STANDARD.encode(format!("x-access-token:{token}"))
+            ),
+            seen: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub fn requests(&self) -> Vec<ForgeRequest> {
+        self.seen.lock().map(|seen| seen.clone()).unwrap_or_default()
+    }
+
+    pub fn router(self: &Arc<Self>) -> Router {
+        Router::new().fallback(serve).with_state(self.clone())
+    }
+}
+
+async fn serve(State(forge): State<Arc<GitForge>>, request: Request) -> Response {
+    let authorized = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v == forge.expected);
+    let line = format!("{} {}", request.method(), request.uri());
+    if let Ok(mut seen) = forge.seen.lock() {
+        seen.push(ForgeRequest { line, authorized });
+    }
+    if !authorized {
+        return status(StatusCode::UNAUTHORIZED, Some("Basic realm=forge"));
+    }
+    let (parts, body) = request.into_parts();
+    let Ok(body) = axum::body::to_bytes(body, 256 << 20).await else {
+        return status(StatusCode::PAYLOAD_TOO_LARGE, None);
+    };
+    http_backend(&forge.root, &parts.method, &parts.uri, &parts.headers, body).await
+}
+
+fn status(code: StatusCode, challenge: Option<&str>) -> Response {
+    let mut response = Response::builder().status(code);
+    if let Some(challenge) = challenge {
+        response = response.header(header::WWW_AUTHENTICATE, challenge);
+    }
+    response.body(Body::empty()).unwrap_or_default()
+}
+
+/// One CGI round of `git http-backend` (buffered: a test forge).
+async fn http_backend(
+    root: &Path,
+    method: &axum::http::Method,
+    uri: &axum::http::Uri,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Response {
+    let mut command = tokio::process::Command::new("git");
+    command
+        .arg("http-backend")
+        .env_clear()
+        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+        .env("GIT_PROJECT_ROOT", root)
+        .env("PATH_INFO", uri.path())
+        .env("REQUEST_METHOD", method.as_str())
+        .env("QUERY_STRING", uri.query().unwrap_or_default())
+        .env("GIT_HTTP_EXPORT_ALL", "1")
+        .env("REMOTE_USER", "x-access-token")
+        .env("GIT_CONFIG_COUNT", "2")
+        .env("GIT_CONFIG_KEY_0", "http.receivepack")
+        .env("GIT_CONFIG_VALUE_0", "true")
+        .env("GIT_CONFIG_KEY_1", "safe.directory")
+        .env("GIT_CONFIG_VALUE_1", "*")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    for (name, variable) in [
+        (header::CONTENT_TYPE, "CONTENT_TYPE"),
+        (header::CONTENT_ENCODING, "HTTP_CONTENT_ENCODING"),
+    ] {
+        if let Some(value) = headers.get(name).and_then(|v| v.to_str().ok()) {
+            command.env(variable, value);
+        }
+    }
+    if let Some(protocol) = headers.get("git-protocol").and_then(|v| v.to_str().ok()) {
+        command.env("GIT_PROTOCOL", protocol);
+    }
+    let Ok(mut child) = command.spawn() else {
+        return status(StatusCode::INTERNAL_SERVER_ERROR, None);
+    };
+    if let Some(mut stdin) = child.stdin.take() {
+        tokio::spawn(async move {
+            let _ = stdin.write_all(&body).await;
+        });
+    }
+    let Ok(output) = child.wait_with_output().await else {
+        return status(StatusCode::INTERNAL_SERVER_ERROR, None);
+    };
+    let out = output.stdout;
+    let Some(split) = out
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| (i, 4))
+        .or_else(|| out.windows(2).position(|w| w == b"\n\n").map(|i| (i, 2)))
+    else {
+        return status(StatusCode::BAD_GATEWAY, None);
+    };
+    let (head, rest) = (&out[..split.0], &out[split.0 + split.1..]);
+    let mut response = Response::builder();
+    for line in String::from_utf8_lossy(head).lines() {
+        let Some((name, value)) = line.split_once(':') else {
+            continue;
+        };
+        let value = value.trim();
+        if name.eq_ignore_ascii_case("status") {
+            let code = value
+                .split(' ')
+                .next()
+                .and_then(|c| c.parse::<u16>().ok())
+                .unwrap_or(500);
+            response = response.status(code);
+        } else {
+            response = response.header(name.trim(), value);
+        }
+    }
+    response.body(Body::from(rest.to_vec())).unwrap_or_default()
+}
