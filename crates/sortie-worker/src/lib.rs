@@ -40,8 +40,8 @@ pub struct WorkerConfig {
     /// `mirrors/`, `sessions/<id>/{workspace,home,run,egress}`, the runtime's state; every ancestor must
     /// be searchable by the sandbox uid.
     pub work_dir: PathBuf,
-    /// The `sortie` binary bound read-only into every sandbox (it runs `sortie driver` there); agents
-    /// installed beside it are found there too.
+    /// The `sortie` binary bound read-only into every sandbox (it runs `sortie driver` there), with
+    /// the session's agent command when that lies beside it (those files only, not their directory).
     pub sortie_exe: PathBuf,
     /// An agent manifest (TOML) given to the driver, bound read-only.
     pub agent_profiles: Option<PathBuf>,

@@ -487,11 +487,19 @@ async fn priming_context(context: &Arc<Context>, session: &SessionRow, n: u32) -
 
 /// What the session's agent profile asks the sandbox to bind read-only (its install dir outside
 /// `/usr` and the agents dir): absolute paths that exist, else the turn cannot start.
-fn agent_read_only_paths(manifest: Option<&Path>, agent: &str) -> Result<Vec<PathBuf>, Failure> {
+fn agent_read_only_paths(manifest: Option<&Path>, agent: &str, exe_dir: &Path) -> Result<Vec<PathBuf>, Failure> {
     let agent_failed = |what: String| (FailureCode::AgentStartFailed, what);
     let profiles = sortie_driver::profile::load(manifest).map_err(|e| agent_failed(e.to_string()))?;
     let profile = sortie_driver::profile::find(&profiles, agent).map_err(|e| agent_failed(e.to_string()))?;
     let mut paths = Vec::new();
+    // The driver looks for a bare command beside its own binary first: that one file is bound, not
+    // the directory (which may hold anything: a build tree, other tools).
+    if !profile.command.contains('/') {
+        let beside = exe_dir.join(&profile.command);
+        if beside.is_file() {
+            paths.push(beside);
+        }
+    }
     for entry in &profile.read_only_paths {
         let path = PathBuf::from(entry);
         let plain = path.is_absolute() && path.components().all(|c| !matches!(c, std::path::Component::ParentDir));
@@ -719,7 +727,7 @@ async fn provision(
         .map_err(start_failed)?;
     command.push("--secret-digests".into());
     command.push(dirs.known_secrets.display().to_string());
-    let mut read_only = vec![exe_dir, mirror, dirs.known_secrets.clone()];
+    let mut read_only = vec![exe.clone(), mirror, dirs.known_secrets.clone()];
     if let Some(model) = &session.model {
         command.push("--model".into());
         command.push(model.clone());
@@ -734,7 +742,11 @@ async fn provision(
         command.push(profiles.display().to_string());
         read_only.push(profiles.clone());
     }
-    read_only.extend(agent_read_only_paths(config.agent_profiles.as_deref(), &session.agent)?);
+    read_only.extend(agent_read_only_paths(
+        config.agent_profiles.as_deref(),
+        &session.agent,
+        &exe_dir,
+    )?);
     let spec = SandboxSpec {
         name: session.id.to_string(),
         workspace: dirs.workspace.clone(),

@@ -301,11 +301,17 @@ fn main() {
         let started = Instant::now();
         let via = count_parts(world.through_gateway("flood").await).await;
         let via_rate = via as f64 / started.elapsed().as_secs_f64();
+        // The same turn again, now whole in the driver's memory: what the gateway itself forwards
+        // when the agent is not the bottleneck.
+        let started = Instant::now();
+        let replayed = count_parts(world.through_gateway("flood-replay").await).await;
+        let replayed_rate = replayed as f64 / started.elapsed().as_secs_f64();
         let started = Instant::now();
         let direct = count_parts(world.driver_client.get("http://driver/turns/1/stream").send().await.expect("direct")).await;
         let direct_rate = direct as f64 / started.elapsed().as_secs_f64();
         println!("{:<48} {:>10} {:>12}", "flood: 100000 to one client", "parts", "parts/s");
         println!("{:<48} {:>10} {:>12.0}", "through the gateway, live (target ≥ 50k/s)", via, via_rate);
+        println!("{:<48} {:>10} {:>12.0}", "through the gateway, the ended turn replayed", replayed, replayed_rate);
         println!("{:<48} {:>10} {:>12.0}", "baseline: replay on the driver's socket", direct, direct_rate);
         world.stop();
 

@@ -1055,3 +1055,33 @@ async fn a_repository_on_an_https_forge_is_delivered_with_a_token_no_sandbox_hol
     let transcript = serde_json::to_string(&world.messages(&id).await).expect("json");
     assert!(!transcript.contains(TOKEN) && !session.to_string().contains(TOKEN));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sandbox_holds_the_sortie_binary_and_its_agent_not_their_directory() {
+    let world = World::start(&[]);
+    // The step's shell is the driver's child: the driver's binary is `sortie`, bound where it lives.
+    let id = world
+        .create(
+            "#!scripted\nrun: ls -a \"$(dirname \"$(readlink /proc/$PPID/exe)\")\"\nsay: listed",
+            json!({}),
+        )
+        .await;
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(status_of(&turns, 1), "completed", "{session:#}");
+    let messages = world.messages(&id).await;
+    let listing: Vec<String> = messages
+        .iter()
+        .filter(|m| m["role"] == "assistant")
+        .flat_map(|m| m["parts"].as_array().cloned().unwrap_or_default())
+        .filter_map(|p| p["output"]["text"].as_str().map(ToOwned::to_owned))
+        .collect();
+    let listing = listing.join("\n");
+    let names: HashSet<&str> = listing.lines().collect();
+    assert!(
+        names.contains("sortie") && names.contains("sortie-scripted-agent"),
+        "{listing:?} in {messages:#?}"
+    );
+    for build_tree in ["deps", "build", ".fingerprint", "incremental"] {
+        assert!(!names.contains(build_tree), "{build_tree} is visible: {listing:?}");
+    }
+}
