@@ -244,11 +244,12 @@ async fn count_parts(mut response: reqwest::Response) -> u64 {
     let mut carry = Vec::new();
     while let Some(bytes) = response.chunk().await.expect("chunk") {
         carry.extend_from_slice(&bytes);
-        let cut = carry.len().saturating_sub(6);
-        parts += carry[..cut].windows(6).filter(|w| w == b"data: ").count() as u64;
-        carry.drain(..cut);
+        parts += carry.windows(6).filter(|w| w == b"data: ").count() as u64;
+        // Five bytes cannot hold a whole marker, only the start of one the next read completes.
+        let keep = carry.len().saturating_sub(5);
+        carry.drain(..keep);
     }
-    parts + carry.windows(6).filter(|w| w == b"data: ").count() as u64
+    parts
 }
 
 struct OneRepo(SessionId, PathBuf);
