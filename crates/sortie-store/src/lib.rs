@@ -122,6 +122,9 @@ pub trait Store: Send + Sync + 'static {
         timings: Option<&std::collections::BTreeMap<String, u64>>,
     ) -> StoreResult<()>;
 
+    /// Records the session's pull request, once: `false` if it already has one (which is kept).
+    async fn set_session_pr(&self, session_id: &SessionId, url: &str, number: u64) -> StoreResult<bool>;
+
     // Live sandboxes (counted for the per-workspace limit, found again after a restart).
 
     async fn put_sandbox(

@@ -914,6 +914,21 @@ impl Store for SqlStore {
         Ok(())
     }
 
+    async fn set_session_pr(&self, session_id: &SessionId, url: &str, number: u64) -> StoreResult<bool> {
+        let number = i64::try_from(number).map_err(internal)?;
+        let updated = sqlx::query(
+            "UPDATE sessions SET pr_url = $2, pr_number = $3, updated_at = $4 WHERE id = $1 AND pr_url IS NULL",
+        )
+        .bind(session_id.as_str())
+        .bind(url)
+        .bind(number)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(updated > 0)
+    }
+
     async fn put_sandbox(
         &self,
         session_id: &SessionId,

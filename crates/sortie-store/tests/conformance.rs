@@ -94,7 +94,34 @@ on_both_databases!(
     worker_finds_work_settles_sessions_and_counts_sandboxes,
     model_keys_are_sealed_per_workspace_and_api,
     forge_connections_are_sealed_per_workspace_and_host,
+    a_session_keeps_its_first_pull_request,
 );
+
+async fn a_session_keeps_its_first_pull_request(backend: TestBackend) {
+    let f = fixture(backend).await;
+    let session = f
+        .store
+        .create_session(new_session(&f.workspace.id, "https://forge/o/r.git", "t"))
+        .await
+        .expect("create");
+    assert_eq!(f.store.session_by_id(&session.id).await.expect("read").pr, None);
+    assert!(
+        f.store
+            .set_session_pr(&session.id, "https://forge/o/r/pull/7", 7)
+            .await
+            .expect("set")
+    );
+    assert!(
+        !f.store
+            .set_session_pr(&session.id, "https://forge/o/r/pull/8", 8)
+            .await
+            .expect("again")
+    );
+    assert_eq!(
+        f.store.session_by_id(&session.id).await.expect("read").pr,
+        Some(("https://forge/o/r/pull/7".to_owned(), 7))
+    );
+}
 
 async fn forge_connections_are_sealed_per_workspace_and_host(backend: TestBackend) {
     use sortie_protocol::api::ForgeKind;

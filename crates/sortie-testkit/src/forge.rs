@@ -2,6 +2,8 @@
 //! real `git http-backend`, with no branch rules, as a forge's would be), behind Basic auth as
 //! GitHub takes installation tokens (`x-access-token:<token>`), over real TLS with a certificate
 //! made here by the `openssl` CLI. Every request is recorded with whether it carried the token.
+//! It also answers GitHub's pull-request calls (`POST`/`GET /repos/{owner}/{repo}/pulls`, with the
+//! token as a bearer), in GitHub's shapes, including the 422 for a head that has a PR already.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -137,11 +139,25 @@ pub struct ForgeRequest {
     pub authorized: bool,
 }
 
+/// A pull request the forge keeps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FakePull {
+    pub number: u64,
+    pub repo: String,
+    pub head: String,
+    pub base: String,
+    pub title: String,
+    pub body: String,
+    pub draft: bool,
+}
+
 /// The bare repositories under `root` as a forge serves them (`/<name>.git/…`), for `token` only.
 pub struct GitForge {
     root: PathBuf,
     expected: String,
+    bearer: String,
     seen: Mutex<Vec<ForgeRequest>>,
+    pulls: Mutex<Vec<FakePull>>,
 }
 
 impl GitForge {
@@ -152,8 +168,14 @@ impl GitForge {
                 "Basic {}",
                 base64::engine::general_purpose::STANDARD.encode(format!("x-access-token:{token}"))
             ),
+            bearer: format!("Bearer {token}"),
             seen: Mutex::new(Vec::new()),
+            pulls: Mutex::new(Vec::new()),
         })
+    }
+
+    pub fn pulls(&self) -> Vec<FakePull> {
+        self.pulls.lock().map(|pulls| pulls.clone()).unwrap_or_default()
     }
 
     pub fn requests(&self) -> Vec<ForgeRequest> {
@@ -161,7 +183,137 @@ impl GitForge {
     }
 
     pub fn router(self: &Arc<Self>) -> Router {
-        Router::new().fallback(serve).with_state(self.clone())
+        Router::new()
+            .route(
+                "/repos/{owner}/{name}/pulls",
+                axum::routing::get(list_pulls).post(open_pull),
+            )
+            .fallback(serve)
+            .with_state(self.clone())
+    }
+
+    fn record(&self, request_line: String, authorized: bool) {
+        if let Ok(mut seen) = self.seen.lock() {
+            seen.push(ForgeRequest {
+                line: request_line,
+                authorized,
+            });
+        }
+    }
+
+    fn bearer_ok(&self, headers: &HeaderMap) -> bool {
+        headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v == self.bearer)
+    }
+}
+
+fn json_answer(code: StatusCode, value: &serde_json::Value) -> Response {
+    Response::builder()
+        .status(code)
+        .header(header::CONTENT_TYPE, "application/json; charset=utf-8")
+        .body(Body::from(value.to_string()))
+        .unwrap_or_default()
+}
+
+fn pull_json(pull: &FakePull) -> serde_json::Value {
+    serde_json::json!({
+        "number": pull.number,
+        "html_url": format!("https://forge.test/{}/pull/{}", pull.repo, pull.number),
+        "state": "open",
+        "draft": pull.draft,
+        "title": pull.title,
+        "head": {"ref": pull.head},
+        "base": {"ref": pull.base},
+    })
+}
+
+async fn open_pull(
+    State(forge): State<Arc<GitForge>>,
+    axum::extract::Path((owner, name)): axum::extract::Path<(String, String)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let authorized = forge.bearer_ok(&headers);
+    forge.record(format!("POST /repos/{owner}/{name}/pulls"), authorized);
+    if !authorized {
+        return json_answer(
+            StatusCode::UNAUTHORIZED,
+            &serde_json::json!({"message": "Bad credentials"}),
+        );
+    }
+    let Ok(asked) = serde_json::from_slice::<serde_json::Value>(&body) else {
+        return json_answer(
+            StatusCode::BAD_REQUEST,
+            &serde_json::json!({"message": "Problems parsing JSON"}),
+        );
+    };
+    let text = |key: &str| asked[key].as_str().unwrap_or_default().to_owned();
+    let repo = format!("{owner}/{name}");
+    let Ok(mut pulls) = forge.pulls.lock() else {
+        return status(StatusCode::INTERNAL_SERVER_ERROR, None);
+    };
+    if pulls.iter().any(|p| p.repo == repo && p.head == text("head")) {
+        return json_answer(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &serde_json::json!({
+                "message": "Validation Failed",
+                "errors": [{"resource": "PullRequest", "code": "custom",
+                            "message": format!("A pull request already exists for {owner}:{}.", text("head"))}],
+            }),
+        );
+    }
+    let pull = FakePull {
+        number: pulls.len() as u64 + 1,
+        repo,
+        head: text("head"),
+        base: text("base"),
+        title: text("title"),
+        body: text("body"),
+        draft: asked["draft"].as_bool().unwrap_or(false),
+    };
+    pulls.push(pull.clone());
+    json_answer(StatusCode::CREATED, &pull_json(&pull))
+}
+
+async fn list_pulls(
+    State(forge): State<Arc<GitForge>>,
+    axum::extract::Path((owner, name)): axum::extract::Path<(String, String)>,
+    uri: axum::http::Uri,
+    headers: HeaderMap,
+) -> Response {
+    let authorized = forge.bearer_ok(&headers);
+    forge.record(format!("GET {uri}"), authorized);
+    if !authorized {
+        return json_answer(
+            StatusCode::UNAUTHORIZED,
+            &serde_json::json!({"message": "Bad credentials"}),
+        );
+    }
+    let head = uri
+        .query()
+        .unwrap_or_default()
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("head="))
+        .and_then(|head| head.split_once(':'))
+        .map(|(_, branch)| branch.to_owned());
+    let repo = format!("{owner}/{name}");
+    let listed: Vec<serde_json::Value> = forge
+        .pulls()
+        .iter()
+        .filter(|p| p.repo == repo && head.as_ref().is_none_or(|h| &p.head == h))
+        .map(pull_json)
+        .collect();
+    json_answer(StatusCode::OK, &serde_json::Value::Array(listed))
+}
+
+impl GitForge {
+    /// Adds a pull request as if someone opened it on the forge.
+    pub fn add_pull(&self, pull: FakePull) {
+        if let Ok(mut pulls) = self.pulls.lock() {
+            pulls.push(pull);
+        }
     }
 }
 
@@ -171,10 +323,7 @@ async fn serve(State(forge): State<Arc<GitForge>>, request: Request) -> Response
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v == forge.expected);
-    let line = format!("{} {}", request.method(), request.uri());
-    if let Ok(mut seen) = forge.seen.lock() {
-        seen.push(ForgeRequest { line, authorized });
-    }
+    forge.record(format!("{} {}", request.method(), request.uri()), authorized);
     if !authorized {
         return status(StatusCode::UNAUTHORIZED, Some("Basic realm=forge"));
     }

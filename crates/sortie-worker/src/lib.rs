@@ -12,6 +12,7 @@ pub mod client;
 pub mod meter;
 pub mod prepare;
 pub mod priming;
+pub mod pull_request;
 pub mod recorder;
 mod turn;
 

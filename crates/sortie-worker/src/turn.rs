@@ -19,7 +19,7 @@ use crate::client::{DriverClient, DriverTurn};
 use crate::meter::{TurnMeter, WorkspaceKeys};
 use crate::prepare::{self, SessionDirs};
 use crate::recorder::{self, Recorded};
-use crate::{Context, priming};
+use crate::{Context, priming, pull_request};
 
 /// How long a new sandbox's driver has to answer.
 const DRIVER_READY_DEADLINE: Duration = Duration::from_secs(30);
@@ -326,8 +326,12 @@ async fn run_agent_turn(
         .set_turn_details(&session.id, n, report.priming.as_deref(), Some(&timings))
         .await;
     let failed = failure.is_some() || rejected.is_some();
+    let delivered = head_sha.is_some();
     if rejected.is_none() {
         finish(context, &session.id, n, status, head_sha, failure).await;
+    }
+    if delivered && session.pr.is_none() {
+        open_pull_request(context, session).await;
     }
     if status == TurnStatus::Canceled {
         destroy(context, &session.id, &sandbox).await;
@@ -354,6 +358,55 @@ async fn run_agent_turn(
     }
     let _ = context.store.settle_session(&session.id, from, failed).await;
     Some(sandbox)
+}
+
+/// Opens the draft PR of a session on a GitHub forge after its first delivery (see [`pull_request`]).
+async fn open_pull_request(context: &Arc<Context>, session: &SessionRow) {
+    let config = &context.config;
+    let base = match &session.base {
+        Some(base) => base.clone(),
+        None => {
+            let mirror = prepare::mirror_path(&config.work_dir.join("mirrors"), &session.repo);
+            match prepare::git(
+                &config.git_binary,
+                Some(&mirror),
+                &["symbolic-ref", "--short", "HEAD"],
+                Duration::from_secs(10),
+            )
+            .await
+            {
+                Ok(head) => head,
+                Err(error) => {
+                    tracing::warn!(session = %session.id, error = %error.0, "no default branch for the pull request");
+                    return;
+                }
+            }
+        }
+    };
+    let task = context
+        .store
+        .turn(&session.id, 1)
+        .await
+        .map(|turn| turn.prompt)
+        .unwrap_or_default();
+    match pull_request::ensure_draft(
+        context.store.as_ref(),
+        config.keyring.as_deref(),
+        config.forge_http.as_ref(),
+        session,
+        &base,
+        &task,
+    )
+    .await
+    {
+        pull_request::PullRequest::Opened { url, number } => {
+            tracing::info!(session = %session.id, %url, number, "draft pull request opened");
+        }
+        pull_request::PullRequest::Failed(reason) => {
+            tracing::warn!(session = %session.id, %reason, "no pull request");
+        }
+        pull_request::PullRequest::NotApplicable => {}
+    }
 }
 
 /// The turn's status, delivered head and failure from the driver's report and the stop request.

@@ -1085,3 +1085,75 @@ async fn the_sandbox_holds_the_sortie_binary_and_its_agent_not_their_directory()
         assert!(!names.contains(build_tree), "{build_tree} is visible: {listing:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_on_a_github_forge_opens_one_draft_pull_request() {
+    use sortie_testkit::forge::{GitForge, make_certificates, serve_https};
+    const TOKEN: &str = "ghs_PULLS-canary-token-0123456789abcd";
+    let forge_dir = tempfile::tempdir().expect("temp");
+    std::fs::set_permissions(forge_dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let certificates = make_certificates(&forge_dir.path().join("tls"));
+    let owner = forge_dir.path().join("repos/acme");
+    std::fs::create_dir_all(&owner).expect("repos");
+    let repo = support::upstream_with_main(&owner);
+    let forge = GitForge::new(&forge_dir.path().join("repos"), TOKEN);
+    let (address, _) = serve_https(forge.router(), &certificates).await;
+    let host = format!("127.0.0.1:{}", address.port());
+    let ca_file = certificates.ca_file.to_str().expect("utf-8").to_owned();
+    let world = World::start(&["--forge-ca-file", &ca_file]);
+    let (status, connection) = world
+        .call(
+            reqwest::Method::PUT,
+            &format!("/v1/forge-connections/{host}"),
+            Some(json!({"token": TOKEN, "api_base": format!("https://{host}")})),
+        )
+        .await;
+    assert_eq!((status, &connection["kind"]), (200, &json!("github")), "{connection}");
+
+    let id = world
+        .create(
+            "#!scripted\nwrite: feature.txt\nthe feature\n>>>",
+            json!({"repo": format!("https://{host}/acme/upstream.git"), "title": "Add the feature"}),
+        )
+        .await;
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(status_of(&turns, 1), "completed", "{session:#}");
+    assert!(
+        rev(&repo, &format!("refs/heads/sortie/{id}")).is_some(),
+        "the branch is on the forge"
+    );
+    assert_eq!(
+        session["pr"],
+        json!({"url": "https://forge.test/acme/upstream/pull/1", "number": 1}),
+        "{session:#}"
+    );
+    let pulls = forge.pulls();
+    assert_eq!(pulls.len(), 1, "{pulls:?}");
+    let pull = &pulls[0];
+    assert_eq!(
+        (pull.head.as_str(), pull.base.as_str(), pull.title.as_str(), pull.draft),
+        (format!("sortie/{id}").as_str(), "main", "Add the feature", true)
+    );
+    assert!(
+        pull.body.contains("write: feature.txt") && pull.body.contains(&id),
+        "{}",
+        pull.body
+    );
+
+    // A second delivery updates the same branch; the PR is not opened again.
+    world
+        .steer(&id, "#!scripted\nwrite: more.txt\nmore\n>>>", "queue")
+        .await;
+    let (session, turns) = world.settled(&id, 2).await;
+    assert_eq!(status_of(&turns, 2), "completed", "{session:#}");
+    assert_eq!(session["pr"]["number"], 1);
+    let calls: Vec<_> = forge
+        .requests()
+        .into_iter()
+        .filter(|r| r.line.contains("/pulls"))
+        .collect();
+    assert!(
+        calls.len() == 1 && calls[0].authorized,
+        "one authorized PR call: {calls:?}"
+    );
+}
