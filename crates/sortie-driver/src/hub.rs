@@ -295,9 +295,11 @@ pub fn read_log(path: &Path, after: Option<u64>, before: Option<u64>) -> std::io
     let file = File::open(path)?;
     let mut parts = Vec::new();
     let first = after.map_or(0, |k| k + 1);
-    for line in BufReader::new(file).lines() {
+    // Bytes, not `lines()`: a line torn inside a multi-byte character is skipped, not an error
+    // that would lose the whole log.
+    for line in BufReader::new(file).split(b'\n') {
         let line = line?;
-        let Ok(record) = serde_json::from_str::<Value>(&line) else {
+        let Ok(record) = serde_json::from_slice::<Value>(&line) else {
             continue;
         };
         let (Some(index), Some(chunk)) = (record.get("index").and_then(Value::as_u64), record.get("chunk")) else {

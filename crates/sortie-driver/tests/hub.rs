@@ -150,3 +150,16 @@ async fn a_torn_last_log_line_is_skipped() {
     assert_eq!(indices(&parts), vec![0]);
     let _ = Arc::strong_count(&parts[0].1);
 }
+
+#[tokio::test]
+async fn a_log_torn_inside_a_multibyte_character_keeps_its_whole_lines() {
+    let dir = tempfile::tempdir().expect("temp");
+    let path = log_path(dir.path(), 1);
+    let whole = "{\"index\":0,\"chunk\":{\"type\":\"text-delta\",\"id\":\"t\",\"delta\":\"héllo\"}}\n";
+    let torn = "{\"index\":1,\"chunk\":{\"type\":\"text-delta\",\"id\":\"t\",\"delta\":\"é";
+    let mut bytes = format!("{whole}{torn}").into_bytes();
+    bytes.pop(); // half of the last `é`: not UTF-8 any more
+    std::fs::write(&path, bytes).expect("write");
+    let parts = read_log(&path, None, None).expect("read");
+    assert_eq!(indices(&parts), vec![0]);
+}

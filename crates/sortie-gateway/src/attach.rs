@@ -354,7 +354,8 @@ fn live_tail(
         loop {
             // Asked afresh each time: the turn's sandbox may come up (or go) while the client waits.
             if let Some(socket) = drivers.driver_socket(&session)
-                && let Some(mut body) = open_driver_stream(&socket, n, relayed.resume_after()).await
+                && let Ok(Some(mut body)) =
+                    tokio::time::timeout(heartbeat, open_driver_stream(&socket, n, relayed.resume_after())).await
             {
                 loop {
                     match tokio::time::timeout(heartbeat, body.frame()).await {
@@ -378,11 +379,13 @@ fn live_tail(
                             }
                         }
                         Ok(Some(Err(_)) | None) => break,
-                        Err(_) => {
+                        // A heartbeat only ever goes between events: inside one it would corrupt it.
+                        Err(_) if relayed.at_boundary() => {
                             if sender.send(Bytes::from_static(b": keep-alive\n\n")).await.is_err() {
                                 return;
                             }
                         }
+                        Err(_) => {}
                     }
                 }
                 // The driver went away before `[DONE]` (its sandbox died or was replaced). Between two

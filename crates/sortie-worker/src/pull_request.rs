@@ -34,7 +34,10 @@ fn owner_and_name(repo: &str) -> Option<(String, String)> {
     let path = path.trim_end_matches('/');
     let path = path.strip_suffix(".git").unwrap_or(path);
     let (owner, name) = path.split_once('/')?;
-    let plain = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+    // No leading dot: `.` and `..` would collapse the API path.
+    let plain = |s: &str| {
+        !s.is_empty() && !s.starts_with('.') && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+    };
     (plain(owner) && plain(name)).then(|| (owner.to_owned(), name.to_owned()))
 }
 

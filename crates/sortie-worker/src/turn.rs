@@ -330,9 +330,7 @@ async fn run_agent_turn(
     if rejected.is_none() {
         finish(context, &session.id, n, status, head_sha, failure).await;
     }
-    if delivered && session.pr.is_none() {
-        open_pull_request(context, session).await;
-    }
+
     if status == TurnStatus::Canceled {
         destroy(context, &session.id, &sandbox).await;
         return None;
@@ -357,6 +355,11 @@ async fn run_agent_turn(
         return None;
     }
     let _ = context.store.settle_session(&session.id, from, failed).await;
+    if delivered && session.pr.is_none() {
+        // After the session settles: a slow forge API must not hold up the next turn.
+        let (context, session) = (context.clone(), session.clone());
+        tokio::spawn(async move { open_pull_request(&context, &session).await });
+    }
     Some(sandbox)
 }
 

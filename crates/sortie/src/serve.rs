@@ -232,7 +232,14 @@ fn build_worker(
         let platform = std::env::var_os("SSL_CERT_FILE")
             .map(std::path::PathBuf::from)
             .unwrap_or_else(|| "/etc/ssl/certs/ca-certificates.crt".into());
-        let mut bundle = std::fs::read(&platform).unwrap_or_default();
+        // git takes this bundle instead of its own: without the platform's roots every public forge
+        // would fail, so a missing bundle stops the start rather than the first clone.
+        let mut bundle = std::fs::read(&platform).with_context(|| {
+            format!(
+                "--forge-ca-file needs the platform's CA bundle at {} (set SSL_CERT_FILE to it)",
+                platform.display()
+            )
+        })?;
         bundle.push(b'\n');
         bundle.extend_from_slice(&extra);
         let path = config.work_dir.join("forge-ca-bundle.pem");

@@ -1122,6 +1122,8 @@ async fn a_session_on_a_github_forge_opens_one_draft_pull_request() {
         rev(&repo, &format!("refs/heads/sortie/{id}")).is_some(),
         "the branch is on the forge"
     );
+    // Opened once the session has settled, so it never holds up a queued turn.
+    let (session, _) = world.wait(&id, 30, |s, _| s["pr"].is_object()).await;
     assert_eq!(
         session["pr"],
         json!({"url": "https://forge.test/acme/upstream/pull/1", "number": 1}),
