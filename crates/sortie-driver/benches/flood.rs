@@ -8,6 +8,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use sortie_driver::agent::AgentLaunch;
+
+// As the `sortie` binary, whose driver this measures.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use sortie_driver::driver::{Driver, DriverConfig};
 
 fn scripted_agent() -> PathBuf {

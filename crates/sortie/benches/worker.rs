@@ -202,6 +202,10 @@ async fn first_part_after_create(http: &reqwest::Client, serve: &Serve, repo: &P
     latency
 }
 
+// As the `sortie` binary, whose gateway this runs in-process.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     // The scripted agent must sit beside this (release) sortie binary, where the driver looks.
