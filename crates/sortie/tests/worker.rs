@@ -1159,3 +1159,71 @@ async fn a_session_on_a_github_forge_opens_one_draft_pull_request() {
         "one authorized PR call: {calls:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allowlist_amended_through_the_api_opens_the_next_connection_of_a_running_turn() {
+    // The "public" server every test name resolves to (127.0.0.1, exempted for the test only).
+    let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let port = server.local_addr().expect("addr").port();
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        while let Ok((mut stream, _)) = server.accept().await {
+            tokio::spawn(async move {
+                let mut buffer = [0_u8; 2048];
+                let _ = stream.read(&mut buffer).await;
+                let body = "reached-the-late-host";
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = stream.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    let world = World::start(&[
+        "--egress-hosts",
+        "late.sortie-test.dev=127.0.0.1",
+        "--egress-exempt",
+        "127.0.0.1/32",
+    ]);
+    // The agent keeps trying (each try a new connection) until the name is allowed.
+    let fetch = format!(
+        "python3 -c \"import urllib.request as u; print(u.urlopen('http://late.sortie-test.dev:{port}/').read().decode())\""
+    );
+    let script = format!(
+        "#!scripted\nrun: for i in $(seq 600); do {fetch} 2>/dev/null && break; sleep 0.05; done\nsay: fetched"
+    );
+    let id = world.create(&script, json!({"egress": {"allow": []}})).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let stored = serde_json::to_string(&world.messages(&id).await).expect("json");
+        if stored.contains("data-sortie-egress-denied") && stored.contains("late.sortie-test.dev") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no denial reached the stream: {stored}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, amended) = world
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/sessions/{id}/egress"),
+            Some(json!({"allow": ["late.sortie-test.dev"]})),
+        )
+        .await;
+    assert_eq!(status, 200, "{amended}");
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(status_of(&turns, 1), "completed", "{session:#}");
+    let outputs: String = world
+        .messages(&id)
+        .await
+        .iter()
+        .filter(|m| m["role"] == "assistant")
+        .flat_map(|m| m["parts"].as_array().cloned().unwrap_or_default())
+        .filter_map(|p| p["output"]["text"].as_str().map(ToOwned::to_owned))
+        .collect();
+    assert!(
+        outputs.contains("reached-the-late-host"),
+        "the next connection after the amendment went through without a restart: {outputs}"
+    );
+    assert_eq!(session["egress"]["allow"], json!(["late.sortie-test.dev"]));
+}
