@@ -154,8 +154,8 @@ pub struct FakePull {
 /// The bare repositories under `root` as a forge serves them (`/<name>.git/…`), for `token` only.
 pub struct GitForge {
     root: PathBuf,
-    expected: String,
-    bearer: String,
+    /// The Basic credential git requests must carry, and the bearer of API calls.
+    credentials: Mutex<(String, String)>,
     seen: Mutex<Vec<ForgeRequest>>,
     pulls: Mutex<Vec<FakePull>>,
 }
@@ -164,14 +164,22 @@ impl GitForge {
     pub fn new(root: &Path, token: &str) -> Arc<Self> {
         Arc::new(Self {
             root: root.to_owned(),
-            expected: format!(
-                "Basic {}",
-                base64::engine::general_purpose::STANDARD.encode(format!("x-access-token:{token}"))
-            ),
-            bearer: format!("Bearer {token}"),
+            credentials: Mutex::new(credentials_for(token)),
             seen: Mutex::new(Vec::new()),
             pulls: Mutex::new(Vec::new()),
         })
+    }
+
+    /// From now on only `token` is accepted (a rotated token).
+    pub fn set_token(&self, token: &str) {
+        if let Ok(mut credentials) = self.credentials.lock() {
+            *credentials = credentials_for(token);
+        }
+    }
+
+    fn basic_ok(&self, headers: &HeaderMap) -> bool {
+        let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+        self.credentials.lock().is_ok_and(|c| given == Some(c.0.as_str()))
     }
 
     pub fn pulls(&self) -> Vec<FakePull> {
@@ -202,11 +210,19 @@ impl GitForge {
     }
 
     fn bearer_ok(&self, headers: &HeaderMap) -> bool {
-        headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v == self.bearer)
+        let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+        self.credentials.lock().is_ok_and(|c| given == Some(c.1.as_str()))
     }
+}
+
+fn credentials_for(token: &str) -> (String, String) {
+    (
+        format!(
+            "Basic {}",
+            base64::engine::general_purpose::STANDARD.encode(format!("x-access-token:{token}"))
+        ),
+        format!("Bearer {token}"),
+    )
 }
 
 fn json_answer(code: StatusCode, value: &serde_json::Value) -> Response {
@@ -318,11 +334,7 @@ impl GitForge {
 }
 
 async fn serve(State(forge): State<Arc<GitForge>>, request: Request) -> Response {
-    let authorized = request
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v == forge.expected);
+    let authorized = forge.basic_ok(request.headers());
     forge.record(format!("{} {}", request.method(), request.uri()), authorized);
     if !authorized {
         return status(StatusCode::UNAUTHORIZED, Some("Basic realm=forge"));

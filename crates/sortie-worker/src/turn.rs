@@ -43,6 +43,8 @@ struct HandleInner {
     dirs: SessionDirs,
     allowlist: Arc<PhasedAllowlist>,
     meter: Arc<TurnMeter>,
+    /// What the sandbox's git proxy forwards to; a forge token is read again before every turn.
+    upstream: Arc<SessionUpstream>,
     proxy: tokio::task::JoinHandle<()>,
 }
 
@@ -65,12 +67,18 @@ impl SandboxHandle {
 /// The git proxy of one sandbox reaches its own session's repository and nothing else.
 struct SessionUpstream {
     session_id: SessionId,
-    upstream: Upstream,
+    upstream: std::sync::RwLock<Upstream>,
 }
 
 impl Upstreams for SessionUpstream {
     fn upstream(&self, session_id: &SessionId) -> Option<Upstream> {
-        (session_id == &self.session_id).then(|| self.upstream.clone())
+        (session_id == &self.session_id).then(|| self.upstream.read().unwrap_or_else(|p| p.into_inner()).clone())
+    }
+}
+
+impl SessionUpstream {
+    fn replace(&self, upstream: Upstream) {
+        *self.upstream.write().unwrap_or_else(|p| p.into_inner()) = upstream;
     }
 }
 
@@ -166,6 +174,19 @@ async fn run_agent_turn(
         let dirs = SessionDirs::new(&context.config.work_dir, &session.id);
         if let Err(error) = write_known_secrets(context, session, &dirs.known_secrets).await {
             tracing::warn!(session = %session.id, %error, "cannot refresh the known secrets; the sandbox's list stays");
+        }
+        // A forge token rotated or removed since the sandbox started counts from this turn on.
+        match session_upstream(context, session).await {
+            Ok((upstream, _)) => sandbox.0.upstream.replace(upstream),
+            Err((_, reason)) => {
+                tracing::warn!(session = %session.id, %reason, "the forge connection is gone; pushes will be refused");
+                if sortie_protocol::api::repo_forge_host(&session.repo).is_some() {
+                    sandbox.0.upstream.replace(Upstream::Remote {
+                        url: session.repo.clone(),
+                        token: String::new(),
+                    });
+                }
+            }
         }
     }
     let priming_context = if fresh && n > 1 {
@@ -699,15 +720,15 @@ async fn provision(
         }),
         config.setup_hosts.clone(),
     );
-    let session_upstream = Arc::new(SessionUpstream {
+    let upstream = Arc::new(SessionUpstream {
         session_id: session.id.clone(),
-        upstream,
+        upstream: std::sync::RwLock::new(upstream),
     });
     let git_routes = match &config.forge_http {
         Some(http) => {
-            sortie_gateway::git::http::router_with_client(session_upstream, config.git_binary.clone(), http.clone())
+            sortie_gateway::git::http::router_with_client(upstream.clone(), config.git_binary.clone(), http.clone())
         }
-        None => sortie_gateway::git::http::router(session_upstream, config.git_binary.clone()),
+        None => sortie_gateway::git::http::router(upstream.clone(), config.git_binary.clone()),
     };
     let meter = TurnMeter::new(context.store.clone(), session.id.clone(), dirs.driver_socket());
     let model_routes = sortie_gateway::model::router(
@@ -827,6 +848,7 @@ async fn provision(
         dirs: dirs.clone(),
         allowlist,
         meter,
+        upstream,
         proxy: proxy_task,
     }));
     let _ = context

@@ -1054,6 +1054,33 @@ async fn a_repository_on_an_https_forge_is_delivered_with_a_token_no_sandbox_hol
     assert!(mirrors.is_empty(), "the token is in {mirrors:?}");
     let transcript = serde_json::to_string(&world.messages(&id).await).expect("json");
     assert!(!transcript.contains(TOKEN) && !session.to_string().contains(TOKEN));
+
+    // The token is rotated on the forge and in the workspace: the warm sandbox's next push uses the new one.
+    const ROTATED: &str = "ghs_ROTATED-canary-token-9876543210";
+    forge.set_token(ROTATED);
+    let (status, _) = world
+        .call(
+            reqwest::Method::PUT,
+            &format!("/v1/forge-connections/{host}"),
+            Some(json!({"token": ROTATED, "kind": "git"})),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let before = forge.requests().len();
+    world
+        .steer(&id, "#!scripted\nwrite: after-rotation.txt\nrotated\n>>>", "queue")
+        .await;
+    let (session, turns) = world.settled(&id, 2).await;
+    assert_eq!(status_of(&turns, 2), "completed", "{session:#}");
+    let files = git(&repo, &["diff", "--name-only", "refs/heads/main", &branch]);
+    assert!(files.contains("after-rotation.txt"), "{files}");
+    let after: Vec<_> = forge.requests().into_iter().skip(before).collect();
+    assert!(
+        !after.is_empty() && after.iter().all(|r| r.authorized),
+        "after the rotation every request carried the new token: {after:?}"
+    );
+    let holding = files_holding(&session_dir, ROTATED.as_bytes());
+    assert!(holding.is_empty(), "the rotated token is in {holding:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
