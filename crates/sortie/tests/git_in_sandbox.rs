@@ -105,6 +105,26 @@ git -c user.name=agent -c user.email=agent@sortie.invalid commit -q --amend --al
 git push -q --force origin HEAD:{own} && echo "force push ok"
 head -c 3000000 /dev/urandom > big.bin && git add big.bin && git -c user.name=agent -c user.email=agent@sortie.invalid commit -q -m big
 git push -q origin HEAD:{own} && echo "big push ok"
+git -c user.name=agent -c user.email=agent@sortie.invalid commit -q --allow-empty -m mixed
+git push origin HEAD:{own} HEAD:refs/heads/main 2>&1 | grep -q "sortie: push refused" && echo "mixed refused"
+[ "$(git ls-remote origin {own} | cut -f1)" = "$(git rev-parse HEAD~1)" ] && echo "own untouched by the mixed push"
+git reset -q --hard HEAD~1
+git ls-remote origin refs/heads/main | cut -f1 > /tmp/main.sha
+python3 - <<'PY'
+import urllib.request
+main = open("/tmp/main.sha").read().strip()
+cert = ("push-cert\0 report-status side-band-64k\ncertificate version 0.1\npusher x 0 +0000\npushee x\nnonce 1\n\n"
+        "%s %s refs/heads/main\npush-cert-end\n" % (main, "0" * 40)).encode()
+body = b"%04x" % (len(cert) + 4) + cert + b"0000"
+request = urllib.request.Request(
+    "http://127.0.0.1:3128/_sortie/git/{session}.git/git-receive-pack",
+    data=body,
+    headers={{"content-type": "application/x-git-receive-pack-request"}},
+)
+answer = urllib.request.urlopen(request).read()
+if b"push-cert" in answer:
+    print("raw push-cert refused")
+PY
 git push origin HEAD:refs/heads/main 2>&1 | grep -q "sortie: push refused" && echo "main refused"
 git push origin HEAD:refs/heads/sortie/ses_01jd8x3k4m5n6p7q8r9s0t1v2w 2>&1 | grep -q "sortie: push refused" && echo "other session refused"
 git tag v1 && git push origin v1 2>&1 | grep -q "remote rejected" && echo "tag refused"
@@ -134,6 +154,9 @@ git -C /workspace/repo remote get-url origin
         "own push ok",
         "force push ok",
         "big push ok",
+        "mixed refused",
+        "own untouched by the mixed push",
+        "raw push-cert refused",
         "main refused",
         "other session refused",
         "tag refused",
