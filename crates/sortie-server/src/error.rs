@@ -6,7 +6,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use sortie_protocol::validate::Refusal;
 use sortie_protocol::{ApiErrorBody, ErrorCode};
-use sortie_store::StoreError;
+use sortie_store::{KeyError, StoreError};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
@@ -41,6 +41,20 @@ impl ApiError {
 impl From<Refusal> for ApiError {
     fn from(refusal: Refusal) -> Self {
         Self::new(refusal.code, refusal.message)
+    }
+}
+
+/// A keyring fault (no randomness, a cipher refusal): logged, answered `INTERNAL`. It carries no
+/// key or token; a store failure underneath keeps its own answer.
+impl From<KeyError> for ApiError {
+    fn from(error: KeyError) -> Self {
+        match error {
+            KeyError::Store(store) => store.into(),
+            other => {
+                tracing::error!(error = %other, "keyring fault");
+                ApiError::new(ErrorCode::Internal, "the server failed; the log has the detail")
+            }
+        }
     }
 }
 

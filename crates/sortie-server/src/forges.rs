@@ -11,7 +11,7 @@ use sortie_protocol::api::{
     model_key_fingerprint, rfc3339_from_epoch_ms,
 };
 use sortie_protocol::{ApiErrorBody, ErrorCode};
-use sortie_store::{ForgeConnectionRow, KeyError};
+use sortie_store::ForgeConnectionRow;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -78,8 +78,7 @@ async fn set_forge_connection(
     let token = Secret::new(request.token.into_bytes());
     let sealed = state
         .keyring
-        .seal_forge_token(&caller.workspace_id, &host, token.expose())
-        .map_err(key_fault)?;
+        .seal_forge_token(&caller.workspace_id, &host, token.expose())?;
     let row = state
         .store
         .put_forge_connection(
@@ -169,16 +168,5 @@ fn view(row: &ForgeConnectionRow, fingerprint: Option<String>) -> ForgeConnectio
         api_base: row.api_base.clone(),
         created_at: rfc3339_from_epoch_ms(row.created_at),
         fingerprint,
-    }
-}
-
-/// A keyring fault (no randomness, a cipher refusal): logged, answered `INTERNAL`. It carries no token.
-fn key_fault(error: KeyError) -> ApiError {
-    match error {
-        KeyError::Store(store) => store.into(),
-        other => {
-            tracing::error!(error = %other, "keyring fault");
-            ApiError::new(ErrorCode::Internal, "the server failed; the log has the detail")
-        }
     }
 }

@@ -12,7 +12,7 @@ use sortie_protocol::api::{
     model_key_fingerprint, rfc3339_from_epoch_ms,
 };
 use sortie_protocol::{ApiErrorBody, ErrorCode};
-use sortie_store::{KeyError, ModelKeyRow};
+use sortie_store::ModelKeyRow;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -54,10 +54,7 @@ async fn set_model_key(
         check_model_key_label(label)?;
     }
     let key = Secret::new(request.key.into_bytes());
-    let sealed = state
-        .keyring
-        .seal(&caller.workspace_id, api, key.expose())
-        .map_err(key_fault)?;
+    let sealed = state.keyring.seal(&caller.workspace_id, api, key.expose())?;
     let row = state
         .store
         .put_model_key(
@@ -139,16 +136,5 @@ fn view(row: &ModelKeyRow, fingerprint: Option<String>) -> ModelKey {
         label: row.label.clone(),
         created_at: rfc3339_from_epoch_ms(row.created_at),
         fingerprint,
-    }
-}
-
-/// A keyring fault (no randomness, a cipher refusal): logged, answered `INTERNAL`. It carries no key.
-fn key_fault(error: KeyError) -> ApiError {
-    match error {
-        KeyError::Store(store) => store.into(),
-        other => {
-            tracing::error!(error = %other, "keyring fault");
-            ApiError::new(ErrorCode::Internal, "the server failed; the log has the detail")
-        }
     }
 }

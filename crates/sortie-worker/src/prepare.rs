@@ -86,12 +86,9 @@ impl std::fmt::Debug for ForgeAuth {
 
 impl ForgeAuth {
     fn apply(&self, command: &mut tokio::process::Command) {
-        use base64::Engine;
-        let mut basic = b"x-access-token:".to_vec();
-        basic.extend_from_slice(self.token.expose());
         let header = format!(
-            "Authorization: Basic {}",
-            base64::engine::general_purpose::STANDARD.encode(basic)
+            "Authorization: {}",
+            sortie_gateway::git::http::forge_authorization(self.token.expose())
         );
         command
             .env("GIT_CONFIG_COUNT", "2")

@@ -973,22 +973,48 @@ fn files_holding(dir: &Path, needle: &[u8]) -> Vec<PathBuf> {
     found
 }
 
+/// A TLS forge serving one bare repository at `/<path>/upstream.git` for `token`, and a world whose
+/// server trusts the forge's CA.
+struct ForgeWorld {
+    world: World,
+    forge: std::sync::Arc<sortie_testkit::forge::GitForge>,
+    repo: PathBuf,
+    host: String,
+    _dir: tempfile::TempDir,
+}
+
+async fn forge_world(token: &str, path: &str) -> ForgeWorld {
+    use sortie_testkit::forge::{GitForge, make_certificates, serve_https};
+    let dir = tempfile::tempdir().expect("temp");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let certificates = make_certificates(&dir.path().join("tls"));
+    let repos = dir.path().join("repos");
+    let parent = repos.join(path);
+    std::fs::create_dir_all(&parent).expect("repos");
+    let repo = support::upstream_with_main(&parent);
+    let forge = GitForge::new(&repos, token);
+    let (address, _) = serve_https(forge.router(), &certificates).await;
+    let ca_file = certificates.ca_file.to_str().expect("utf-8").to_owned();
+    ForgeWorld {
+        world: World::start(&["--forge-ca-file", &ca_file]),
+        forge,
+        repo,
+        host: format!("127.0.0.1:{}", address.port()),
+        _dir: dir,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repository_on_an_https_forge_is_delivered_with_a_token_no_sandbox_holds() {
-    use sortie_testkit::forge::{GitForge, make_certificates, serve_https};
     const TOKEN: &str = "ghs_FORGE-canary-token-0123456789wxyz";
-    let forge_dir = tempfile::tempdir().expect("temp");
-    std::fs::set_permissions(forge_dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let certificates = make_certificates(&forge_dir.path().join("tls"));
-    let repos = forge_dir.path().join("repos");
-    std::fs::create_dir_all(&repos).expect("repos");
-    let repo = support::upstream_with_main(&repos);
-    let forge = GitForge::new(&repos, TOKEN);
-    let (address, _) = serve_https(forge.router(), &certificates).await;
-    let host = format!("127.0.0.1:{}", address.port());
+    let ForgeWorld {
+        world,
+        forge,
+        repo,
+        host,
+        _dir,
+    } = forge_world(TOKEN, "").await;
     let url = format!("https://{host}/upstream.git");
-    let ca_file = certificates.ca_file.to_str().expect("utf-8").to_owned();
-    let world = World::start(&["--forge-ca-file", &ca_file]);
 
     // Without a connection to the forge the session says what to do.
     let unconnected = world
@@ -1115,19 +1141,14 @@ async fn the_sandbox_holds_the_sortie_binary_and_its_agent_not_their_directory()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_on_a_github_forge_opens_one_draft_pull_request() {
-    use sortie_testkit::forge::{GitForge, make_certificates, serve_https};
     const TOKEN: &str = "ghs_PULLS-canary-token-0123456789abcd";
-    let forge_dir = tempfile::tempdir().expect("temp");
-    std::fs::set_permissions(forge_dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let certificates = make_certificates(&forge_dir.path().join("tls"));
-    let owner = forge_dir.path().join("repos/acme");
-    std::fs::create_dir_all(&owner).expect("repos");
-    let repo = support::upstream_with_main(&owner);
-    let forge = GitForge::new(&forge_dir.path().join("repos"), TOKEN);
-    let (address, _) = serve_https(forge.router(), &certificates).await;
-    let host = format!("127.0.0.1:{}", address.port());
-    let ca_file = certificates.ca_file.to_str().expect("utf-8").to_owned();
-    let world = World::start(&["--forge-ca-file", &ca_file]);
+    let ForgeWorld {
+        world,
+        forge,
+        repo,
+        host,
+        _dir,
+    } = forge_world(TOKEN, "acme").await;
     let (status, connection) = world
         .call(
             reqwest::Method::PUT,

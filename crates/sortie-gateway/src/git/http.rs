@@ -172,6 +172,15 @@ struct Forwarded<'a> {
 /// A forge upstream: the credential is injected here, the client's own `Authorization` and cookies
 /// are dropped, and neither a 401 nor a redirect is relayed (git would prompt for a password, or
 /// follow the redirect around the proxy).
+/// The `Authorization` value a forge gets for `token`: Basic `x-access-token:<token>`, as GitHub
+/// takes installation and personal tokens over smart HTTP (the worker's mirror fetch sends the same).
+pub fn forge_authorization(token: &[u8]) -> String {
+    use base64::Engine;
+    let mut basic = b"x-access-token:".to_vec();
+    basic.extend_from_slice(token);
+    format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(basic))
+}
+
 async fn remote(http: &reqwest::Client, url: &str, token: &str, request: Forwarded<'_>) -> Response {
     let Forwarded {
         method,
@@ -181,13 +190,11 @@ async fn remote(http: &reqwest::Client, url: &str, token: &str, request: Forward
         prefix,
         body,
     } = request;
-    use base64::Engine;
     let mut target = format!("{}/{tail}", url.trim_end_matches('/'));
     if !query.is_empty() {
         target.push('?');
         target.push_str(query);
     }
-    let credential = base64::engine::general_purpose::STANDARD.encode(format!("x-access-token:{token}"));
     let method = if method == "POST" {
         reqwest::Method::POST
     } else {
@@ -195,7 +202,7 @@ async fn remote(http: &reqwest::Client, url: &str, token: &str, request: Forward
     };
     let mut request = http
         .request(method, target)
-        .header(header::AUTHORIZATION, format!("Basic {credential}"));
+        .header(header::AUTHORIZATION, forge_authorization(token.as_bytes()));
     for name in [header::CONTENT_TYPE, header::ACCEPT, header::CONTENT_ENCODING] {
         if let Some(value) = headers.get(&name) {
             request = request.header(name, value);
