@@ -79,7 +79,8 @@ async fn only_allowlisted_public_names_are_reachable() {
         Arc::new(StaticResolver(names)),
         None,
         Some(Arc::new(move |denial: &Denial| {
-            seen.lock().expect("lock").push(denial.clone())
+            seen.lock().expect("lock").push(denial.clone());
+            Box::pin(async {})
         })),
     );
     let socket = egress_dir.join("egress.sock");
@@ -178,7 +179,7 @@ PY"#
         "{said}"
     );
     let denied: Vec<String> = denials.lock().expect("lock").iter().map(|d| d.host.clone()).collect();
-    for host in ["other", "rebind", "metadata", "loopback6", "mixed", "late"] {
+    for host in ["other", "rebind", "metadata", "loopback6", "loopback4", "mixed", "late"] {
         assert!(
             denied.contains(&format!("{host}.sortie-test.dev")),
             "{host} reported: {denied:?}"

@@ -228,7 +228,7 @@ async fn a_blocked_connection_shows_up_in_the_stream_at_once() {
     tokio::spawn(proxy.serve(listener));
     let name = format!("blocked-{}", std::process::id());
     let client = layout.start_driver(&name, "ses_blocked").await;
-    let script = "#!scripted\nrun: python3 -c \"import urllib.request; urllib.request.urlopen('http://blocked.example.org/')\"\nsleep: 300\nsay: done";
+    let script = "#!scripted\nrun: python3 -c \"import urllib.request; urllib.request.urlopen('http://blocked.example.org/')\"\nsay: done";
     let stream = turn(&client, script).await;
     let denied: Vec<Value> = chunks(&stream)
         .into_iter()

@@ -109,8 +109,18 @@ impl AllowlistSource for SessionAllowlist {
     }
 }
 
-/// Called for every refusal (the gateway publishes a `data-sortie-egress-denied` part from it).
-pub type DenialHook = Arc<dyn Fn(&Denial) + Send + Sync>;
+/// Called for every refusal (the gateway publishes a `data-sortie-egress-denied` part from it); the
+/// proxy answers the 403 only after the hook is done (or [`DENIAL_REPORT_DEADLINE`] passed), so the
+/// part is in the stream before the agent can react to the refusal.
+pub type DenialHook = Arc<dyn Fn(&Denial) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+
+/// How long a refusal waits for its report before the 403 goes out anyway.
+pub const DENIAL_REPORT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+/// The same refusal (host, port, reason) is reported once per this window: an agent retrying in a
+/// loop gets its 403 every time but adds one part to the transcript, not thousands.
+pub const DENIAL_REPORT_WINDOW: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long a connection to an allowed, vetted address may take.
+const CONNECT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// A hook that puts every denial into the running turn's stream as a `data-sortie-egress-denied`
 /// part, through the driver's `POST /parts`, so the user sees a blocked connection at once.
@@ -121,7 +131,7 @@ pub fn report_to_driver(driver_socket: std::path::PathBuf) -> DenialHook {
             "name": "sortie-egress-denied",
             "data": {"host": denial.host, "port": denial.port, "reason": denial.reason},
         });
-        tokio::spawn(async move {
+        Box::pin(async move {
             let Ok(stream) = tokio::net::UnixStream::connect(&socket).await else {
                 return;
             };
@@ -136,7 +146,7 @@ pub fn report_to_driver(driver_socket: std::path::PathBuf) -> DenialHook {
             if let Ok(request) = request {
                 let _ = sender.send_request(request).await;
             }
-        });
+        })
     })
 }
 
@@ -147,6 +157,8 @@ pub struct EgressProxy {
     resolver: Arc<dyn Resolver>,
     internal: Option<Router>,
     on_denied: Option<DenialHook>,
+    /// When each refusal was last reported (see [`DENIAL_REPORT_WINDOW`]).
+    reported: std::sync::Mutex<HashMap<(String, u16, String), std::time::Instant>>,
 }
 
 impl EgressProxy {
@@ -163,6 +175,7 @@ impl EgressProxy {
             resolver,
             internal,
             on_denied,
+            reported: std::sync::Mutex::new(HashMap::new()),
         })
     }
 
@@ -183,11 +196,13 @@ impl EgressProxy {
         }
     }
 
-    fn deny(&self, denial: Denial) -> Response<Body> {
+    async fn deny(&self, denial: Denial) -> Response<Body> {
         tracing::info!(host = %denial.host, port = denial.port, reason = %denial.reason, "egress denied");
         metrics::counter!("sortie_egress_decisions_total", "decision" => "denied").increment(1);
-        if let Some(hook) = &self.on_denied {
-            hook(&denial);
+        if let Some(hook) = &self.on_denied
+            && self.first_report_in_window(&denial)
+        {
+            let _ = tokio::time::timeout(DENIAL_REPORT_DEADLINE, hook(&denial)).await;
         }
         text(
             StatusCode::FORBIDDEN,
@@ -198,21 +213,35 @@ impl EgressProxy {
         )
     }
 
+    fn first_report_in_window(&self, denial: &Denial) -> bool {
+        let now = std::time::Instant::now();
+        let mut reported = self.reported.lock().unwrap_or_else(|p| p.into_inner());
+        reported.retain(|_, at| now.duration_since(*at) < DENIAL_REPORT_WINDOW);
+        let key = (denial.host.clone(), denial.port, denial.reason.clone());
+        if reported.contains_key(&key) {
+            return false;
+        }
+        reported.insert(key, now);
+        true
+    }
+
     /// Checks the name, resolves it, checks every address, and connects to a vetted one.
     async fn connect(&self, host: &str, port: u16) -> Result<TcpStream, Response<Body>> {
         let allowlist = self.allowlist.allowlist().await;
         if let Err(denial) = policy::check_name(host, port, &allowlist) {
-            return Err(self.deny(denial));
+            return Err(self.deny(denial).await);
         }
         let host = host.trim_end_matches('.').to_ascii_lowercase();
         let addresses = match self.resolver.resolve(&host, port).await {
             Ok(addresses) if !addresses.is_empty() => addresses,
             _ => {
-                return Err(self.deny(Denial {
-                    host,
-                    port,
-                    reason: "the name does not resolve".into(),
-                }));
+                return Err(self
+                    .deny(Denial {
+                        host,
+                        port,
+                        reason: "the name does not resolve".into(),
+                    })
+                    .await);
             }
         };
         // Any forbidden address refuses the name: a record set that mixes them is a rebinding attempt.
@@ -220,19 +249,22 @@ impl EgressProxy {
             .iter()
             .find_map(|address| policy::forbidden_address(address.ip(), &self.exempt))
         {
-            return Err(self.deny(Denial {
-                host,
-                port,
-                reason: format!("the name resolves to {reason}"),
-            }));
+            return Err(self
+                .deny(Denial {
+                    host,
+                    port,
+                    reason: format!("the name resolves to {reason}"),
+                })
+                .await);
         }
         metrics::counter!("sortie_egress_decisions_total", "decision" => "allowed").increment(1);
         tracing::debug!(%host, port, "egress allowed");
         let mut last_error = None;
         for address in addresses {
-            match TcpStream::connect(address).await {
-                Ok(stream) => return Ok(stream),
-                Err(error) => last_error = Some(error),
+            match tokio::time::timeout(CONNECT_DEADLINE, TcpStream::connect(address)).await {
+                Ok(Ok(stream)) => return Ok(stream),
+                Ok(Err(error)) => last_error = Some(error),
+                Err(_) => last_error = Some(std::io::ErrorKind::TimedOut.into()),
             }
         }
         tracing::info!(%host, port, error = ?last_error, "egress connect failed");
