@@ -270,3 +270,106 @@ async fn a_stalled_client_in_another_server_lets_the_driver_go_and_never_sees_a_
     assert!(stalled_at.elapsed() >= SLOW_CLIENT_LIMIT);
     read_what_is_left(&mut stalled).await;
 }
+
+/// A driver whose turn 1 sends two parts, waits until `release` is notified, then sends two more and `[DONE]`.
+async fn paced_driver(socket: PathBuf, release: Arc<tokio::sync::Notify>) {
+    let stream = move || {
+        let release = release.clone();
+        async move {
+            let event = |index: u64| {
+                let mut event = Vec::new();
+                let json = format!(r#"{{"type":"text-delta","id":"t","delta":"part {index}"}}"#);
+                write_sse_event(&mut event, index, &json);
+                event
+            };
+            let first =
+                futures::stream::iter([0, 1].map(|index| Ok::<_, std::convert::Infallible>(Bytes::from(event(index)))));
+            let rest = futures::stream::once(async move {
+                release.notified().await;
+                let mut tail = [event(2), event(3)].concat();
+                tail.extend_from_slice(SSE_DONE);
+                Ok(Bytes::from(tail))
+            });
+            Body::from_stream(first.chain(rest))
+        }
+    };
+    let app = axum::Router::new().route("/turns/1/stream", axum::routing::get(stream));
+    let listener = tokio::net::UnixListener::bind(socket).expect("bind the paced driver socket");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+}
+
+/// Reads the body until `want` says the text so far is enough, within a deadline.
+async fn read_until(
+    body: &mut (impl futures::Stream<Item = reqwest::Result<Bytes>> + Unpin),
+    text: &mut String,
+    want: impl Fn(&str) -> bool,
+) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !want(text) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, body.next()).await {
+            Ok(Some(Ok(bytes))) => text.push_str(&String::from_utf8_lossy(&bytes)),
+            other => panic!("the stream ended or stalled ({other:?}) with {text:?}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_keep_an_idle_stream_open_and_only_ever_go_between_events() {
+    const HEARTBEAT: &str = ": keep-alive\n\n";
+    let mut world = World::start().await;
+    let socket = world._temp.path().join("paced.sock");
+    world.state.drivers = Arc::new(OneDriver(socket.clone()));
+    world.state.heartbeat = Duration::from_millis(100);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("addr");
+    tokio::spawn(sortie_gateway::attach::run(
+        listener,
+        world.state.clone(),
+        std::future::pending(),
+    ));
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let reply = reqwest::Client::new()
+        .get(format!("http://{address}{}", world.path()))
+        .header("authorization", format!("Ticket {}", world.ticket("paced")))
+        .send()
+        .await
+        .expect("attach");
+    assert_eq!(reply.status().as_u16(), 200);
+    let mut body = reply.bytes_stream();
+    let mut text = String::new();
+
+    // No driver yet (the turn has not started): heartbeats, nothing else.
+    read_until(&mut body, &mut text, |t| t.matches(HEARTBEAT).count() >= 2).await;
+    assert_eq!(
+        text,
+        HEARTBEAT.repeat(text.matches(HEARTBEAT).count()),
+        "only heartbeats before the turn"
+    );
+
+    // The driver comes up, sends two parts and goes quiet: heartbeats again, after whole events only.
+    let release = Arc::new(tokio::sync::Notify::new());
+    paced_driver(socket, release.clone()).await;
+    let before = text.len();
+    read_until(&mut body, &mut text, |t| {
+        t.contains("part 1") && t[t.find("part 1").unwrap_or(0)..].matches(HEARTBEAT).count() >= 2
+    })
+    .await;
+    release.notify_one();
+    read_until(&mut body, &mut text, |t| t.ends_with("data: [DONE]\n\n")).await;
+
+    let events: Vec<&str> = text[before..].split("\n\n").filter(|e| !e.is_empty()).collect();
+    for event in &events {
+        assert!(
+            *event == ": keep-alive"
+                || (event.starts_with("id: ") && event.contains("\ndata: "))
+                || *event == "data: [DONE]",
+            "a heartbeat broke into an event: {event:?} in {text:?}"
+        );
+    }
+    assert_eq!(ids(&text), vec![0, 1, 2, 3], "every part once: {text:?}");
+    assert!(
+        events.iter().filter(|e| **e == ": keep-alive").count() >= 2,
+        "heartbeats while the driver was quiet: {text:?}"
+    );
+}

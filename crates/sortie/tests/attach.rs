@@ -229,6 +229,24 @@ impl World {
         }
     }
 
+    /// How many parts the driver has published in turn `n` so far (0 before it started).
+    async fn parts_so_far(&self, n: u32) -> u64 {
+        let status: Value = self
+            .driver_client
+            .get("http://driver/status")
+            .send()
+            .await
+            .expect("status")
+            .json()
+            .await
+            .expect("json");
+        status["turns"]
+            .as_array()
+            .and_then(|t| t.iter().find(|t| t["n"] == n))
+            .and_then(|turn| turn["parts"].as_u64())
+            .unwrap_or(0)
+    }
+
     async fn driver_parts(&self, n: u32) -> u64 {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -282,14 +300,19 @@ async fn clients_joining_at_any_moment_get_the_whole_turn_exactly_once() {
         let world = world.clone();
         readers.push(tokio::spawn(async move {
             tokio::time::sleep(delay).await;
+            let published = world.parts_so_far(1).await;
             let (status, body) = world.attach(&format!("trial-{trial}")).await;
-            (trial, delay, status, body)
+            (trial, delay, published, status, body)
         }));
     }
     let total = world.driver_parts(1).await;
     assert!(total > 10_000, "{total}");
+    let mut joined_midway = 0;
     for reader in readers {
-        let (trial, delay, status, body) = reader.await.expect("join");
+        let (trial, delay, published, status, body) = reader.await.expect("join");
+        if published > 0 && published < total {
+            joined_midway += 1;
+        }
         assert_eq!(status, 200, "trial {trial}");
         assert_eq!(
             ids(&body),
@@ -302,6 +325,11 @@ async fn clients_joining_at_any_moment_get_the_whole_turn_exactly_once() {
         );
         assert!(body.ends_with("data: [DONE]\n\n"), "trial {trial}");
     }
+    // The trials are spread over the turn: most joined while it ran (some before, some after).
+    assert!(
+        joined_midway >= 20,
+        "only {joined_midway} of 100 trials joined a running turn"
+    );
 
     // The real AI SDK accepts the stream.
     let kit = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/ai-sdk");
@@ -347,7 +375,11 @@ async fn a_thousand_clients_attach_to_one_turn() {
     for reader in readers {
         let (status, body) = reader.await.expect("join");
         assert_eq!(status, 200);
-        assert_eq!(ids(&body).len() as u64, total, "every client got every part");
+        assert_eq!(
+            ids(&body),
+            (0..total).collect::<Vec<_>>(),
+            "every client got every part, once, in order"
+        );
         assert!(body.ends_with("data: [DONE]\n\n"));
     }
 }
