@@ -162,13 +162,22 @@ async fn run_setup(State(driver): State<Driver>, body: Bytes) -> Response {
     }
 }
 
-/// `POST /parts`: a part of sortie's own for the running turn (`data-sortie-*` only).
+/// `POST /parts`: a part of sortie's own for the running turn (`data-sortie-*`, and the model proxy's
+/// token totals as `data-acp-usage`).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OwnPart {
     /// The part's type without `data-`, e.g. `sortie-egress-denied`.
     pub name: String,
+    /// A part with an id replaces the earlier one of the same type and id (AI SDK data parts).
+    #[serde(default)]
+    pub id: Option<String>,
     pub data: serde_json::Value,
+}
+
+/// The names `POST /parts` accepts: sortie's own parts, and the token totals the model proxy read.
+fn own_part_name_allowed(name: &str) -> bool {
+    (name.starts_with("sortie-") || name == "acp-usage") && name.bytes().all(|b| b.is_ascii_lowercase() || b == b'-')
 }
 
 async fn own_part(State(driver): State<Driver>, body: Bytes) -> Response {
@@ -182,16 +191,26 @@ async fn own_part(State(driver): State<Driver>, body: Bytes) -> Response {
             );
         }
     };
-    if !part.name.starts_with("sortie-") || !part.name.bytes().all(|b| b.is_ascii_lowercase() || b == b'-') {
+    if !own_part_name_allowed(&part.name) {
         return refuse(
             StatusCode::BAD_REQUEST,
             "INVALID_REQUEST",
-            "only data-sortie-* parts may be added",
+            "only data-sortie-* and data-acp-usage parts may be added",
+        );
+    }
+    let id_ok = |id: &String| {
+        !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    };
+    if part.id.as_ref().is_some_and(|id| !id_ok(id)) {
+        return refuse(
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+            "a part id is 1 to 64 letters, digits, '-' or '_'",
         );
     }
     let chunk = sortie_protocol::chunk::UiChunk::Data {
         name: part.name,
-        id: None,
+        id: part.id,
         data: part.data,
         transient: false,
     };
@@ -290,4 +309,19 @@ fn hub_stream(
         }
         Some((Ok(Bytes::from(out)), state))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::own_part_name_allowed;
+
+    #[test]
+    fn only_sorties_own_parts_and_token_totals_may_be_added() {
+        for allowed in ["sortie-egress-denied", "sortie-delivery", "acp-usage"] {
+            assert!(own_part_name_allowed(allowed), "{allowed}");
+        }
+        for refused in ["acp-diff", "acp-usage-x", "text", "sortie-Egress", "sortie_x", "", "sortie-é"] {
+            assert!(!own_part_name_allowed(refused), "{refused}");
+        }
+    }
 }

@@ -357,6 +357,36 @@ pub fn installed_command(agents_dir: &Path, profile: &AgentProfile) -> Option<Pa
     candidate.exists().then_some(candidate)
 }
 
+/// A pinned npm spec split into package name and version: `@scope/name@1.2.3` → (`@scope/name`, `1.2.3`).
+pub fn split_npm_spec(spec: &str) -> (&str, Option<&str>) {
+    match spec.get(1..).and_then(|rest| rest.rfind('@')) {
+        Some(at) => (&spec[..at + 1], Some(&spec[at + 2..])),
+        None => (spec, None),
+    }
+}
+
+/// The version of `profile`'s npm package installed under `agents_dir`, read from its `package.json`.
+pub fn installed_version(agents_dir: &Path, profile: &AgentProfile) -> Option<String> {
+    let (name, _) = split_npm_spec(profile.npm_package.as_deref()?);
+    let manifest = install_dir(agents_dir, &profile.id)
+        .join("node_modules")
+        .join(name)
+        .join("package.json");
+    let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(manifest).ok()?).ok()?;
+    manifest["version"].as_str().map(ToOwned::to_owned)
+}
+
+/// Whether the install under `agents_dir` is another version than the profile pins (a pin changed
+/// since `sortie agents install` ran): the install should run again.
+pub fn install_outdated(agents_dir: &Path, profile: &AgentProfile) -> bool {
+    let pinned = profile.npm_package.as_deref().and_then(|spec| split_npm_spec(spec).1);
+    match (pinned, installed_version(agents_dir, profile)) {
+        (Some(pinned), Some(installed)) => pinned != installed,
+        (Some(_), None) => installed_command(agents_dir, profile).is_some(),
+        (None, _) => false,
+    }
+}
+
 /// Resolves a profile's command: an absolute path as is; a bare name next to `beside` (the running
 /// binary's directory) first, then on `path` (a PATH value).
 pub fn resolve_command(command: &str, beside: Option<&Path>, path: Option<&str>) -> Option<PathBuf> {
@@ -376,6 +406,40 @@ pub fn resolve_command(command: &str, beside: Option<&Path>, path: Option<&str>)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn npm_specs_split_into_name_and_version() {
+        assert_eq!(
+            split_npm_spec("@agentclientprotocol/codex-acp@2.6.0"),
+            ("@agentclientprotocol/codex-acp", Some("2.6.0"))
+        );
+        assert_eq!(split_npm_spec("opencode-ai@1.18.33"), ("opencode-ai", Some("1.18.33")));
+        assert_eq!(split_npm_spec("@scope/unpinned"), ("@scope/unpinned", None));
+        assert_eq!(split_npm_spec("plain"), ("plain", None));
+        assert_eq!(split_npm_spec(""), ("", None));
+    }
+
+    #[test]
+    fn an_install_of_another_version_than_the_pin_is_outdated() {
+        let dir = tempfile::tempdir().expect("temp");
+        let mut agent = find(&built_in(), "opencode").expect("opencode");
+        assert!(
+            !install_outdated(dir.path(), &agent),
+            "nothing installed is not outdated"
+        );
+        let package = install_dir(dir.path(), "opencode").join("node_modules/opencode-ai");
+        std::fs::create_dir_all(&package).expect("dirs");
+        std::fs::write(
+            package.join("package.json"),
+            r#"{"name":"opencode-ai","version":"1.18.33"}"#,
+        )
+        .expect("write");
+        agent.npm_package = Some("opencode-ai@1.18.33".into());
+        assert_eq!(installed_version(dir.path(), &agent).as_deref(), Some("1.18.33"));
+        assert!(!install_outdated(dir.path(), &agent));
+        agent.npm_package = Some("opencode-ai@1.19.0".into());
+        assert!(install_outdated(dir.path(), &agent));
+    }
 
     #[test]
     fn built_ins_cover_the_protocol_list() {

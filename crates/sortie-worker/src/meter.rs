@@ -1,6 +1,6 @@
 //! The worker's side of the model proxy (DESIGN §7.4): each sandbox's proxy gets the workspace's
 //! decrypted key per request, and reports to a [`TurnMeter`] what it read: token usage into the
-//! ledger (and a `data-sortie-usage` part), a vendor's 401/403 or a missing key, which fails the
+//! ledger (and a `data-acp-usage` part with id `tokens`: the turn's totals so far), a vendor's 401/403 or a missing key, which fails the
 //! running turn at once with `VENDOR_AUTH_REJECTED`.
 
 use std::path::PathBuf;
@@ -61,6 +61,8 @@ pub struct TurnMeter {
     session_id: SessionId,
     driver_socket: PathBuf,
     rejection: Mutex<Option<Rejection>>,
+    /// Tokens read so far in each turn: (turn, input, output), of the turn last reported.
+    turn_totals: Arc<Mutex<(u32, u64, u64)>>,
 }
 
 impl TurnMeter {
@@ -70,6 +72,7 @@ impl TurnMeter {
             session_id,
             driver_socket,
             rejection: Mutex::new(None),
+            turn_totals: Arc::new(Mutex::new((0, 0, 0))),
         })
     }
 
@@ -92,6 +95,7 @@ impl UsageSink for TurnMeter {
         let session_id = self.session_id.clone();
         let socket = self.driver_socket.clone();
         let usage = usage.clone();
+        let turn_totals = self.turn_totals.clone();
         tokio::spawn(async move {
             let turn = store
                 .session_by_id(&session_id)
@@ -112,13 +116,25 @@ impl UsageSink for TurnMeter {
             if let Err(error) = recorded {
                 tracing::warn!(%error, session = %session_id, "cannot record token usage");
             }
+            let (input_tokens, output_tokens) = {
+                let mut totals = turn_totals.lock().unwrap_or_else(|p| p.into_inner());
+                if totals.0 != turn {
+                    *totals = (turn, 0, 0);
+                }
+                totals.1 += usage.input_tokens;
+                totals.2 += usage.output_tokens;
+                (totals.1, totals.2)
+            };
+            // One part per turn, replaced in place (id `tokens`): the turn's token totals so far. The
+            // ACP agent's own context-window report is `data-acp-usage` with id `usage`.
             let part = serde_json::json!({
-                "name": "sortie-usage",
+                "name": "acp-usage",
+                "id": "tokens",
                 "data": {
                     "api": api.as_str(),
                     "model": usage.model,
-                    "inputTokens": usage.input_tokens,
-                    "outputTokens": usage.output_tokens,
+                    "inputTokens": input_tokens,
+                    "outputTokens": output_tokens,
                 },
             });
             let _ = crate::client::DriverClient::new(socket).post_part(&part).await;

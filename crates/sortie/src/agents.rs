@@ -87,6 +87,8 @@ fn list(agents_dir: &Path, profiles: &[AgentProfile], json: bool) -> anyhow::Res
             "installed": found.is_some(),
             "command": found.map(|p| p.display().to_string()),
             "npm_package": agent.npm_package,
+            "installed_version": profile::installed_version(agents_dir, agent),
+            "outdated": profile::install_outdated(agents_dir, agent),
             "needs": needs(agent),
         }));
     }
@@ -95,7 +97,13 @@ fn list(agents_dir: &Path, profiles: &[AgentProfile], json: bool) -> anyhow::Res
         return Ok(ExitCode::SUCCESS);
     }
     for row in &rows {
-        let state = if row["installed"] == true {
+        let state = if row["outdated"] == true {
+            format!(
+                "outdated {} (sortie agents install {})",
+                row["installed_version"].as_str().unwrap_or("?"),
+                row["id"].as_str().unwrap_or("")
+            )
+        } else if row["installed"] == true {
             "installed".to_owned()
         } else {
             match row["npm_package"].as_str() {
