@@ -1080,6 +1080,25 @@ async fn a_repository_on_an_https_forge_is_delivered_with_a_token_no_sandbox_hol
     assert!(mirrors.is_empty(), "the token is in {mirrors:?}");
     let transcript = serde_json::to_string(&world.messages(&id).await).expect("json");
     assert!(!transcript.contains(TOKEN) && !session.to_string().contains(TOKEN));
+    // Nor in the warm sandbox: not in any of its processes' environment or argv, not in a file under
+    // its workspace (the remote URL and git config included), home or /tmp; nor in the server's log.
+    support::assert_not_in_sandbox(&id, TOKEN, "the forge token");
+    let origin = std::process::Command::new("git")
+        .args(["-c", "safe.directory=*", "-C"])
+        .arg(session_dir.join("workspace"))
+        .args(["remote", "get-url", "origin"])
+        .output()
+        .expect("git remote");
+    assert!(origin.status.success(), "{}", String::from_utf8_lossy(&origin.stderr));
+    let origin = String::from_utf8_lossy(&origin.stdout);
+    assert!(
+        origin.contains("/_sortie/git/") && !origin.contains(TOKEN),
+        "origin is the git proxy: {origin}"
+    );
+    assert!(
+        !world.server.as_ref().expect("server").log().contains(TOKEN),
+        "the token is in the server's log"
+    );
 
     // The token is rotated on the forge and in the workspace: the warm sandbox's next push uses the new one.
     const ROTATED: &str = "ghs_ROTATED-canary-token-9876543210";
@@ -1274,4 +1293,38 @@ async fn an_allowlist_amended_through_the_api_opens_the_next_connection_of_a_run
         "the next connection after the amendment went through without a restart: {outputs}"
     );
     assert_eq!(session["egress"]["allow"], json!(["late.sortie-test.dev"]));
+
+    // The agent was refused many times in its loop, but the stream holds the refusal once.
+    let denials = world
+        .messages(&id)
+        .await
+        .iter()
+        .flat_map(|m| m["parts"].as_array().cloned().unwrap_or_default())
+        .filter(|p| p["type"] == "data-sortie-egress-denied" && p["data"]["host"] == "late.sortie-test.dev")
+        .count();
+    assert_eq!(denials, 1, "one part for a refusal repeated in a loop");
+    // Every refusal is counted and logged.
+    let metrics = world
+        .http
+        .get(format!("{}/metrics", world.url()))
+        .send()
+        .await
+        .expect("metrics");
+    let metrics = metrics.text().await.expect("text");
+    let counted = |decision: &str| {
+        metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with("sortie_egress_decisions_total") && l.contains(&format!("decision=\"{decision}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    assert!(counted("denied") >= 1.0 && counted("allowed") >= 1.0, "{metrics}");
+    let log = world.server.as_ref().expect("server").log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("egress denied") && l.contains("late.sortie-test.dev") && l.contains("allowlist")),
+        "the refusal is logged: {log}"
+    );
 }

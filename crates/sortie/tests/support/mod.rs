@@ -2,10 +2,10 @@
 
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc;
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 pub const BINARY: &str = env!("CARGO_BIN_EXE_sortie");
@@ -38,6 +38,8 @@ pub struct Server {
     pub url: String,
     /// Everything it printed on stdout before it listened.
     pub banner: Vec<String>,
+    /// Everything it logged (stderr), also passed on to this process's stderr.
+    log: Arc<Mutex<String>>,
 }
 
 impl Server {
@@ -56,11 +58,24 @@ impl Server {
         if let Some(url) = database_url {
             command.args(["--database-url", url]);
         }
+        // Egress decisions are logged at info; everything else at warn keeps test output short.
+        command.env("SORTIE_LOG", "warn,sortie_gateway::egress=info");
         let mut child = command
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::piped())
             .spawn()
             .expect("spawn sortie serve");
+        let log = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().expect("stderr");
+        let kept = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = writeln!(std::io::stderr(), "{line}");
+                let mut kept = kept.lock().unwrap_or_else(|p| p.into_inner());
+                kept.push_str(&line);
+                kept.push('\n');
+            }
+        });
         let stdout = child.stdout.take().expect("stdout");
         let (lines_tx, lines_rx) = mpsc::channel();
         std::thread::spawn(move || {
@@ -84,10 +99,16 @@ impl Server {
                     child,
                     url: url.to_owned(),
                     banner,
+                    log,
                 };
             }
             banner.push(line);
         }
+    }
+
+    /// What the server has logged so far.
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// SIGKILL, no chance to flush anything, and wait for it to be gone.
@@ -169,4 +190,126 @@ pub fn upstream_with_main(root: &Path) -> PathBuf {
         &["push", "-q", upstream.to_str().expect("utf-8"), "HEAD:refs/heads/main"],
     );
     upstream
+}
+
+/// Host pids of the processes of the sandbox of `session`: its `sortie driver` and everything under it.
+pub fn sandbox_pids(session: &str) -> Vec<u32> {
+    let mut driver = None;
+    let mut parents = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("proc").flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if args.get(1).is_some_and(|a| a == "driver") && args.windows(2).any(|w| w[0] == "--session" && w[1] == session)
+        {
+            driver = Some(pid);
+        }
+        let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
+        let ppid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("PPid:"))
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .unwrap_or(0);
+        parents.push((pid, ppid));
+    }
+    let Some(driver) = driver else { return Vec::new() };
+    let mut tree = vec![driver];
+    let mut grew = true;
+    while grew {
+        grew = false;
+        for (pid, ppid) in &parents {
+            if tree.contains(ppid) && !tree.contains(pid) {
+                tree.push(*pid);
+                grew = true;
+            }
+        }
+    }
+    tree
+}
+
+/// What a search of a directory tree saw: every regular file read, and those holding the needle.
+pub struct FileScan {
+    pub read: Vec<PathBuf>,
+    pub holding: Vec<PathBuf>,
+}
+
+/// Reads every regular file under `root` (not following links) and notes those holding `needle`. A
+/// file or directory that exists but cannot be read fails the test: a search that skips what it
+/// cannot open proves nothing.
+pub fn scan_files(root: &Path, needle: &[u8]) -> FileScan {
+    let mut scan = FileScan {
+        read: Vec::new(),
+        holding: Vec::new(),
+    };
+    let mut pending = vec![root.to_owned()];
+    while let Some(path) = pending.pop() {
+        let meta = match std::fs::symlink_metadata(&path) {
+            Ok(meta) => meta,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(error) => panic!("cannot stat {}: {error}", path.display()),
+        };
+        if meta.is_dir() {
+            let entries = std::fs::read_dir(&path).unwrap_or_else(|e| panic!("cannot list {}: {e}", path.display()));
+            pending.extend(entries.flatten().map(|e| e.path()));
+        } else if meta.is_file() {
+            let bytes = match std::fs::read(&path) {
+                Ok(bytes) => bytes,
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(error) => panic!("cannot read {}: {error}", path.display()),
+            };
+            if bytes.windows(needle.len()).any(|w| w == needle) {
+                scan.holding.push(path.clone());
+            }
+            scan.read.push(path);
+        }
+    }
+    scan
+}
+
+/// Asserts that `needle` is in no process of the session's live sandbox (environment, argv) and in
+/// no file under its `/workspace`, `$HOME` and `/tmp`, and that the search really looked: the
+/// driver's environment was read, and the workspace's git metadata and the home were walked.
+pub fn assert_not_in_sandbox(session: &str, needle: &str, what: &str) {
+    let pids = sandbox_pids(session);
+    assert!(!pids.is_empty(), "{what}: the session's sandbox is not running");
+    let mut environments_read = 0;
+    for pid in &pids {
+        for file in ["environ", "cmdline"] {
+            let bytes = match std::fs::read(format!("/proc/{pid}/{file}")) {
+                Ok(bytes) => bytes,
+                // A short-lived process of the sandbox ended meanwhile.
+                Err(error) if error.raw_os_error() == Some(3) || error.kind() == std::io::ErrorKind::NotFound => {
+                    continue;
+                }
+                Err(error) => panic!("{what}: cannot read /proc/{pid}/{file}: {error}"),
+            };
+            if file == "environ" && !bytes.is_empty() {
+                environments_read += 1;
+            }
+            assert!(
+                !bytes.windows(needle.len()).any(|w| w == needle.as_bytes()),
+                "{what}: the secret is in /proc/{pid}/{file}"
+            );
+        }
+    }
+    assert!(environments_read > 0, "{what}: no environment of the sandbox was read");
+    let inside = PathBuf::from(format!("/proc/{}/root", pids[0]));
+    for dir in ["workspace", "home/agent", "tmp"] {
+        let scan = scan_files(&inside.join(dir), needle.as_bytes());
+        assert!(scan.holding.is_empty(), "{what}: the secret is in {:?}", scan.holding);
+        if dir != "tmp" {
+            assert!(!scan.read.is_empty(), "{what}: nothing was read under /{dir}");
+        }
+        if dir == "workspace" {
+            assert!(
+                scan.read.iter().any(|p| p.ends_with(".git/config")),
+                "{what}: the workspace's git config was not read"
+            );
+        }
+    }
 }
