@@ -320,7 +320,15 @@ mod tests {
         for allowed in ["sortie-egress-denied", "sortie-delivery", "acp-usage"] {
             assert!(own_part_name_allowed(allowed), "{allowed}");
         }
-        for refused in ["acp-diff", "acp-usage-x", "text", "sortie-Egress", "sortie_x", "", "sortie-é"] {
+        for refused in [
+            "acp-diff",
+            "acp-usage-x",
+            "text",
+            "sortie-Egress",
+            "sortie_x",
+            "",
+            "sortie-é",
+        ] {
             assert!(!own_part_name_allowed(refused), "{refused}");
         }
     }

@@ -48,6 +48,7 @@ pub const SLOW_CLIENT_LIMIT: Duration = Duration::from_secs(30);
 pub fn router(state: AttachState) -> Router {
     Router::new()
         .route("/v1/sessions/{id}/stream", get(attach).post(submit).options(preflight))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), with_cors))
         .with_state(state)
 }
 
@@ -82,6 +83,22 @@ fn cors(state: &AttachState, headers: &HeaderMap, response: &mut Response) {
         );
         h.insert(header::VARY, HeaderValue::from_static("origin"));
     }
+}
+
+/// Every answer on the stream path, refusals included, carries the CORS headers an allowed origin
+/// needs: a page on another site reads `TICKET_EXPIRED` as well as the stream.
+async fn with_cors(
+    State(state): State<AttachState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let mut origin = HeaderMap::new();
+    if let Some(value) = request.headers().get(header::ORIGIN) {
+        origin.insert(header::ORIGIN, value.clone());
+    }
+    let mut response = next.run(request).await;
+    cors(&state, &origin, &mut response);
+    response
 }
 
 async fn preflight(State(state): State<AttachState>, headers: HeaderMap) -> Response {
@@ -166,16 +183,14 @@ async fn attach(
     };
     let asked = query.turn;
     let Some(turn) = active_turn(&turns, asked).cloned() else {
-        let mut response = if asked.is_some() {
+        return if asked.is_some() {
             refuse(ErrorCode::NotFound, "no such turn")
         } else {
             StatusCode::NO_CONTENT.into_response()
         };
-        cors(&state, &headers, &mut response);
-        return response;
     };
 
-    turn_stream(&state, &session, &claims.ws, &turn, &headers).await
+    turn_stream(&state, &session, &claims.ws, &turn).await
 }
 
 /// The body useChat's `DefaultChatTransport` posts.
@@ -257,17 +272,11 @@ async fn submit(
         }
         Err(_) => return refuse(ErrorCode::StoreUnavailable, "the store did not answer; try again"),
     };
-    turn_stream(&state, &session, &claims.ws, &turn, &headers).await
+    turn_stream(&state, &session, &claims.ws, &turn).await
 }
 
 /// Answers turn `turn`'s stream: its stored parts, then the driver's live tail, then `[DONE]`.
-async fn turn_stream(
-    state: &AttachState,
-    session: &SessionId,
-    workspace_id: &str,
-    turn: &TurnRow,
-    headers: &HeaderMap,
-) -> Response {
+async fn turn_stream(state: &AttachState, session: &SessionId, workspace_id: &str, turn: &TurnRow) -> Response {
     let session = session.clone();
     let stored: Vec<(u64, String)> = match state.store.parts(&session).await {
         Ok(parts) => parts
@@ -306,7 +315,6 @@ async fn turn_stream(
             response.headers_mut().insert(name, value);
         }
     }
-    cors(state, headers, &mut response);
     response
 }
 

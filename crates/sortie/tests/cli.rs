@@ -395,6 +395,42 @@ fn only_configured_origins_may_attach_from_another_site() {
         );
         let other = preflight("https://elsewhere.example.com").await.expect("preflight");
         assert!(other.headers().get("access-control-allow-origin").is_none());
+
+        // A refusal reaches an allowed page readably (its code), with the stream's header exposed;
+        // another site gets no CORS headers at all.
+        let attach = |origin: &'static str| {
+            client
+                .get(format!(
+                    "{}/v1/sessions/ses_01jd8x3k4m5n6p7q8r9s0t1v2w/stream",
+                    server.url
+                ))
+                .header("origin", origin)
+                .header("authorization", "Ticket not-a-ticket")
+                .send()
+        };
+        let refused = attach("https://tools.example.com").await.expect("attach");
+        assert_eq!(refused.status().as_u16(), 401);
+        let header = |response: &reqwest::Response, name: &str| {
+            response
+                .headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(ToOwned::to_owned)
+        };
+        assert_eq!(
+            header(&refused, "access-control-allow-origin").as_deref(),
+            Some("https://tools.example.com")
+        );
+        assert_eq!(
+            header(&refused, "access-control-expose-headers").as_deref(),
+            Some("x-vercel-ai-ui-message-stream")
+        );
+        let body: serde_json::Value = refused.json().await.expect("json");
+        assert_eq!(body["error"]["code"], "TICKET_INVALID");
+        let elsewhere = attach("https://elsewhere.example.com").await.expect("attach");
+        assert_eq!(elsewhere.status().as_u16(), 401);
+        assert!(header(&elsewhere, "access-control-allow-origin").is_none());
+        assert!(header(&elsewhere, "access-control-expose-headers").is_none());
     });
     drop(server);
 
