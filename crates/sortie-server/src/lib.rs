@@ -29,6 +29,7 @@ use tokio::net::TcpListener;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 
+pub use metrics_layer::render as render_metrics;
 pub use tokens::Secret;
 
 /// The agents a server accepts and the one it uses when a request names none.

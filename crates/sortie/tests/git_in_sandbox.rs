@@ -70,6 +70,8 @@ async fn git_inside_a_sandbox_pushes_only_its_own_branch() {
         &["push", "-q", upstream.to_str().expect("utf-8"), "HEAD:refs/heads/main"],
     );
     let main_before = rev(&upstream, "refs/heads/main").expect("main");
+    // The proxy runs in this process: its push decisions land in this recorder.
+    let _ = sortie_server::render_metrics();
 
     let session = SessionId::generate();
     let egress_dir = root.join("egress");
@@ -106,7 +108,7 @@ git push -q --force origin HEAD:{own} && echo "force push ok"
 head -c 3000000 /dev/urandom > big.bin && git add big.bin && git -c user.name=agent -c user.email=agent@sortie.invalid commit -q -m big
 git push -q origin HEAD:{own} && echo "big push ok"
 git -c user.name=agent -c user.email=agent@sortie.invalid commit -q --allow-empty -m mixed
-git push origin HEAD:{own} HEAD:refs/heads/main 2>&1 | grep -q "sortie: push refused" && echo "mixed refused"
+git push origin HEAD:{own} HEAD:refs/heads/main 2>&1 | grep -q "sortie: refs/heads/main may not be pushed" && echo "mixed refused"
 [ "$(git ls-remote origin {own} | cut -f1)" = "$(git rev-parse HEAD~1)" ] && echo "own untouched by the mixed push"
 git reset -q --hard HEAD~1
 git ls-remote origin refs/heads/main | cut -f1 > /tmp/main.sha
@@ -122,13 +124,13 @@ request = urllib.request.Request(
     headers={{"content-type": "application/x-git-receive-pack-request"}},
 )
 answer = urllib.request.urlopen(request).read()
-if b"push-cert" in answer:
+if b"ng (push) signed pushes (push-cert) are not accepted" in answer:
     print("raw push-cert refused")
 PY
-git push origin HEAD:refs/heads/main 2>&1 | grep -q "sortie: push refused" && echo "main refused"
-git push origin HEAD:refs/heads/sortie/ses_01jd8x3k4m5n6p7q8r9s0t1v2w 2>&1 | grep -q "sortie: push refused" && echo "other session refused"
-git tag v1 && git push origin v1 2>&1 | grep -q "remote rejected" && echo "tag refused"
-git push origin :{own} 2>&1 | grep -q "may not be deleted" && echo "delete refused"
+git push origin HEAD:refs/heads/main 2>&1 | grep -q "sortie: refs/heads/main may not be pushed; this session may only push {own}" && echo "main refused"
+git push origin HEAD:refs/heads/sortie/ses_01jd8x3k4m5n6p7q8r9s0t1v2w 2>&1 | grep -q "sortie: refs/heads/sortie/ses_01jd8x3k4m5n6p7q8r9s0t1v2w may not be pushed" && echo "other session refused"
+git tag v1 && git push origin v1 2>&1 | grep -q "sortie: refs/tags/v1 may not be pushed" && echo "tag refused"
+git push origin :{own} 2>&1 | grep -q "sortie: {own} may not be deleted" && echo "delete refused"
 git fetch -q origin && echo "fetch ok"
 cd /
 grep -rIl "Authorization\|x-access-token" /workspace /home/agent 2>/dev/null | head -1 | sed 's/^/CREDENTIAL IN /'
@@ -176,6 +178,14 @@ git -C /workspace/repo remote get-url origin
         "main unchanged"
     );
     assert!(rev(&upstream, "refs/tags/v1").is_none());
+    // The big push made git send its empty probe request first, and the proxy let it through.
+    let metrics = sortie_server::render_metrics();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("sortie_git_pushes_total{decision=\"probe\"}")),
+        "{metrics}"
+    );
     assert!(rev(&upstream, "refs/heads/sortie/ses_01jd8x3k4m5n6p7q8r9s0t1v2w").is_none());
     assert_eq!(
         rev(&upstream, &own),

@@ -24,6 +24,11 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 use crate::git::receive_pack::{self, Decision};
 
+/// How much of a refused push's body is read (so git prints the reason, not a broken pipe)...
+const REFUSED_PUSH_DRAIN_BYTES: usize = 64 << 20;
+/// ...and for how long, before the answer goes out regardless.
+const REFUSED_PUSH_DRAIN_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Where a session's repository lives.
 #[derive(Clone, PartialEq, Eq)]
 pub enum Upstream {
@@ -369,7 +374,17 @@ async fn receive_pack_route(
             tracing::warn!(session = %session, %reason, "push refused");
             metrics::counter!("sortie_git_pushes_total", "decision" => "refused").increment(1);
             // Read the rest before answering: git reports a broken pipe instead of the reason otherwise.
-            while let Some(Ok(_)) = stream.next().await {}
+            // Bounded: a refused push may not hold the proxy with an endless body.
+            let drain = async {
+                let mut read = 0_usize;
+                while let Some(Ok(chunk)) = stream.next().await {
+                    read += chunk.len();
+                    if read > REFUSED_PUSH_DRAIN_BYTES {
+                        break;
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(REFUSED_PUSH_DRAIN_DEADLINE, drain).await;
             let answer = receive_pack::refusal(&reason, &refnames, side_band);
             (
                 StatusCode::OK,
@@ -382,7 +397,8 @@ async fn receive_pack_route(
                 .into_response()
         }
         Decision::Probe | Decision::Allow { .. } => {
-            metrics::counter!("sortie_git_pushes_total", "decision" => "forwarded").increment(1);
+            let counted = if decision == Decision::Probe { "probe" } else { "forwarded" };
+            metrics::counter!("sortie_git_pushes_total", "decision" => counted).increment(1);
             let rest = Body::from_stream(stream);
             let request = Forwarded {
                 method: "POST",
