@@ -139,6 +139,17 @@ impl DriverLocator for Drivers {
     }
 }
 
+/// The drivers of a worker running in another process on this host, found under its work dir: a
+/// gateway started alone (`--roles gateway`) beside a worker serves live tails through them.
+pub struct WorkDirDrivers(pub PathBuf);
+
+impl DriverLocator for WorkDirDrivers {
+    fn driver_socket(&self, session_id: &SessionId) -> Option<PathBuf> {
+        let socket = prepare::SessionDirs::new(&self.0, session_id).driver_socket();
+        socket.exists().then_some(socket)
+    }
+}
+
 /// What the worker's tasks tell its loop.
 pub enum Event {
     /// A turn task ended; `keep` is the sandbox to keep warm, if any.

@@ -76,7 +76,10 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
     };
     let drivers: Arc<dyn sortie_gateway::attach::DriverLocator> = match &worker {
         Some(worker) => worker.drivers(),
-        None => Arc::new(NoDrivers),
+        // A gateway without the worker role follows the drivers of a worker on this host, if any.
+        None => Arc::new(sortie_worker::WorkDirDrivers(
+            args.worker.work_dir.clone().unwrap_or_else(|| data_dir.join("work")),
+        )),
     };
 
     let cors_origins = args
@@ -295,14 +298,6 @@ impl sortie_gateway::egress::proxy::Resolver for TableFirst {
 }
 
 /// No session has a driver: this process runs no worker.
-struct NoDrivers;
-
-impl sortie_gateway::attach::DriverLocator for NoDrivers {
-    fn driver_socket(&self, _session_id: &sortie_protocol::SessionId) -> Option<std::path::PathBuf> {
-        None
-    }
-}
-
 /// Prints a one-time link that signs a browser in to the dashboard as the saved admin token.
 fn print_signin_link(data_dir: &Path, address: std::net::SocketAddr, signins: &sortie_server::signin::SignIns) {
     let Ok(token) = std::fs::read_to_string(data_dir.join(ADMIN_TOKEN_FILE)) else {

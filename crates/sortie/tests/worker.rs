@@ -1328,3 +1328,55 @@ async fn an_allowlist_amended_through_the_api_opens_the_next_connection_of_a_run
         "the refusal is logged: {log}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_started_alone_serves_the_live_tail_of_the_worker_beside_it() {
+    let world = World::start(&[]);
+    // A second process on the same data dir with only the gateway role (a split deployment on one host).
+    let gateway = Server::start_with(&world.root, &world.data_dir, None, &["--roles", "gateway"]);
+    let id = world
+        .create("#!scripted\nsay: live-first\nsleep: 3000\nsay: live-second", json!({}))
+        .await;
+    let (status, ticket) = world
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/sessions/{id}/attach-ticket"),
+            Some(json!({"action": "attach"})),
+        )
+        .await;
+    assert_eq!(status, 201, "{ticket}");
+    let response = world
+        .http
+        .get(format!("{}/v1/sessions/{id}/stream", gateway.url))
+        .header(
+            "authorization",
+            format!("Ticket {}", ticket["ticket"].as_str().expect("ticket")),
+        )
+        .send()
+        .await
+        .expect("attach");
+    assert_eq!(response.status(), 200);
+    let mut response = response;
+    let mut text = String::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !text.contains("live-first") {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, response.chunk()).await {
+            Ok(Ok(Some(bytes))) => text.push_str(&String::from_utf8_lossy(&bytes)),
+            other => panic!("the gateway's stream ended or stalled ({other:?}): {text}"),
+        }
+    }
+    // The part came while the agent still ran: from the driver, not from the store after the turn.
+    let (_, session) = world
+        .call(reqwest::Method::GET, &format!("/v1/sessions/{id}"), None)
+        .await;
+    assert_eq!(session["phase"], "running", "{session:#}");
+    while !text.ends_with("data: [DONE]\n\n") {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, response.chunk()).await {
+            Ok(Ok(Some(bytes))) => text.push_str(&String::from_utf8_lossy(&bytes)),
+            other => panic!("the gateway's stream ended or stalled ({other:?}): {text}"),
+        }
+    }
+    assert_eq!(text.matches("live-second").count(), 1, "{text}");
+}

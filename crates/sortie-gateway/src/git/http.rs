@@ -397,7 +397,11 @@ async fn receive_pack_route(
                 .into_response()
         }
         Decision::Probe | Decision::Allow { .. } => {
-            let counted = if decision == Decision::Probe { "probe" } else { "forwarded" };
+            let counted = if decision == Decision::Probe {
+                "probe"
+            } else {
+                "forwarded"
+            };
             metrics::counter!("sortie_git_pushes_total", "decision" => counted).increment(1);
             let rest = Body::from_stream(stream);
             let request = Forwarded {
