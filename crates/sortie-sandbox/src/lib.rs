@@ -163,6 +163,13 @@ pub trait SandboxRuntime: Send + Sync {
     async fn stop(&self, name: &str, grace: Duration) -> Result<(), SandboxError>;
     /// Kills whatever is left, reports the usage and forgets the sandbox (its workspace and home stay).
     async fn destroy(&self, name: &str) -> Result<Usage, SandboxError>;
+    /// Takes over a sandbox `name` that an earlier process of this runtime made and that still runs
+    /// (that process died or restarted); from then on it is this runtime's, as if it had started it.
+    async fn adopt(&self, name: &str) -> Result<(), SandboxError> {
+        Err(SandboxError::Unsupported(format!(
+            "this runtime cannot adopt sandbox {name:?}"
+        )))
+    }
 
     /// The host uid and gid that must own a sandbox's writable directories, when the runtime maps
     /// its uid onto a dedicated host uid (the local runtime as root); `None` when no hand-over is needed.

@@ -192,6 +192,16 @@ struct Slot {
 
 pub struct Worker {
     context: Arc<Context>,
+    /// Sandboxes [`Worker::reconcile`] took over from an earlier process, for [`Worker::run`] to hold.
+    adopted: std::sync::Mutex<Vec<Adopted>>,
+}
+
+/// A sandbox an earlier process of this worker left running, taken over at start.
+struct Adopted {
+    session: sortie_store::SessionRow,
+    /// The turn it was running, to follow to its end; `None` for a warm sandbox.
+    turn: Option<sortie_store::TurnRow>,
+    sandbox: SandboxHandle,
 }
 
 impl Worker {
@@ -209,6 +219,7 @@ impl Worker {
                 drivers: Drivers::default(),
                 mirror_locks: tokio::sync::Mutex::new(HashMap::new()),
             }),
+            adopted: std::sync::Mutex::new(Vec::new()),
         }
     }
 
@@ -220,7 +231,8 @@ impl Worker {
     /// Settles what this worker held before it last stopped; call it once before [`Worker::run`]
     /// (`sortie serve` does before it says it listens, so a client never sees a stale session).
     pub async fn reconcile(&self) {
-        reconcile(&self.context).await;
+        let adopted = reconcile(&self.context).await;
+        self.adopted.lock().unwrap_or_else(|p| p.into_inner()).extend(adopted);
     }
 
     /// Runs until `shutdown` completes, then destroys the sandboxes it holds.
@@ -228,6 +240,28 @@ impl Worker {
         let context = self.context;
         let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel::<Event>();
         let mut slots: HashMap<SessionId, Slot> = HashMap::new();
+        let adopted = std::mem::take(&mut *self.adopted.lock().unwrap_or_else(|p| p.into_inner()));
+        for Adopted { session, turn, sandbox } in adopted {
+            let running = turn.is_some();
+            slots.insert(
+                session.id.clone(),
+                Slot {
+                    workspace_id: session.workspace_id.clone(),
+                    warm: (!running).then(|| sandbox.clone()),
+                    busy: running,
+                    idle_since: Instant::now(),
+                },
+            );
+            if let Some(turn) = turn {
+                let context = context.clone();
+                let events = events_tx.clone();
+                tokio::spawn(async move {
+                    let session_id = session.id.clone();
+                    let keep = turn::resume(&context, session, turn, sandbox).await;
+                    let _ = events.send(Event::TurnEnded { session_id, keep });
+                });
+            }
+        }
         let mut tick = tokio::time::interval(context.config.poll_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tokio::pin!(shutdown);
@@ -238,7 +272,8 @@ impl Worker {
                 Some(event) = events.recv() => on_event(&context, &mut slots, event),
             }
         }
-        // Turn tasks still running lose their sandboxes with the process; the next start reconciles them.
+        // The sandboxes of turns still running outlive this process (their keepers wait the orphan grace)
+        // for the next start to adopt; warm ones are cheap to make again and go now.
         for (session_id, slot) in slots {
             if let Some(sandbox) = slot.warm {
                 turn::destroy(&context, &session_id, &sandbox).await;
@@ -442,20 +477,27 @@ async fn hibernate(context: &Arc<Context>, slots: &mut HashMap<SessionId, Slot>,
 }
 
 /// At start, for what this worker held before it stopped (its claims and sandboxes, by
-/// `worker_id`; other workers' are theirs): a sandbox of an earlier process is gone with it (the
-/// local runtime's sandboxes die with their parent, DESIGN §8), so its running turn is `lost` (its
-/// log harvested into the transcript first) and its session `failed` with a reason; a warm
-/// session becomes `hibernated`.
-async fn reconcile(context: &Arc<Context>) {
+/// `worker_id`; other workers' are theirs): a sandbox that outlived the earlier process (its keeper
+/// waits the orphan grace) and whose driver answers is adopted, its running turn followed to its end
+/// and its warm sandbox kept warm. Otherwise its running turn is `lost` (its log harvested into the
+/// transcript first) and its session `failed` with a reason; a warm session becomes `hibernated`.
+async fn reconcile(context: &Arc<Context>) -> Vec<Adopted> {
     let me = context.config.worker_id.as_str();
     let mut had_sandbox = std::collections::HashSet::new();
+    let mut adopted = Vec::new();
     if let Ok(rows) = context.store.sandboxes().await {
         for row in rows.into_iter().filter(|row| row.worker_id.as_deref() == Some(me)) {
+            if let Some(taken) = adopt(context, &row.session_id, &row.handle).await {
+                adopted.push(taken);
+                continue;
+            }
+            // Whatever is left of it (adopt made it this runtime's if it still ran) goes.
             let _ = context.runtime.destroy(&row.handle).await;
             let _ = context.store.delete_sandbox(&row.session_id).await;
             had_sandbox.insert(row.session_id);
         }
     }
+    let taken: std::collections::HashSet<SessionId> = adopted.iter().map(|a| a.session.id.clone()).collect();
     let held = [
         SessionPhase::Provisioning,
         SessionPhase::Running,
@@ -469,7 +511,7 @@ async fn reconcile(context: &Arc<Context>) {
             };
             let mine =
                 had_sandbox.contains(&session.id) || turn.as_ref().and_then(|t| t.claimed_by.as_deref()) == Some(me);
-            if !mine {
+            if !mine || taken.contains(&session.id) {
                 continue;
             }
             let dirs = prepare::SessionDirs::new(&context.config.work_dir, &session.id);
@@ -485,8 +527,9 @@ async fn reconcile(context: &Arc<Context>) {
                             head_sha: None,
                             failure: Some((
                                 sortie_protocol::FailureCode::SandboxLost,
-                                "sortie stopped while this turn ran and its sandbox ended with it; the transcript up \
-                                 to that point is kept. Steer the session to continue."
+                                "sortie stopped while this turn ran and its sandbox did not outlive it (or its \
+                                 driver no longer answered); the transcript up to that point is kept. Steer the \
+                                 session to continue."
                                     .into(),
                             )),
                         },
@@ -514,5 +557,33 @@ async fn reconcile(context: &Arc<Context>) {
             .store
             .transition_session(session_id, SessionPhase::Idle, SessionPhase::Hibernated)
             .await;
+    }
+    adopted
+}
+
+/// Takes over the sandbox of a session in a phase that can go on with it: a running turn (followed to
+/// its end) or a warm sandbox. A sandbox caught while it was being made is not taken: it is made again.
+async fn adopt(context: &Arc<Context>, session_id: &SessionId, name: &str) -> Option<Adopted> {
+    let session = context.store.session_by_id(session_id).await.ok()?;
+    let turn = match session.phase {
+        SessionPhase::Running | SessionPhase::Delivering => {
+            let turn = context.store.turn(session_id, session.current_turn?).await.ok()?;
+            if turn.status != sortie_protocol::TurnStatus::Running {
+                return None;
+            }
+            Some(turn)
+        }
+        SessionPhase::Idle | SessionPhase::Failed => None,
+        _ => return None,
+    };
+    match turn::adopt(context, &session, name).await {
+        Ok(sandbox) => {
+            tracing::info!(session = %session.id, turn = ?turn.as_ref().map(|t| t.n), "adopted a sandbox that outlived the last process");
+            Some(Adopted { session, turn, sandbox })
+        }
+        Err(reason) => {
+            tracing::warn!(session = %session.id, %reason, "cannot adopt the sandbox the last process left");
+            None
+        }
     }
 }

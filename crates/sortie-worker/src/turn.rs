@@ -550,6 +550,57 @@ pub(crate) async fn destroy(context: &Arc<Context>, session_id: &SessionId, sand
     let _ = std::fs::remove_file(sandbox.0.dirs.egress_socket());
 }
 
+/// Takes over the sandbox of `session` that an earlier process of this worker left running (its
+/// driver answers): the runtime adopts it, and its egress, git and model proxies are served again on
+/// its socket. Anything short of that destroys it.
+pub(crate) async fn adopt(context: &Arc<Context>, session: &SessionRow, name: &str) -> Result<SandboxHandle, String> {
+    context.runtime.adopt(name).await.map_err(|e| e.to_string())?;
+    let dirs = SessionDirs::new(&context.config.work_dir, &session.id);
+    let driver = DriverClient::new(dirs.driver_socket());
+    let answered_by = Instant::now() + Duration::from_secs(2);
+    while driver.status().await.is_err() {
+        if Instant::now() >= answered_by {
+            let _ = context.runtime.destroy(name).await;
+            return Err("its driver does not answer".into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let proxy = match session_upstream(context, session).await {
+        Ok((upstream, _)) => serve_proxy(context, session, &dirs, upstream),
+        Err(failure) => Err(failure),
+    };
+    let proxy = match proxy {
+        Ok(proxy) => proxy,
+        Err((_, reason)) => {
+            let _ = context.runtime.destroy(name).await;
+            return Err(reason);
+        }
+    };
+    // Only a sandbox past its setup is adopted: the agent phase's allowlist.
+    proxy.allowlist.end_setup();
+    context.drivers.set(&session.id, Some(dirs.driver_socket()));
+    Ok(SandboxHandle(Arc::new(HandleInner {
+        name: name.to_owned(),
+        dirs,
+        allowlist: proxy.allowlist,
+        meter: proxy.meter,
+        upstream: proxy.upstream,
+        proxy: proxy.task,
+    })))
+}
+
+/// Follows a turn that was running in an adopted sandbox to its end, as if this process had started it:
+/// the driver takes the same turn again as a no-op, the recorder fills in what it missed.
+pub(crate) async fn resume(
+    context: &Arc<Context>,
+    session: SessionRow,
+    turn: TurnRow,
+    sandbox: SandboxHandle,
+) -> Option<SandboxHandle> {
+    tracing::info!(session = %session.id, turn = turn.n, "took up a turn whose sandbox outlived the last process");
+    run_agent_turn(context, &session, &turn, sandbox, false, BTreeMap::new()).await
+}
+
 async fn priming_context(context: &Arc<Context>, session: &SessionRow, n: u32) -> Value {
     let turns = context
         .store
@@ -664,6 +715,76 @@ async fn session_upstream(
     ))
 }
 
+/// What serves a sandbox's `egress.sock`: its allowlist, model meter, git upstream and the task.
+struct SandboxProxy {
+    allowlist: Arc<PhasedAllowlist>,
+    meter: Arc<TurnMeter>,
+    upstream: Arc<SessionUpstream>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// Serves the session's egress proxy (with its git and model proxies) on its `egress.sock`.
+fn serve_proxy(
+    context: &Arc<Context>,
+    session: &SessionRow,
+    dirs: &SessionDirs,
+    upstream: Upstream,
+) -> Result<SandboxProxy, Failure> {
+    let config = &context.config;
+    let allowlist = PhasedAllowlist::new(
+        Arc::new(SessionAllowlist {
+            store: context.store.clone(),
+            workspace_id: session.workspace_id.clone(),
+            session_id: session.id.clone(),
+        }),
+        config.setup_hosts.clone(),
+    );
+    let upstream = Arc::new(SessionUpstream {
+        session_id: session.id.clone(),
+        upstream: std::sync::RwLock::new(upstream),
+    });
+    let git_routes = match &config.forge_http {
+        Some(http) => {
+            sortie_gateway::git::http::router_with_client(upstream.clone(), config.git_binary.clone(), http.clone())
+        }
+        None => sortie_gateway::git::http::router(upstream.clone(), config.git_binary.clone()),
+    };
+    let meter = TurnMeter::new(context.store.clone(), session.id.clone(), dirs.driver_socket());
+    let model_routes = sortie_gateway::model::router(
+        sortie_gateway::model::ModelProxyConfig {
+            session_id: session.id.clone(),
+            upstreams: config.model_upstreams.clone(),
+            extra_roots_pem: Vec::new(),
+        },
+        Arc::new(WorkspaceKeys {
+            store: context.store.clone(),
+            ring: config.keyring.clone(),
+            workspace_id: session.workspace_id.clone(),
+        }),
+        meter.clone(),
+    )
+    .map_err(start_failed)?;
+    let proxy = EgressProxy::new(
+        allowlist.clone(),
+        config.egress_exempt.clone(),
+        config.resolver.clone(),
+        Some(git_routes.merge(model_routes)),
+        Some(report_to_driver(dirs.driver_socket())),
+    );
+    let egress_socket = dirs.egress_socket();
+    let _ = std::fs::remove_file(&egress_socket);
+    let listener = tokio::net::UnixListener::bind(&egress_socket)
+        .map_err(|e| start_failed(format!("cannot listen on {}: {e}", egress_socket.display())))?;
+    context.runtime.grant_socket(&egress_socket).map_err(start_failed)?;
+    let proxy_task = tokio::spawn(proxy.serve(listener));
+    Ok(SandboxProxy {
+        allowlist,
+        meter,
+        upstream,
+        task: proxy_task,
+    })
+}
+
 /// Makes the session's sandbox: workspace, egress and git proxy, the driver, the setup script.
 async fn provision(
     context: &Arc<Context>,
@@ -712,53 +833,14 @@ async fn provision(
     timings.insert("clone".into(), ms(clock));
 
     let clock = Instant::now();
-    let allowlist = PhasedAllowlist::new(
-        Arc::new(SessionAllowlist {
-            store: context.store.clone(),
-            workspace_id: session.workspace_id.clone(),
-            session_id: session.id.clone(),
-        }),
-        config.setup_hosts.clone(),
-    );
-    let upstream = Arc::new(SessionUpstream {
-        session_id: session.id.clone(),
-        upstream: std::sync::RwLock::new(upstream),
-    });
-    let git_routes = match &config.forge_http {
-        Some(http) => {
-            sortie_gateway::git::http::router_with_client(upstream.clone(), config.git_binary.clone(), http.clone())
-        }
-        None => sortie_gateway::git::http::router(upstream.clone(), config.git_binary.clone()),
-    };
-    let meter = TurnMeter::new(context.store.clone(), session.id.clone(), dirs.driver_socket());
-    let model_routes = sortie_gateway::model::router(
-        sortie_gateway::model::ModelProxyConfig {
-            session_id: session.id.clone(),
-            upstreams: config.model_upstreams.clone(),
-            extra_roots_pem: Vec::new(),
-        },
-        Arc::new(WorkspaceKeys {
-            store: context.store.clone(),
-            ring: config.keyring.clone(),
-            workspace_id: session.workspace_id.clone(),
-        }),
-        meter.clone(),
-    )
-    .map_err(start_failed)?;
-    let proxy = EgressProxy::new(
-        allowlist.clone(),
-        config.egress_exempt.clone(),
-        config.resolver.clone(),
-        Some(git_routes.merge(model_routes)),
-        Some(report_to_driver(dirs.driver_socket())),
-    );
-    let egress_socket = dirs.egress_socket();
-    let _ = std::fs::remove_file(&egress_socket);
+    // A socket left by an earlier sandbox of the session must not look like a live driver.
     let _ = std::fs::remove_file(dirs.driver_socket());
-    let listener = tokio::net::UnixListener::bind(&egress_socket)
-        .map_err(|e| start_failed(format!("cannot listen on {}: {e}", egress_socket.display())))?;
-    context.runtime.grant_socket(&egress_socket).map_err(start_failed)?;
-    let proxy_task = tokio::spawn(proxy.serve(listener));
+    let SandboxProxy {
+        allowlist,
+        meter,
+        upstream,
+        task: proxy_task,
+    } = serve_proxy(context, session, &dirs, upstream)?;
 
     let exe = &config.sortie_exe;
     let exe_dir = exe

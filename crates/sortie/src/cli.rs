@@ -179,6 +179,22 @@ pub struct DriverArgs {
 pub enum SandboxCommand {
     /// Run a command in a fresh local sandbox laid out like a session's; exits with its code.
     Exec(SandboxExecArgs),
+    /// Hold a sandbox for `serve` so it outlives a restart of `serve` (internal).
+    #[command(hide = true)]
+    Keep(SandboxKeepArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct SandboxKeepArgs {
+    /// The file `serve` touches while it holds the sandbox.
+    #[arg(long)]
+    pub lease: PathBuf,
+    /// Seconds the lease may go untouched before the sandbox is killed.
+    #[arg(long)]
+    pub grace_secs: u64,
+    /// The sandbox's command (the cgroup wrapper, setpriv, bwrap).
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
 }
 
 #[derive(Debug, Args)]
@@ -271,6 +287,9 @@ pub struct WorkerArgs {
     /// Seconds a setup script may run.
     #[arg(long, env = env::SETUP_TIMEOUT, default_value_t = 600)]
     pub setup_timeout: u64,
+    /// Seconds a sandbox runs on after `serve` is gone, waiting for the next `serve` to adopt it.
+    #[arg(long, env = env::SANDBOX_ORPHAN_GRACE, default_value_t = 120)]
+    pub sandbox_orphan_grace: u64,
     /// Hosts reachable during the setup phase only; default: the host's package registries.
     #[arg(long, env = env::SETUP_HOSTS, value_delimiter = ',')]
     pub setup_hosts: Option<Vec<String>>,

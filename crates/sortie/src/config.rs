@@ -33,6 +33,7 @@ pub mod env {
     pub const TURN_TIMEOUT: &str = "SORTIE_TURN_TIMEOUT";
     /// Seconds a warm sandbox may idle before its session is hibernated (`--idle-grace`).
     pub const IDLE_GRACE: &str = "SORTIE_IDLE_GRACE";
+    pub const SANDBOX_ORPHAN_GRACE: &str = "SORTIE_SANDBOX_ORPHAN_GRACE";
     /// Seconds a setup script may run (`--setup-timeout`).
     pub const SETUP_TIMEOUT: &str = "SORTIE_SETUP_TIMEOUT";
     /// Hosts reachable during the setup phase only, comma-separated (`--setup-hosts`); default: the

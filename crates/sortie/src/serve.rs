@@ -177,6 +177,12 @@ fn build_worker(
     let mut local = LocalConfig::new(work_dir.join("state"));
     local.sandbox_uid = args.sandbox_uid;
     local.sandbox_gid = args.sandbox_uid;
+    // Sandboxes outlive a restart of serve (the next one adopts them), for this long at most.
+    local.keeper = Some(sortie_sandbox::local::Keeper {
+        program: std::env::current_exe().context("cannot find the sortie binary")?,
+        args: vec!["sandbox".into(), "keep".into()],
+        orphan_grace: std::time::Duration::from_secs(args.sandbox_orphan_grace.max(1)),
+    });
     let runtime = LocalRuntime::new(local)
         .context("the worker cannot run sandboxes on this host (run `sortie serve --roles api,gateway` without it)")?;
 

@@ -732,34 +732,74 @@ async fn capacity_limits_live_sandboxes_and_every_session_finishes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_server_or_driver_never_leaves_a_session_hanging() {
     let mut world = World::start(&[]);
+    // 1. `kill -9` of the server mid-turn: the sandbox outlives it, the restarted server adopts it and
+    //    follows the turn to its end and its delivery; the transcript has every part once.
     let id = world
-        .create("#!scripted\nsay: before the crash\nsleep: 120000", json!({}))
+        .create(
+            "#!scripted\nsay: before the crash\nsleep: 6000\nwrite: after.txt\nwritten after the restart\n>>>\nsay: after the crash",
+            json!({}),
+        )
         .await;
     world.wait(&id, 30, |s, _| s["phase"] == "running").await;
     world.wait_said(&id, "before the crash").await;
+    let driver_before = driver_pid(&id).expect("the session's driver");
     world.kill_server();
     let restarted = Instant::now();
     world.restart_server();
+    let (session, turns) = world.settled(&id, 1).await;
+    assert!(restarted.elapsed() < Duration::from_secs(30));
+    assert_eq!(
+        status_of(&turns, 1),
+        "completed",
+        "re-adopted and finished: {session:#}"
+    );
+    assert_eq!(session["phase"], "idle", "{session:#}");
+    assert_eq!(driver_pid(&id), Some(driver_before), "the same sandbox, adopted");
+    assert_eq!(world.files_on_branch(&id), vec!["after.txt".to_owned()]);
+    let said: String = world
+        .messages(&id)
+        .await
+        .iter()
+        .filter(|m| m["role"] == "assistant")
+        .map(|m| m["parts"].to_string())
+        .collect();
+    assert_eq!(said.matches("before the crash").count(), 1, "{said}");
+    assert_eq!(said.matches("after the crash").count(), 1, "{said}");
+
+    // 2. The server and the sandbox both die (a host reboot): the turn is lost with a reason, at once.
+    world
+        .steer(&id, "#!scripted\nsay: lost with the host\nsleep: 120000", "queue")
+        .await;
+    world
+        .wait(&id, 30, |s, t| t.len() == 2 && s["phase"] == "running")
+        .await;
+    world.wait_said(&id, "lost with the host").await;
+    world.kill_server();
+    for pid in support::sandbox_pids(&id) {
+        let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+    }
+    let restarted = Instant::now();
+    world.restart_server();
     let (session, turns) = world
-        .wait(&id, 30, |s, _| {
-            ["failed", "idle"].contains(&s["phase"].as_str().unwrap_or(""))
+        .wait(&id, 30, |s, t| {
+            t.len() == 2 && ["failed", "idle"].contains(&s["phase"].as_str().unwrap_or(""))
         })
         .await;
     assert!(restarted.elapsed() < Duration::from_secs(30));
     assert_eq!(code_of(&session), "SANDBOX_LOST", "{session:#}");
-    assert_eq!(status_of(&turns, 1), "lost");
+    assert_eq!(status_of(&turns, 2), "lost");
     assert!(
-        world.assistant_said(&id, "before the crash").await,
+        world.assistant_said(&id, "lost with the host").await,
         "the transcript up to the crash is kept"
     );
-    assert!(!live_sandboxes().contains(&id), "no sandbox survived its server");
+    assert!(!live_sandboxes().contains(&id), "nothing of the sandbox is left");
 
-    // The session is steerable again; then its driver is killed mid-turn.
+    // 3. The session is steerable again; then its driver is killed mid-turn.
     world
         .steer(&id, "#!scripted\nsay: second try\nsleep: 120000", "queue")
         .await;
     world
-        .wait(&id, 30, |s, t| t.len() == 2 && s["phase"] == "running")
+        .wait(&id, 30, |s, t| t.len() == 3 && s["phase"] == "running")
         .await;
     world.wait_said(&id, "second try").await;
     let pid = {
@@ -791,11 +831,11 @@ async fn a_killed_server_or_driver_never_leaves_a_session_hanging() {
     assert_eq!(text.matches("second try").count(), 1, "{chunks:?}");
     let (session, turns) = world
         .wait(&id, 30, |s, t| {
-            t.len() == 2 && ["failed", "idle"].contains(&s["phase"].as_str().unwrap_or(""))
+            t.len() == 3 && ["failed", "idle"].contains(&s["phase"].as_str().unwrap_or(""))
         })
         .await;
     assert_eq!(code_of(&session), "SANDBOX_LOST", "{session:#}");
-    assert_eq!(status_of(&turns, 2), "lost");
+    assert_eq!(status_of(&turns, 3), "lost");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

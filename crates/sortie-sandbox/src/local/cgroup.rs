@@ -65,6 +65,46 @@ fn read_keyed(path: &Path, key: &str) -> Option<u64> {
 }
 
 impl Cgroup {
+    /// The cgroups of an existing sandbox `name` (made by an earlier process), without touching its
+    /// limits; `None` if it has none.
+    pub fn open(version: CgroupVersion, root: &Path, name: &str) -> Option<Self> {
+        let cgroup = match version {
+            CgroupVersion::V1 => {
+                let mut dirs: Vec<PathBuf> = Vec::new();
+                for controller in V1_CONTROLLERS {
+                    let dir = root.join(controller).join(PARENT).join(name);
+                    let canonical = std::fs::canonicalize(&dir).ok()?;
+                    if !dirs.contains(&canonical) {
+                        dirs.push(canonical);
+                    }
+                }
+                Self {
+                    version,
+                    pids_dir: root.join("pids").join(PARENT).join(name),
+                    memory_dir: root.join("memory").join(PARENT).join(name),
+                    cpu_dir: root.join("cpu").join(PARENT).join(name),
+                    accounting_dir: root.join("cpuacct").join(PARENT).join(name),
+                    dirs,
+                }
+            }
+            CgroupVersion::V2 => {
+                let dir = root.join(PARENT).join(name);
+                if !dir.is_dir() {
+                    return None;
+                }
+                Self {
+                    version,
+                    pids_dir: dir.clone(),
+                    memory_dir: dir.clone(),
+                    cpu_dir: dir.clone(),
+                    accounting_dir: dir.clone(),
+                    dirs: vec![dir],
+                }
+            }
+        };
+        Some(cgroup)
+    }
+
     /// Creates the sandbox's cgroups under `root` and sets its limits.
     pub fn create(version: CgroupVersion, root: &Path, name: &str, limits: &Limits) -> Result<Self, SandboxError> {
         let permission_hint = |source: std::io::Error, dir: &Path| {

@@ -6,6 +6,11 @@
 //! owns nothing of the host's. Run without root, bwrap runs as the invoking user. The process is
 //! spawned from a thread that lives as long as the sandbox (the parent-death signal follows the
 //! spawning thread), and teardown kills every pid in the sandbox's cgroup whatever bwrap did.
+//!
+//! With a [`Keeper`] (what `sortie serve` uses), bwrap's parent is instead a small keeper process of
+//! its own, so a sandbox outlives a restart of the process that made it and the next one can
+//! [`adopt`](SandboxRuntime::adopt) it; the keeper kills its sandbox once no runtime has renewed its
+//! lease for the orphan grace, so nothing runs unowned for long.
 
 pub mod bwrap;
 pub mod cgroup;
@@ -34,6 +39,17 @@ exec 3>"$SORTIE_STATUS_FILE" || exit 98
 unset SORTIE_CGROUP_PROCS SORTIE_STATUS_FILE
 exec "$@""#;
 
+/// The process that holds a sandbox's bwrap in place of the runtime's own process: `program args…
+/// --lease FILE --grace-secs N -- COMMAND…` runs COMMAND, exits as it exits, and SIGKILLs it once FILE
+/// has not been touched for N seconds (`sortie sandbox keep`).
+#[derive(Clone, Debug)]
+pub struct Keeper {
+    pub program: PathBuf,
+    pub args: Vec<String>,
+    /// How long a sandbox runs on after its runtime's process is gone, waiting to be adopted.
+    pub orphan_grace: Duration,
+}
+
 #[derive(Clone, Debug)]
 pub struct LocalConfig {
     pub bwrap: PathBuf,
@@ -43,6 +59,8 @@ pub struct LocalConfig {
     pub state_dir: PathBuf,
     pub sandbox_uid: u32,
     pub sandbox_gid: u32,
+    /// `None`: sandboxes die with this process (bwrap's parent-death signal).
+    pub keeper: Option<Keeper>,
 }
 
 impl LocalConfig {
@@ -54,23 +72,64 @@ impl LocalConfig {
             state_dir,
             sandbox_uid: DEFAULT_SANDBOX_UID,
             sandbox_gid: DEFAULT_SANDBOX_UID,
+            keeper: None,
         }
     }
 }
 
 struct Entry {
-    spec: SandboxSpec,
+    /// `None` for a sandbox adopted from an earlier process (it runs; it is never started again).
+    spec: Option<SandboxSpec>,
     cgroup: Arc<Cgroup>,
     state_dir: PathBuf,
     pid: Option<u32>,
     exit: Option<watch::Receiver<Option<SandboxExit>>>,
 }
 
+type Entries = Arc<Mutex<HashMap<String, Entry>>>;
+
 pub struct LocalRuntime {
     config: LocalConfig,
     cgroups: CgroupVersion,
     as_root: bool,
-    sandboxes: Mutex<HashMap<String, Entry>>,
+    sandboxes: Entries,
+}
+
+/// The file whose age tells a sandbox's keeper that its runtime is gone.
+fn lease_file(state_dir: &Path) -> PathBuf {
+    state_dir.join("lease")
+}
+
+fn renew_lease(path: &Path) -> std::io::Result<()> {
+    std::fs::File::options()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)?
+        .set_modified(std::time::SystemTime::now())
+}
+
+/// Renews the lease of every sandbox the runtime holds, until the runtime is dropped.
+fn spawn_lease_renewal(entries: &Entries, grace: Duration) {
+    let entries = Arc::downgrade(entries);
+    let every = (grace / 4).clamp(Duration::from_millis(250), Duration::from_secs(15));
+    let _ = std::thread::Builder::new()
+        .name("sandbox-leases".into())
+        .spawn(move || {
+            while let Some(entries) = entries.upgrade() {
+                let dirs: Vec<PathBuf> = entries
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .values()
+                    .map(|entry| entry.state_dir.clone())
+                    .collect();
+                drop(entries);
+                for dir in dirs {
+                    let _ = renew_lease(&lease_file(&dir));
+                }
+                std::thread::sleep(every);
+            }
+        });
 }
 
 impl LocalRuntime {
@@ -94,11 +153,15 @@ impl LocalRuntime {
             "cannot create {}",
             config.state_dir.display()
         )))?;
+        let sandboxes: Entries = Arc::default();
+        if let Some(keeper) = &config.keeper {
+            spawn_lease_renewal(&sandboxes, keeper.orphan_grace);
+        }
         Ok(Self {
             config,
             cgroups,
             as_root,
-            sandboxes: Mutex::new(HashMap::new()),
+            sandboxes,
         })
     }
 
@@ -281,7 +344,7 @@ impl SandboxRuntime for LocalRuntime {
         self.lock().insert(
             name,
             Entry {
-                spec,
+                spec: Some(spec),
                 cgroup,
                 state_dir,
                 pid: None,
@@ -297,17 +360,36 @@ impl SandboxRuntime for LocalRuntime {
             let entry = sandboxes
                 .get(name)
                 .ok_or_else(|| SandboxError::Unknown(name.to_owned()))?;
-            if entry.exit.is_some() {
+            let Some(spec) = entry.spec.clone().filter(|_| entry.exit.is_none()) else {
                 return Err(SandboxError::Start(format!("sandbox {name:?} was already started")));
-            }
-            (entry.spec.clone(), entry.cgroup.clone(), entry.state_dir.clone())
+            };
+            (spec, entry.cgroup.clone(), entry.state_dir.clone())
         };
         let status_file = state_dir.join("status.json");
         let stderr_file = state_dir.join("stderr.log");
         let args = bwrap::arguments(&spec, &state_dir.join("etc"), 3, |path| path.exists());
         let procs: Vec<String> = cgroup.procs_files().iter().map(|p| p.display().to_string()).collect();
 
-        let mut command = Command::new("/bin/sh");
+        let mut command = match &self.config.keeper {
+            Some(keeper) => {
+                let lease = lease_file(&state_dir);
+                renew_lease(&lease).map_err(SandboxError::io("cannot write the sandbox's lease"))?;
+                let mut command = Command::new(&keeper.program);
+                command
+                    .args(&keeper.args)
+                    .arg("--lease")
+                    .arg(&lease)
+                    .arg("--grace-secs")
+                    .arg(keeper.orphan_grace.as_secs().max(1).to_string())
+                    .arg("--")
+                    .arg("/bin/sh");
+                // Its own process group: a signal to this process's group (a terminal's Ctrl-C) is not
+                // the sandbox's end.
+                std::os::unix::process::CommandExt::process_group(&mut command, 0);
+                command
+            }
+            None => Command::new("/bin/sh"),
+        };
         command.arg("-c").arg(WRAPPER).arg("sortie-sandbox");
         if self.as_root {
             command.arg(&self.config.setpriv).args([
@@ -407,6 +489,52 @@ impl SandboxRuntime for LocalRuntime {
         }
     }
 
+    async fn adopt(&self, name: &str) -> Result<(), SandboxError> {
+        if self.config.keeper.is_none() {
+            return Err(SandboxError::Unsupported(
+                "sandboxes of this runtime die with the process that made them".into(),
+            ));
+        }
+        if self.lock().contains_key(name) {
+            return Err(SandboxError::Exists(name.to_owned()));
+        }
+        let cgroup = Cgroup::open(self.cgroups, &self.config.cgroup_root, name)
+            .ok_or_else(|| SandboxError::Unknown(name.to_owned()))?;
+        if cgroup.pids().is_empty() {
+            return Err(SandboxError::Start(format!("sandbox {name:?} is no longer running")));
+        }
+        let state_dir = self.config.state_dir.join(name);
+        renew_lease(&lease_file(&state_dir)).map_err(SandboxError::io("cannot renew the sandbox's lease"))?;
+        let cgroup = Arc::new(cgroup);
+        // Not this process's child: it has ended when its cgroup is empty.
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let watched = cgroup.clone();
+        std::thread::Builder::new()
+            .name(format!("sandbox-{name}"))
+            .spawn(move || {
+                while !watched.pids().is_empty() && !exit_tx.is_closed() {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                exit_tx.send_replace(Some(SandboxExit {
+                    code: None,
+                    signal: None,
+                    out_of_memory: watched.out_of_memory(),
+                }));
+            })
+            .map_err(SandboxError::io("cannot watch the adopted sandbox"))?;
+        self.lock().insert(
+            name.to_owned(),
+            Entry {
+                spec: None,
+                cgroup,
+                state_dir,
+                pid: None,
+                exit: Some(exit_rx),
+            },
+        );
+        Ok(())
+    }
+
     async fn status(&self, name: &str) -> Result<SandboxStatus, SandboxError> {
         let sandboxes = self.lock();
         let entry = sandboxes
@@ -465,10 +593,25 @@ impl SandboxRuntime for LocalRuntime {
     }
 
     async fn destroy(&self, name: &str) -> Result<Usage, SandboxError> {
-        let entry = self
-            .lock()
-            .remove(name)
-            .ok_or_else(|| SandboxError::Unknown(name.to_owned()))?;
+        let Some(entry) = self.lock().remove(name) else {
+            // Left by an earlier process and never adopted: its cgroup still says what to kill.
+            let cgroup = Cgroup::open(self.cgroups, &self.config.cgroup_root, name)
+                .ok_or_else(|| SandboxError::Unknown(name.to_owned()))?;
+            let state_dir = self.config.state_dir.join(name);
+            return tokio::task::spawn_blocking(move || {
+                let emptied = cgroup.kill_all(Duration::from_secs(5));
+                let usage = cgroup.usage();
+                cgroup.remove();
+                let _ = std::fs::remove_dir_all(&state_dir);
+                if emptied {
+                    Ok(usage)
+                } else {
+                    Err(SandboxError::Start("processes survived SIGKILL for 5 s".into()))
+                }
+            })
+            .await
+            .map_err(|_| SandboxError::Start("teardown failed".into()))?;
+        };
         let cgroup = entry.cgroup.clone();
         let emptied = tokio::task::spawn_blocking(move || cgroup.kill_all(Duration::from_secs(5)))
             .await

@@ -58,8 +58,11 @@ impl Server {
         if let Some(url) = database_url {
             command.args(["--database-url", url]);
         }
-        // Egress decisions are logged at info; everything else at warn keeps test output short.
-        command.env("SORTIE_LOG", "warn,sortie_gateway::egress=info");
+        // Egress decisions are logged at info; everything else at warn keeps test output short. A
+        // sandbox that outlives a killed server waits a short orphan grace for the next one to adopt it.
+        command
+            .env("SORTIE_LOG", "warn,sortie_gateway::egress=info")
+            .env("SORTIE_SANDBOX_ORPHAN_GRACE", "20");
         let mut child = command
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -131,7 +134,24 @@ impl Server {
 }
 
 impl Drop for Server {
+    /// SIGTERM first (the worker destroys its warm sandboxes), SIGKILL after 5 s.
     fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(Some(_))) {
+            return;
+        }
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            let _ = Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .stderr(Stdio::null())
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if matches!(self.child.try_wait(), Ok(Some(_))) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
