@@ -88,8 +88,9 @@ pub struct TurnReport {
     pub priming: Option<&'static str>,
     /// What the delivery did, once it ran (not when the agent never started, nor without delivery).
     pub delivery: Option<DeliveryReport>,
-    /// Milliseconds: the worker's figures as given, then `agent_ready_ms`, `first_part_ms`,
-    /// `agent_turn_ms`, `delivery_ms` as measured.
+    /// Milliseconds by phase, one vocabulary with the turn body: the worker's figures as given
+    /// (`queued`, `clone`, `sandbox`, `setup`), then `agent_ready`, `first_part`, `agent_turn`,
+    /// `delivery` as measured.
     pub timings: Map<String, Value>,
 }
 
@@ -576,7 +577,7 @@ async fn run_agent(
         }
         AgentState::Starting => (false, None),
     };
-    turn.time("agent_ready_ms", turn.started.elapsed());
+    turn.time("agent_ready", turn.started.elapsed());
 
     let origin = AgentOrigin {
         fresh,
@@ -692,9 +693,9 @@ async fn run_agent(
     }
     drop(agent_slot);
     if let Some(first_part) = first_part {
-        turn.time("first_part_ms", first_part);
+        turn.time("first_part", first_part);
     }
-    turn.time("agent_turn_ms", prompted.elapsed());
+    turn.time("agent_turn", prompted.elapsed());
     AgentRun {
         outcome,
         agent_started: true,
@@ -732,7 +733,7 @@ async fn deliver(turn: &mut Turn, config: &DeliveryConfig, git: &Git, request: &
         };
         crate::delivery::deliver(config, git, &input).await
     };
-    turn.time("delivery_ms", began.elapsed());
+    turn.time("delivery", began.elapsed());
     let mut data = json!({
         "branch": config.branch,
         "pushed": report.pushed,

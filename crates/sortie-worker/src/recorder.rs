@@ -25,6 +25,8 @@ pub struct Recorded {
     /// The stream ended with `[DONE]` and every batch was written.
     pub complete: bool,
     pub parts: u64,
+    /// It stopped because the store refused a batch (not because the driver's stream broke).
+    pub store_failed: bool,
 }
 
 struct Batch {
@@ -34,9 +36,15 @@ struct Batch {
 }
 
 impl Batch {
+    /// Full enough to write now (else it waits at most [`BATCH_DELAY`] from its first part).
     fn due(&self) -> bool {
-        self.parts.len() >= BATCH_PARTS || self.bytes >= BATCH_BYTES
+        batch_due(self.parts.len(), self.bytes)
     }
+}
+
+/// A batch of `parts` parts holding `bytes` of payload is written at once.
+fn batch_due(parts: usize, bytes: usize) -> bool {
+    parts >= BATCH_PARTS || bytes >= BATCH_BYTES
 }
 
 /// Follows turn `n` from the part after `after` until `[DONE]` or a break, storing what it sees.
@@ -122,7 +130,8 @@ async fn flush(
             true
         }
         Err(error) => {
-            tracing::warn!(%error, session = %session_id, turn = n, "storing parts failed; the turn-end harvest will fill the gap");
+            tracing::warn!(%error, session = %session_id, turn = n, "storing parts failed; they are read again from the driver");
+            recorded.store_failed = true;
             false
         }
     }
@@ -165,4 +174,24 @@ pub async fn harvest_log(store: &Arc<dyn Store>, home: &std::path::Path, session
         }
     }
     stored
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_is_written_at_32_parts_or_1_mib() {
+        for (parts, bytes, due) in [
+            (0, 0, false),
+            (1, 10, false),
+            (31, 31 * 1000, false),
+            (32, 32, true),
+            (1, BATCH_BYTES - 1, false),
+            (1, BATCH_BYTES, true),
+            (5, 2 * BATCH_BYTES, true),
+        ] {
+            assert_eq!(batch_due(parts, bytes), due, "{parts} parts, {bytes} bytes");
+        }
+    }
 }

@@ -305,9 +305,15 @@ async fn run_agent_turn(
             };
             return lose(context, session, n, sandbox, why).await;
         }
-        // The subscription broke while the driver lives: follow again from the last stored part.
-        breaks += 1;
+        // Follow again from the last stored part: the driver serves the rest from its hub or turn log.
         after = recorded.last_index;
+        if recorded.store_failed {
+            // The store is down, not the sandbox: wait for it (within the turn's deadline).
+            tokio::time::sleep(WATCH_INTERVAL * 4).await;
+            continue;
+        }
+        // The subscription broke while the driver lives.
+        breaks += 1;
         if breaks > 20 {
             return lose(context, session, n, sandbox, "the driver's stream kept breaking".into()).await;
         }
@@ -337,8 +343,7 @@ async fn run_agent_turn(
     if let Some(driver_timings) = &report.timings {
         for (key, value) in driver_timings {
             if let Some(value) = value.as_u64() {
-                // One vocabulary on the turn body: `agent_turn`, not `agent_turn_ms`.
-                timings.insert(key.trim_end_matches("_ms").to_owned(), value);
+                timings.insert(key.clone(), value);
             }
         }
     }
@@ -457,7 +462,10 @@ fn outcome(report: &DriverTurn, stop: Option<StopRequest>) -> (TurnStatus, Optio
     } else {
         match (report.state.as_str(), stop) {
             (_, Some(StopRequest::Cancel)) => TurnStatus::Canceled,
-            ("cancelled", _) | (_, Some(StopRequest::Stop | StopRequest::Interrupt)) => TurnStatus::Stopped,
+            ("cancelled", _) => TurnStatus::Stopped,
+            // The agent finished on its own before the stop reached it: the turn is whole.
+            ("completed", _) => TurnStatus::Completed,
+            (_, Some(StopRequest::Stop | StopRequest::Interrupt)) => TurnStatus::Stopped,
             _ => TurnStatus::Completed,
         }
     };

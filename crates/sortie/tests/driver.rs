@@ -732,7 +732,7 @@ async fn each_turn_is_delivered_as_one_commit_on_its_branch() {
             json!({
                 "prompt": "#!scripted\nwrite: hello.txt\nhello\n>>>\nsay: wrote it",
                 "baseline": null,
-                "host_timings": {"queued_ms": 3, "sandbox_ms": 40},
+                "host_timings": {"queued": 3, "sandbox": 40},
             }),
         )
         .await;
@@ -762,8 +762,8 @@ async fn each_turn_is_delivered_as_one_commit_on_its_branch() {
         "{message}"
     );
     let timings = &turn["timings"];
-    assert_eq!((&timings["queued_ms"], &timings["sandbox_ms"]), (&json!(3), &json!(40)));
-    for measured in ["agent_ready_ms", "first_part_ms", "agent_turn_ms", "delivery_ms"] {
+    assert_eq!((&timings["queued"], &timings["sandbox"]), (&json!(3), &json!(40)));
+    for measured in ["agent_ready", "first_part", "agent_turn", "delivery"] {
         assert!(timings[measured].is_u64(), "{measured} in {timings}");
     }
 
@@ -801,7 +801,7 @@ async fn each_turn_is_delivered_as_one_commit_on_its_branch() {
     let phase = part("data-sortie-phase");
     assert_eq!(phase.len(), 1, "one phase part, replaced in place: {phase:?}");
     assert_eq!(phase[0]["data"]["phase"], "done");
-    assert!(phase[0]["data"]["delivery_ms"].is_u64() && phase[0]["data"]["queued_ms"] == 3);
+    assert!(phase[0]["data"]["delivery"].is_u64() && phase[0]["data"]["queued"] == 3);
 
     // The next turn builds on the delivered commit.
     driver

@@ -49,6 +49,14 @@ fn live_sandboxes() -> HashSet<String> {
     found
 }
 
+/// Whether any process is left in the sandbox cgroup of `session` (v1 or v2), whatever it runs.
+fn cgroup_has_processes(session: &str) -> bool {
+    ["/sys/fs/cgroup/pids/sortie", "/sys/fs/cgroup/sortie"]
+        .iter()
+        .filter_map(|parent| std::fs::read_to_string(Path::new(parent).join(session).join("cgroup.procs")).ok())
+        .any(|procs| procs.lines().any(|line| !line.trim().is_empty()))
+}
+
 fn driver_pid(session: &str) -> Option<i32> {
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
         let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
@@ -443,21 +451,43 @@ async fn run_delivers_the_branch_and_the_transcript_is_what_a_live_client_saw(
         .find(|c| c["type"] == "data-sortie-delivery")
         .expect("delivery part");
     assert_eq!(delivery["data"]["headSha"].as_str(), Some(head.as_str()), "{delivery}");
+    // Every phase is timed, on the turn body and in the phase part the live client saw last.
     let timings = turns[0]["timings"].as_object().expect("timings");
-    for phase in ["queued", "clone", "sandbox", "setup", "agent_turn", "delivery"] {
-        assert!(timings.contains_key(phase), "{phase} in {timings:?}");
+    let phases = [
+        "queued",
+        "clone",
+        "sandbox",
+        "setup",
+        "agent_ready",
+        "first_part",
+        "agent_turn",
+        "delivery",
+    ];
+    let phase_part = live
+        .iter()
+        .rev()
+        .find(|c| c["type"] == "data-sortie-phase")
+        .expect("phase part");
+    assert_eq!(phase_part["data"]["phase"], "done", "{phase_part}");
+    for phase in phases {
+        assert!(timings[phase].is_u64(), "{phase} in {timings:?}");
+        assert_eq!(phase_part["data"][phase], timings[phase], "{phase} in {phase_part}");
     }
 
-    // `sortie show` says idle with the head.
-    let shown = world
-        .server
-        .as_ref()
-        .expect("server")
-        .client(&world.root, &world.data_dir, &["show", &id]);
-    if database.is_none() {
-        let text = String::from_utf8_lossy(&shown.stdout);
-        assert!(text.contains("idle") && text.contains(&head), "{text}");
-    }
+    // `sortie show` says idle with the head (on PostgreSQL with the workspace's own token).
+    let shown = sortie(&world.root)
+        .args(["--server", &world.url(), "--data-dir"])
+        .arg(&world.data_dir)
+        .args(["show", &id])
+        .env("SORTIE_TOKEN", &world.token)
+        .output()
+        .expect("sortie show");
+    let text = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        text.contains("idle") && text.contains(&head),
+        "{text}{}",
+        String::from_utf8_lossy(&shown.stderr)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -496,11 +526,19 @@ async fn steer_interrupt_stop_and_cancel() {
             t.len() == 3 && status_of(t, 3) == "running" && s["phase"] == "running"
         })
         .await;
+    world.wait_said(&id, "waiting").await;
     world.steer(&id, "#!scripted\nwrite: c.txt\nc\n>>>", "interrupt").await;
     let (_, turns) = world.settled(&id, 4).await;
     assert_eq!(status_of(&turns, 3), "stopped", "{turns:#?}");
     assert_eq!(status_of(&turns, 4), "completed", "{turns:#?}");
     assert!(world.files_on_branch(&id).contains(&"c.txt".to_owned()));
+    // The interrupted turn was cut short (its sleep was a minute) and never got to its last line.
+    let ran_ms = turns[2]["timings"]["agent_turn"].as_u64().expect("agent_turn timing");
+    assert!(ran_ms < 30_000, "the interrupted turn ran on: {:#}", turns[2]);
+    assert!(
+        !world.assistant_said(&id, "never").await,
+        "the interrupted turn went on"
+    );
 
     // Stop mid-run pushes the work so far.
     world
@@ -548,8 +586,11 @@ async fn steer_interrupt_stop_and_cancel() {
         "canceled work is pushed: {turns:#?} {delivered:#?}"
     );
     let gone = Instant::now() + Duration::from_secs(10);
-    while live_sandboxes().contains(&id) {
-        assert!(Instant::now() < gone, "the canceled session's sandbox still runs");
+    while live_sandboxes().contains(&id) || cgroup_has_processes(&id) {
+        assert!(
+            Instant::now() < gone,
+            "a process of the canceled session's sandbox still runs"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -693,7 +734,13 @@ async fn capacity_limits_live_sandboxes_and_every_session_finishes() {
         std::thread::spawn(move || {
             let mut most = 0;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                most = most.max(live_sandboxes().intersection(&watched).count());
+                // Alive: its driver runs, or anything at all is still in its cgroup.
+                let drivers = live_sandboxes();
+                let alive = watched
+                    .iter()
+                    .filter(|id| drivers.contains(*id) || cgroup_has_processes(id))
+                    .count();
+                most = most.max(alive);
                 std::thread::sleep(Duration::from_millis(10));
             }
             most
