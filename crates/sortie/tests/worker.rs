@@ -509,8 +509,10 @@ async fn steer_interrupt_stop_and_cancel() {
     let first = turns[0]["head_sha"].as_str().expect("head").to_owned();
 
     // A steer on the idle session: a second commit on the same branch, on the same sandbox.
+    let driver_before = driver_pid(&id).expect("the warm sandbox's driver");
     world.steer(&id, "#!scripted\nwrite: b.txt\nb\n>>>", "queue").await;
     let (session, turns) = world.settled(&id, 2).await;
+    assert_eq!(driver_pid(&id), Some(driver_before), "the steer ran in the same sandbox");
     assert_eq!(status_of(&turns, 2), "completed", "{turns:#?}");
     assert_eq!(world.commits_on_branch(&id), 2);
     let second = world.branch(&id).expect("branch");
@@ -1466,4 +1468,61 @@ async fn a_gateway_started_alone_serves_the_live_tail_of_the_worker_beside_it() 
         }
     }
     assert_eq!(text.matches("live-second").count(), 1, "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_setup_script_reaches_the_setup_hosts_and_the_agent_does_not() {
+    // A "package registry" on this machine, reachable under a public-looking name.
+    let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let port = server.local_addr().expect("addr").port();
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        while let Ok((mut stream, _)) = server.accept().await {
+            tokio::spawn(async move {
+                let mut buffer = [0_u8; 2048];
+                let _ = stream.read(&mut buffer).await;
+                let body = "reached-the-registry";
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = stream.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    let world = World::start(&[
+        "--setup-hosts",
+        "registry.sortie-test.dev",
+        "--egress-hosts",
+        "registry.sortie-test.dev=127.0.0.1",
+        "--egress-exempt",
+        "127.0.0.1/32",
+    ]);
+    let fetch = format!(
+        "import urllib.request as u; print(u.urlopen('http://registry.sortie-test.dev:{port}/').read().decode())"
+    );
+    let id = world
+        .create(
+            &format!("#!scripted\nrun: python3 -c \"{fetch}\" 2>&1 | tail -1\nsay: tried"),
+            json!({"setup": format!("python3 -c \"{fetch}\" > setup-fetch.txt")}),
+        )
+        .await;
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(status_of(&turns, 1), "completed", "{session:#}");
+    // The setup script fetched from the registry (its file is part of the delivered work)...
+    let fetched = git(
+        &world.upstream,
+        &["show", &format!("refs/heads/sortie/{id}:setup-fetch.txt")],
+    );
+    assert_eq!(fetched.trim(), "reached-the-registry");
+    // ...and the agent, after it, was refused the same host.
+    let outputs: String = world
+        .messages(&id)
+        .await
+        .iter()
+        .filter(|m| m["role"] == "assistant")
+        .map(|m| m["parts"].to_string())
+        .collect();
+    assert!(outputs.contains("HTTP Error 403"), "{outputs}");
+    assert!(!outputs.contains("reached-the-registry"), "{outputs}");
 }
