@@ -1,5 +1,6 @@
 //! `GET /v1/agents`: the agents this server accepts in `POST /v1/sessions` and the one it uses when a
-//! request names none (the dashboard's composer offers these).
+//! request names none, and whether this host can run each (the dashboard's composer offers the
+//! installed ones).
 
 use axum::Json;
 use axum::extract::State;
@@ -20,6 +21,10 @@ pub(crate) fn routes() -> OpenApiRouter<ApiState> {
 pub struct AgentInfo {
     /// The profile id, e.g. `claude-code`.
     pub id: String,
+    /// Whether this host can run the agent (its program is installed or on PATH).
+    pub installed: bool,
+    /// What the host lacks to run it, e.g. `sortie agents install codex`; null when installed.
+    pub needs: Option<String>,
 }
 
 /// The agents of `GET /v1/agents`.
@@ -41,7 +46,14 @@ async fn list_agents(State(state): State<ApiState>, Viewer(_caller): Viewer) -> 
             .agents
             .known
             .iter()
-            .map(|id| AgentInfo { id: id.clone() })
+            .map(|id| {
+                let needs = state.agents.missing.get(id).cloned();
+                AgentInfo {
+                    id: id.clone(),
+                    installed: needs.is_none(),
+                    needs,
+                }
+            })
             .collect(),
         default: state.agents.default.clone(),
     }))

@@ -37,6 +37,10 @@ pub use tokens::Secret;
 pub struct AgentCatalog {
     pub known: Vec<String>,
     pub default: String,
+    /// The known agents this host cannot run yet, each with what it needs (how to install it). An
+    /// agent not named here is installed. A session may still name a missing one: the refusal then
+    /// comes from the worker that tries to start it, with the same hint.
+    pub missing: std::collections::BTreeMap<String, String>,
 }
 
 impl Default for AgentCatalog {
@@ -44,6 +48,7 @@ impl Default for AgentCatalog {
         Self {
             known: BUILT_IN_AGENTS.iter().map(|id| (*id).to_owned()).collect(),
             default: DEFAULT_AGENT.to_owned(),
+            missing: std::collections::BTreeMap::new(),
         }
     }
 }

@@ -941,6 +941,16 @@ async fn agents_are_listed_with_the_default(h: Harness) {
         assert!(ids.contains(built_in), "{built_in} in {ids:?}");
     }
     assert_eq!(listed.body["default"], sortie_protocol::agents::DEFAULT_AGENT);
+    // Whether this host can run each, and what a missing one needs.
+    for agent in listed.body["agents"].as_array().expect("agents") {
+        if agent["id"] == "codex" {
+            assert_eq!(agent["installed"], false, "{agent}");
+            assert_eq!(agent["needs"], "sortie agents install codex", "{agent}");
+        } else {
+            assert_eq!(agent["installed"], true, "{agent}");
+            assert_eq!(agent["needs"], Value::Null, "{agent}");
+        }
+    }
     let anonymous = h.send(Method::GET, "/v1/agents", None, Payload::Empty).await;
     assert_error(&anonymous, StatusCode::UNAUTHORIZED, "UNAUTHORIZED");
 }

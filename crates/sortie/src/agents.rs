@@ -2,7 +2,7 @@
 //! worker binds that directory read-only into the agent's sandboxes) and lists the agents sortie
 //! knows, whether each is installed and what it needs.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
@@ -73,15 +73,29 @@ fn needs(agent: &AgentProfile) -> String {
     }
 }
 
-fn list(agents_dir: &Path, profiles: &[AgentProfile], json: bool) -> anyhow::Result<ExitCode> {
+/// Where this host runs `agent` from: its install under `agents_dir`, else its command next to the
+/// running binary or on PATH; `None` when it has none (what `agents list` and `/v1/agents` report).
+pub fn locate(agents_dir: &Path, agent: &AgentProfile) -> Option<PathBuf> {
     let path = std::env::var("PATH").unwrap_or_default();
     let beside = std::env::current_exe()
         .ok()
         .and_then(|exe| exe.parent().map(ToOwned::to_owned));
+    profile::installed_command(agents_dir, agent)
+        .or_else(|| profile::resolve_command(&agent.command, beside.as_deref(), Some(&path)))
+}
+
+/// What a host without `agent` does to get it.
+pub fn install_hint(agent: &AgentProfile) -> String {
+    match &agent.npm_package {
+        Some(_) => format!("sortie agents install {}", agent.id),
+        None => format!("put {} on PATH", agent.command),
+    }
+}
+
+fn list(agents_dir: &Path, profiles: &[AgentProfile], json: bool) -> anyhow::Result<ExitCode> {
     let mut rows = Vec::new();
     for agent in profiles {
-        let found = profile::installed_command(agents_dir, agent)
-            .or_else(|| profile::resolve_command(&agent.command, beside.as_deref(), Some(&path)));
+        let found = locate(agents_dir, agent);
         rows.push(serde_json::json!({
             "id": agent.id,
             "installed": found.is_some(),
@@ -89,6 +103,7 @@ fn list(agents_dir: &Path, profiles: &[AgentProfile], json: bool) -> anyhow::Res
             "npm_package": agent.npm_package,
             "installed_version": profile::installed_version(agents_dir, agent),
             "outdated": profile::install_outdated(agents_dir, agent),
+            "install": install_hint(agent),
             "needs": needs(agent),
         }));
     }
@@ -106,13 +121,7 @@ fn list(agents_dir: &Path, profiles: &[AgentProfile], json: bool) -> anyhow::Res
         } else if row["installed"] == true {
             "installed".to_owned()
         } else {
-            match row["npm_package"].as_str() {
-                Some(_) => format!(
-                    "not installed (sortie agents install {})",
-                    row["id"].as_str().unwrap_or("")
-                ),
-                None => "not installed".to_owned(),
-            }
+            format!("not installed ({})", row["install"].as_str().unwrap_or(""))
         };
         println!(
             "{:<12} {:<40} needs {}",

@@ -22,7 +22,17 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
     let mut agents = AgentCatalog::default();
     // Agents an operator's manifest adds are as good as the built-in ones.
     let profiles = sortie_driver::profile::load(args.worker.agent_profiles.as_deref())?;
+    let agents_dir = args
+        .worker
+        .agents_dir
+        .clone()
+        .unwrap_or_else(|| config::agents_dir(&data_dir));
     for profile in profiles {
+        if crate::agents::locate(&agents_dir, &profile).is_none() {
+            agents
+                .missing
+                .insert(profile.id.clone(), crate::agents::install_hint(&profile));
+        }
         if !agents.known.contains(&profile.id) {
             agents.known.push(profile.id);
         }

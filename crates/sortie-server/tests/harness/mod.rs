@@ -130,7 +130,11 @@ impl Harness {
         let signins = Arc::new(sortie_server::signin::SignIns::default());
         let state = ApiState {
             store: store.clone(),
-            agents: Arc::new(AgentCatalog::default()),
+            // One known agent this "host" lacks, as `sortie serve` reports an uninstalled one.
+            agents: Arc::new(AgentCatalog {
+                missing: [("codex".to_owned(), "sortie agents install codex".to_owned())].into(),
+                ..AgentCatalog::default()
+            }),
             ticket_secret: Secret::new(TICKET_SECRET.to_vec()),
             keyring: keyring.clone(),
             signins: signins.clone(),
