@@ -1,10 +1,13 @@
 import { useCallback, useEffect, useMemo, useRef, useState, type FormEvent } from 'react';
 import { useChat } from '@ai-sdk/react';
 import { DefaultChatTransport, type UIMessage } from 'ai';
-import { ApiError, client, LIVE, type Session, type Turn } from './api';
+import { ApiError, client, LIVE, type Session, type Turn, type UiMessage } from './api';
 import { Conversation, type Message } from './conversation';
 import { PhaseBadge } from './sessions';
 import { age, ms } from './util';
+
+/** `GET /messages` as useChat's messages: the API documents `parts` only as objects (they are AI SDK parts). */
+const asUi = (m: UiMessage[]) => m as unknown as UIMessage[];
 
 type Action = 'stop' | 'cancel' | 'resume' | 'archive' | 'retry';
 interface Delivery { branch?: string; headSha?: string; pushed?: boolean; prUrl?: string; diffStat?: { files?: number; insertions?: number; deletions?: number } }
@@ -68,7 +71,7 @@ function Header({ s, turns, onAction, busy, delivery }: { s: Session; turns: Tur
   );
 }
 
-function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDelivery }: { id: string; initial: UIMessage[]; onActivity: () => void; reattach: number; syncKey: string; runningTurn: number | null; onDelivery: (d: Delivery | null) => void }) {
+function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDelivery, allowed }: { id: string; initial: UIMessage[]; onActivity: () => void; reattach: number; syncKey: string; runningTurn: number | null; onDelivery: (d: Delivery | null) => void; allowed: string[] }) {
   const [streamError, setStreamError] = useState<string | null>(null);
   const transport = useMemo(() => new DefaultChatTransport({
     api: `/v1/sessions/${id}/stream`,
@@ -95,14 +98,14 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
   // A turn started outside this chat (Retry in the header): reload the history, then attach to its stream.
   useEffect(() => {
     if (reattach === 0) return;
-    void client.messages(id).then((m) => { setMessages(m as UIMessage[]); void resumeStream(); });
+    void client.messages(id).then((m) => { setMessages(asUi(m)); void resumeStream(); });
   }, [reattach]); // eslint-disable-line react-hooks/exhaustive-deps
   // The control plane saw the session change (a turn ended or began elsewhere) while no stream is open:
   // take the stored history, so a turn that ended before this page could attach still shows.
   useEffect(() => {
     if (status !== 'ready' && status !== 'error') return;
     let live = true;
-    void client.messages(id).then((m) => { if (live) setMessages(m as UIMessage[]); }).catch(() => {});
+    void client.messages(id).then((m) => { if (live) setMessages(asUi(m)); }).catch(() => {});
     return () => { live = false; };
   }, [syncKey]); // eslint-disable-line react-hooks/exhaustive-deps
   // A turn runs that this chat has no stream of (a queued steer that began after the last turn ended,
@@ -113,7 +116,7 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
     if (runningTurn === null || (status !== 'ready' && status !== 'error')) return;
     if (attachedTurn.current === runningTurn) return;
     attachedTurn.current = runningTurn;
-    void client.messages(id).then((m) => { setMessages(m as UIMessage[]); void resumeStream(); }).catch(() => {});
+    void client.messages(id).then((m) => { setMessages(asUi(m)); void resumeStream(); }).catch(() => {});
   }, [runningTurn, status]); // eslint-disable-line react-hooks/exhaustive-deps
   const delivery = useMemo(() => lastDelivery(messages), [messages]);
   useEffect(() => onDelivery(delivery), [delivery]); // eslint-disable-line react-hooks/exhaustive-deps
@@ -129,7 +132,9 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
       onActivity();
     } catch (e) { setError((e as ApiError).message); }
   }, [id, onActivity]);
-  const actions = useMemo(() => ({ allowHost }), [allowHost]);
+  // Stable while the allowlist's value is (the session is polled): every part view is memoized on it.
+  const allowedKey = allowed.join('\n');
+  const actions = useMemo(() => ({ allowHost, allowed: allowedKey ? allowedKey.split('\n') : [] }), [allowHost, allowedKey]);
   const submit = async (e: FormEvent) => {
     e.preventDefault();
     const prompt = text.trim();
@@ -147,7 +152,7 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
         onActivity();
       } else {
         await client.steer(id, prompt, mode);
-        setMessages((await client.messages(id)) as UIMessage[]);
+        setMessages(asUi(await client.messages(id)));
         onActivity();
         setTimeout(() => void resumeStream(), 300);
       }
@@ -187,7 +192,7 @@ export function SessionPage({ id }: { id: string }) {
   const [delivery, setDelivery] = useState<Delivery | null>(null);
   const refresh = useCallback(() => setTick((t) => t + 1), []);
   useEffect(() => {
-    client.messages(id).then((m) => setHistory(m as UIMessage[])).catch((e: ApiError) => setError(`${e.code}: ${e.message}`));
+    client.messages(id).then((m) => setHistory(asUi(m))).catch((e: ApiError) => setError(`${e.code}: ${e.message}`));
   }, [id]);
   useEffect(() => {
     let live = true;
@@ -225,7 +230,7 @@ export function SessionPage({ id }: { id: string }) {
     <main className="session">
       {error && <p className="error" role="alert">{error}</p>}
       {session ? <Header s={session} turns={turns} onAction={onAction} busy={busy} delivery={delivery} /> : !error && <p className="empty">Loading…</p>}
-      {history ? <Chat id={id} initial={history} onActivity={refresh} reattach={reattach} syncKey={session ? `${session.turns}:${session.phase}` : ''} runningTurn={session?.phase === 'running' ? session.current_turn : null} onDelivery={setDelivery} /> : !error && <p className="empty">Loading the conversation…</p>}
+      {history ? <Chat id={id} initial={history} onActivity={refresh} reattach={reattach} syncKey={session ? `${session.turns}:${session.phase}` : ''} runningTurn={session?.phase === 'running' ? session.current_turn ?? null : null} onDelivery={setDelivery} allowed={session?.egress.allow ?? []} /> : !error && <p className="empty">Loading the conversation…</p>}
     </main>
   );
 }

@@ -1,5 +1,5 @@
 import { useEffect, useState } from 'react';
-import { ApiError, client, LIVE, PHASES, type Session } from './api';
+import { ApiError, client, LIVE, PHASES, type Phase, type Session } from './api';
 import { Link } from './app';
 import { age } from './util';
 
@@ -8,7 +8,7 @@ export function PhaseBadge({ phase }: { phase: string }) {
 }
 
 export function Sessions() {
-  const [phase, setPhase] = useState('');
+  const [phase, setPhase] = useState<Phase | ''>('');
   const [repo, setRepo] = useState('');
   const [archived, setArchived] = useState(false);
   const [sessions, setSessions] = useState<Session[] | null>(null);
@@ -31,7 +31,7 @@ export function Sessions() {
     <main>
       <div className="toolbar">
         <h1>Sessions</h1>
-        <label>Phase <select value={phase} onChange={(e) => setPhase(e.target.value)}>
+        <label>Phase <select value={phase} onChange={(e) => setPhase(e.target.value as Phase | '')}>
           <option value="">any</option>{PHASES.map((p) => <option key={p}>{p}</option>)}
         </select></label>
         <label>Repo <input value={repo} onChange={(e) => setRepo(e.target.value)} placeholder="any" /></label>

@@ -87,16 +87,25 @@ impl utoipa::Modify for BearerAuth {
     }
 }
 
-/// The api role's router and its OpenAPI document, built from the same handler list.
-pub fn router_and_openapi(state: ApiState) -> (Router, utoipa::openapi::OpenApi) {
-    let (api_routes, openapi) = OpenApiRouter::with_openapi(ApiDoc::openapi())
+fn api_routes() -> OpenApiRouter<ApiState> {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
         .merge(sessions::routes())
         .merge(model_keys::routes())
         .merge(forges::routes())
         .merge(signin::routes())
         .merge(agents::routes())
         .merge(health::routes())
-        .split_for_parts();
+}
+
+/// The OpenAPI document `/v1/openapi.json` serves (the dashboard's types are generated from a
+/// checked-in copy that a test keeps equal to this).
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    api_routes().split_for_parts().1
+}
+
+/// The api role's router and its OpenAPI document, built from the same handler list.
+pub fn router_and_openapi(state: ApiState) -> (Router, utoipa::openapi::OpenApi) {
+    let (api_routes, openapi) = api_routes().split_for_parts();
     let openapi_json = Arc::new(openapi.clone());
     let router = api_routes
         .route(

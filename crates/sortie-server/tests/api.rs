@@ -1701,6 +1701,8 @@ async fn operations_endpoints_answer(h: Harness) {
         );
     }
     assert!(openapi.body["components"]["securitySchemes"]["bearer"].is_object());
+    // The document the dashboard's snapshot (tests/openapi.rs) is compared with is the one served.
+    assert_eq!(openapi.body, json!(sortie_server::openapi()));
 }
 
 async fn unknown_routes_and_methods_have_codes(h: Harness) {
