@@ -151,10 +151,11 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
         setNotice('Queued: it runs when the current turn ends.');
         onActivity();
       } else {
-        await client.steer(id, prompt, mode);
-        setMessages(asUi(await client.messages(id)));
+        // The running turn stops first; the chat attaches to the new turn when the session reports it
+        // running (the effect on `runningTurn` above), so no stream opens on the turn that is stopping.
+        const turn = await client.steer(id, prompt, mode);
+        setNotice(`Interrupting: turn ${turn.n} starts when the current turn has stopped.`);
         onActivity();
-        setTimeout(() => void resumeStream(), 300);
       }
     } catch (err) {
       setError(err instanceof ApiError ? `${err.code}: ${err.message}` : String(err));
