@@ -1,28 +1,57 @@
 import { useEffect, useState, type FormEvent } from 'react';
-import { ApiError, client } from './api';
+import { ApiError, client, type AgentInfo, type ErrorCode } from './api';
 import { navigate } from './app';
 
-const BUILT_IN = ['claude-code', 'codex', 'gemini', 'opencode', 'scripted'];
+type Field = 'repo' | 'agent' | 'title' | 'model' | 'task' | 'base' | 'allow' | 'setup' | 'form';
+
+/** The field each refusal of `POST /v1/sessions` is about (codes from the API's own ErrorCode enum). */
+export const FIELD_OF: Partial<Record<ErrorCode, Field>> = {
+  REPO_INVALID: 'repo',
+  REPO_NOT_ALLOWED: 'repo',
+  AGENT_UNKNOWN: 'agent',
+  TITLE_TOO_LONG: 'title',
+  MODEL_INVALID: 'model',
+  PROMPT_TOO_LARGE: 'task',
+  SESSION_PROMPTS_TOO_LARGE: 'task',
+  BASE_INVALID: 'base',
+  EGRESS_ALLOWLIST_INVALID: 'allow',
+  SETUP_TOO_LARGE: 'setup',
+};
+
+/** The message of a refusal, with the offending allowlist entries when the API names them. */
+function describe(e: ApiError): string {
+  const entries = (e.details?.entries as { entry: string; reason: string }[] | undefined) ?? [];
+  const why = entries.map((x) => `${x.entry}: ${x.reason}`).join('; ');
+  return `${e.code}: ${e.message}${why ? ` (${why})` : ''}`;
+}
 
 export function Composer() {
   const [repo, setRepo] = useState('');
-  const [agents, setAgents] = useState<string[]>(BUILT_IN);
-  const [agent, setAgent] = useState('claude-code');
+  // The agents of `GET /v1/agents`: null while loading; an installed one is offered, the others shown disabled.
+  const [agents, setAgents] = useState<AgentInfo[] | null>(null);
+  const [agent, setAgent] = useState('');
   const [task, setTask] = useState('');
   const [title, setTitle] = useState('');
   const [base, setBase] = useState('');
   const [model, setModel] = useState('');
   const [allow, setAllow] = useState('');
   const [setup, setSetup] = useState('');
-  const [errors, setErrors] = useState<Record<string, string>>({});
+  const [errors, setErrors] = useState<Partial<Record<Field, string>>>({});
   const [busy, setBusy] = useState(false);
   useEffect(() => {
-    // The agents this server accepts; the built-in list if it cannot say.
+    let live = true;
     client.agents().then((r) => {
-      if (!r.agents?.length) return;
-      setAgents(r.agents.map((a) => a.id));
-      setAgent(r.default);
-    }).catch(() => {});
+      if (!live) return;
+      setAgents(r.agents);
+      const usable = r.agents.filter((a) => a.installed);
+      setAgent(usable.some((a) => a.id === r.default) ? r.default : usable[0]?.id ?? '');
+    }).catch((e: ApiError) => {
+      if (!live) return;
+      // The session is still created with the server's default agent (the select says so).
+      setAgents([]);
+      setErrors((old) => ({ ...old, agent: `Cannot list the agents (${e.code}: ${e.message}); the server's default is used.` }));
+    });
+    return () => { live = false; };
   }, []);
   const submit = async (e: FormEvent) => {
     e.preventDefault();
@@ -31,48 +60,65 @@ export function Composer() {
     const list = allow.split(/[\s,]+/).filter(Boolean);
     try {
       const s = await client.create({
-        repo: repo.trim(), task, agent, title: title.trim() || undefined, base: base.trim() || undefined, model: model.trim() || undefined, setup: setup.trim() ? setup : undefined,
-        egress: list.length ? { allow: list } : undefined,
+        repo: repo.trim(), task, agent: agent || undefined, title: title.trim() || undefined, base: base.trim() || undefined,
+        model: model.trim() || undefined, setup: setup.trim() ? setup : undefined, egress: list.length ? { allow: list } : undefined,
       });
       navigate(`/sessions/${s.id}`);
     } catch (err) {
-      const e = err as ApiError;
-      const field = e.code?.startsWith('EGRESS') ? 'allow' : e.code?.startsWith('AGENT') ? 'agent' : e.code?.startsWith('REPO') ? 'repo' : e.code?.startsWith('SETUP') ? 'setup' : e.code?.startsWith('MODEL') ? 'model' : 'form';
-      const entries = (e.details?.entries as { entry: string; reason: string }[] | undefined) ?? [];
-      const why = entries.map((x) => `${x.entry}: ${x.reason}`).join('; ');
-      setErrors({ [field]: `${e.code}: ${e.message}${why ? ` (${why})` : ''}` });
+      if (!(err instanceof ApiError)) { setErrors({ form: String(err) }); return; }
+      setErrors({ [FIELD_OF[err.code as ErrorCode] ?? 'form']: describe(err) });
     } finally {
       setBusy(false);
     }
   };
-  const err = (f: string) => errors[f] && <p className="field-error" id={`${f}-error`} role="alert">{errors[f]}</p>;
+  const err = (f: Field) => errors[f] && <p className="field-error" id={`${f}-error`} role="alert">{errors[f]}</p>;
+  const field = (f: Field) => ({ 'aria-describedby': errors[f] ? `${f}-error` : undefined, 'aria-invalid': errors[f] ? true : undefined });
+  const missing = (agents ?? []).filter((a) => !a.installed);
   return (
     <main>
       <h1>New session</h1>
       <form className="composer" onSubmit={submit}>
         <label htmlFor="repo">Repository</label>
-        <input id="repo" required value={repo} onChange={(e) => setRepo(e.target.value)} placeholder="/srv/git/app.git" aria-describedby="repo-error" />
+        <input id="repo" required value={repo} onChange={(e) => setRepo(e.target.value)} placeholder="https://github.com/acme/app.git or /srv/git/app.git" {...field('repo')} />
         {err('repo')}
         <label htmlFor="agent">Agent</label>
-        <select id="agent" value={agent} onChange={(e) => setAgent(e.target.value)} aria-describedby="agent-error">
-          {agents.map((a) => <option key={a}>{a}</option>)}
+        <select id="agent" value={agent} onChange={(e) => setAgent(e.target.value)} disabled={agents === null} {...field('agent')}>
+          {agents === null && <option value="">Loading agents…</option>}
+          {agents !== null && !agents.some((a) => a.installed) && <option value="">the server's default</option>}
+          {(agents ?? []).map((a) => (
+            <option key={a.id} value={a.id} disabled={!a.installed}>{a.installed ? a.id : `${a.id} — not installed`}</option>
+          ))}
         </select>
+        {missing.length > 0 && (
+          <p className="hint" id="agent-hint">
+            Not installed on this server: {missing.map((a, i) => <span key={a.id}>{i > 0 && '; '}<strong>{a.id}</strong> ({a.needs ?? 'not installed'})</span>)}.
+          </p>
+        )}
         {err('agent')}
-        <label htmlFor="title">Title</label>
-        <input id="title" value={title} onChange={(e) => setTitle(e.target.value)} placeholder="from the task's first line" />
-        <label htmlFor="model">Model</label>
-        <input id="model" value={model} onChange={(e) => setModel(e.target.value)} placeholder="the agent's default" aria-describedby="model-error" />
-        {err('model')}
         <label htmlFor="task">Task</label>
-        <textarea id="task" required rows={6} value={task} onChange={(e) => setTask(e.target.value)}
+        <textarea id="task" required rows={6} value={task} onChange={(e) => setTask(e.target.value)} {...field('task')}
           onKeyDown={(e) => { if (e.key === 'Enter' && (e.metaKey || e.ctrlKey)) (e.currentTarget.form as HTMLFormElement).requestSubmit(); }} />
-        <label htmlFor="base">Base branch</label>
-        <input id="base" value={base} onChange={(e) => setBase(e.target.value)} placeholder="the default branch" />
+        {err('task')}
+        <label htmlFor="title">Title</label>
+        <input id="title" value={title} onChange={(e) => setTitle(e.target.value)} placeholder="from the task's first line" {...field('title')} />
+        {err('title')}
+        <div className="row">
+          <div>
+            <label htmlFor="base">Base branch</label>
+            <input id="base" value={base} onChange={(e) => setBase(e.target.value)} placeholder="the default branch" {...field('base')} />
+            {err('base')}
+          </div>
+          <div>
+            <label htmlFor="model">Model</label>
+            <input id="model" value={model} onChange={(e) => setModel(e.target.value)} placeholder="the agent's default" {...field('model')} />
+            {err('model')}
+          </div>
+        </div>
         <label htmlFor="allow">Egress allowlist</label>
-        <input id="allow" value={allow} onChange={(e) => setAllow(e.target.value)} placeholder="github.com, docs.example.com" aria-describedby="allow-error" aria-invalid={!!errors.allow} />
+        <input id="allow" value={allow} onChange={(e) => setAllow(e.target.value)} placeholder="github.com, docs.example.com" {...field('allow')} />
         {err('allow')}
         <label htmlFor="setup">Setup script</label>
-        <textarea id="setup" rows={3} value={setup} onChange={(e) => setSetup(e.target.value)} placeholder="npm ci" aria-describedby="setup-error" />
+        <textarea id="setup" rows={3} value={setup} onChange={(e) => setSetup(e.target.value)} placeholder="npm ci" {...field('setup')} />
         {err('setup')}
         {err('form')}
         <div><button type="submit" className="primary" disabled={busy}>{busy ? 'Starting…' : 'Start session'}</button> <small>Ctrl+Enter</small></div>
