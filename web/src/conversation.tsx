@@ -1,16 +1,32 @@
 // The conversation: UIMessage parts (AI SDK UI message stream v1, DESIGN §5.1) rendered one by one.
 import { memo, type ReactNode } from 'react';
 import { Markdown } from './markdown';
+import { ms } from './util';
 
 export interface Part { type: string; [key: string]: unknown }
 export interface Message { id: string; role: 'user' | 'assistant' | 'system'; parts: Part[] }
 
 const str = (v: unknown) => (typeof v === 'string' ? v : v == null ? '' : JSON.stringify(v, null, 2));
-const at = (p: Part): number | undefined => {
-  const meta = (p.providerMetadata ?? p.callProviderMetadata) as { sortie?: { at?: string } } | undefined;
-  const t = meta?.sortie?.at;
-  return t ? Date.parse(t) : undefined;
-};
+
+/**
+ * A part's own timestamps: `providerMetadata.sortie.at` (when it began, on its start chunk) and
+ * `sortie.endedAt` (when it ended, on its end chunk, which carries `at` again because the SDK replaces a
+ * reasoning part's metadata with the end chunk's). Tool calls keep the call's and the result's metadata
+ * apart (`callProviderMetadata`, `resultProviderMetadata`); history from `GET /messages` uses
+ * `providerMetadata`. A part without `endedAt` has no duration: the next part's start is not its end.
+ */
+export function span(p: Part): { start?: number; end?: number } {
+  const sortie = (slot: unknown) => ((slot as { sortie?: { at?: unknown; endedAt?: unknown } } | undefined)?.sortie ?? {});
+  const merged = { ...sortie(p.callProviderMetadata), ...sortie(p.providerMetadata), ...sortie(p.resultProviderMetadata) };
+  const time = (v: unknown) => { const t = typeof v === 'string' ? Date.parse(v) : NaN; return Number.isNaN(t) ? undefined : t; };
+  return { start: time(merged.at), end: time(merged.endedAt) };
+}
+
+/** How long a finished part took, from its own timestamps; null when it has not both. */
+export function took(p: Part): number | null {
+  const { start, end } = span(p);
+  return start != null && end != null ? Math.max(0, end - start) : null;
+}
 
 /** A unified diff of two texts (line-level, common prefix and suffix trimmed; enough for agents' edits). */
 export function unifiedDiff(path: string, oldText: string | null | undefined, newText: string): string[] {
@@ -60,23 +76,17 @@ function Plan({ data }: { data: { entries?: { content: string; status?: string; 
   );
 }
 
-function duration(part: Part, next?: Part): string | null {
-  const a = at(part), b = next && at(next);
-  if (a == null || b == null) return null;
-  const ms = Math.max(0, b - a);
-  return ms < 1000 ? `${ms} ms` : `${(ms / 1000).toFixed(1)} s`;
-}
-
-function Tool({ part, next }: { part: Part; next?: Part }) {
+function Tool({ part }: { part: Part }) {
   const input = part.input as { title?: string } | undefined;
   const title = str(part.title ?? input?.title ?? part.toolName);
   const state = str(part.state);
   const status = state === 'output-available' ? 'done' : state === 'output-error' ? 'failed' : 'running';
+  const duration = status === 'running' ? null : took(part);
   return (
     <details className={`card tool tool-${status}`}>
       <summary>
         <span className="kind">{str(part.toolName)}</span> {title} <span className={`status status-${status}`}>{status}</span>
-        {status !== 'running' && duration(part, next) && <span className="took">{duration(part, next)}</span>}
+        {duration != null && <span className="took" title="how long the call took">{ms(duration)}</span>}
       </summary>
       {part.input != null && <pre className="io">{str(part.input)}</pre>}
       {part.output != null && <pre className="io">{str(part.output)}</pre>}
@@ -85,29 +95,53 @@ function Tool({ part, next }: { part: Part; next?: Part }) {
   );
 }
 
-function Reasoning({ part, seconds }: { part: Part; seconds?: number }) {
+function Reasoning({ part }: { part: Part }) {
   const streaming = part.state === 'streaming';
+  const duration = streaming ? null : took(part);
+  const label = streaming ? 'Thinking…' : duration == null ? 'Thought' : `Thought for ${duration < 1000 ? '<1' : Math.round(duration / 1000)}s`;
   return (
     <details className="reasoning">
-      <summary>{streaming ? 'Thinking…' : seconds != null ? `Thought for ${seconds}s` : 'Thought'}</summary>
+      <summary>{label}</summary>
       <Markdown text={str(part.text)} />
     </details>
   );
 }
 
-export interface Actions { allowHost?: (host: string) => void }
+const PRIMING: Record<string, string> = {
+  session_load: 'The agent picked up its own saved session.',
+  transcript: 'The agent was given the conversation so far (a fresh agent process).',
+  task: 'The agent was given the original task (a fresh agent process).',
+  none: 'The agent starts afresh: no earlier context could be given.',
+};
 
-export const PartView = memo(function PartView({ part, next, actions }: { part: Part; next?: Part; actions: Actions }) {
+/** The turn's token usage (`data-acp-usage` id `tokens`, cumulative) and context window (id `usage`). */
+function UsageLine({ tokens, context }: { tokens?: Record<string, unknown>; context?: Record<string, unknown> }) {
+  const n = (v: unknown) => (typeof v === 'number' ? v.toLocaleString('en-US') : '?');
+  const bits: string[] = [];
+  if (tokens) bits.push(`${n(tokens.inputTokens)} in · ${n(tokens.outputTokens)} out tokens${tokens.model ? ` (${str(tokens.model)})` : ''}`);
+  if (context && typeof context.used === 'number' && typeof context.size === 'number' && context.size > 0) {
+    bits.push(`context ${n(context.used)} / ${n(context.size)} (${Math.round((100 * context.used) / context.size)}%)`);
+  }
+  if (bits.length === 0) return null;
+  return <div className="usage-line" aria-label="turn usage">{bits.join(' · ')}</div>;
+}
+
+export interface Actions {
+  /** Adds a host to the session's egress allowlist (the button on a blocked connection). */
+  allowHost?: (host: string) => void;
+  /** The session's allowlist: a blocked host in it shows as allowed instead of offering the button. */
+  allowed?: string[];
+}
+
+export const PartView = memo(function PartView({ part, actions, repeats }: { part: Part; actions: Actions; repeats?: number }) {
   const data = (part.data ?? {}) as Record<string, unknown>;
   switch (part.type) {
     case 'text':
       return <Markdown text={str(part.text)} />;
-    case 'reasoning': {
-      const a = at(part), b = next && at(next);
-      return <Reasoning part={part} seconds={a != null && b != null ? Math.max(0, Math.round((b - a) / 1000)) : undefined} />;
-    }
+    case 'reasoning':
+      return <Reasoning part={part} />;
     case 'dynamic-tool':
-      return <Tool part={part} next={next} />;
+      return <Tool part={part} />;
     case 'data-acp-diff':
       return <Diff data={data} />;
     case 'data-acp-plan':
@@ -119,13 +153,17 @@ export const PartView = memo(function PartView({ part, next, actions }: { part: 
           <pre>{str(data.output)}</pre>
         </div>
       );
-    case 'data-sortie-egress-denied':
+    case 'data-sortie-egress-denied': {
+      const host = str(data.host);
+      const allowed = actions.allowed?.includes(host);
       return (
-        <div className="card egress" role="alert">
-          <span>Blocked connection to <code>{str(data.host)}:{str(data.port)}</code> ({str(data.reason)})</span>
-          {actions.allowHost && <button onClick={() => actions.allowHost?.(str(data.host))}>Allow {str(data.host)}</button>}
+        <div className={`card egress${allowed ? ' egress-allowed' : ''}`} role={allowed ? undefined : 'alert'}>
+          <span>Blocked connection to <code>{host}:{str(data.port)}</code> ({str(data.reason)}){repeats != null && repeats > 1 && <span className="repeats"> ×{repeats}</span>}</span>
+          {allowed ? <span className="status status-done">allowed: the next connection goes through</span>
+            : actions.allowHost && <button onClick={() => actions.allowHost?.(host)}>Allow {host}</button>}
         </div>
       );
+    }
     case 'data-sortie-delivery': {
       const stat = (data.diffStat ?? {}) as { files?: number; insertions?: number; deletions?: number };
       return (
@@ -137,14 +175,20 @@ export const PartView = memo(function PartView({ part, next, actions }: { part: 
         </div>
       );
     }
-    case 'data-sortie-priming':
-      return <div className="note">context: {str(data.rung ?? data)}</div>;
+    case 'data-sortie-priming': {
+      const rung = str(data.rung);
+      return (
+        <div className="note priming" data-rung={rung}>
+          {PRIMING[rung] ?? `Context: ${rung}`}
+          {data.load_error != null && <> (its saved session did not load: {str(data.load_error)})</>}
+        </div>
+      );
+    }
     case 'step-start':
-    case 'data-acp-usage':
+    case 'data-acp-usage': // one line at the end of the message (UsageLine)
     case 'data-acp-mode':
     case 'data-acp-commands':
     case 'data-sortie-phase':
-    case 'data-sortie-usage':
       return null;
     default:
       if (part.type.startsWith('tool-')) return <Tool part={{ ...part, toolName: part.type.slice(5) }} />;
@@ -162,9 +206,25 @@ export const MessageView = memo(function MessageView({ message, actions }: { mes
   // Runs of two or more tool calls (with their diffs and terminals) are grouped in one collapsible box.
   const parts = message.parts;
   const out: ReactNode[] = [];
-  const view = (i: number) => (
-    <PartView key={(parts[i].id as string | undefined) ?? (parts[i].toolCallId as string | undefined) ?? i} part={parts[i]} next={parts[i + 1]} actions={actions} />
-  );
+  // An agent that retries a blocked host gets one card for it, with the count.
+  const denials = new Map<string, { first: number; count: number }>();
+  parts.forEach((p, i) => {
+    if (p.type !== 'data-sortie-egress-denied') return;
+    const d = (p.data ?? {}) as { host?: unknown; port?: unknown };
+    const key = `${str(d.host)}:${str(d.port)}`;
+    const seen = denials.get(key);
+    if (seen) seen.count++; else denials.set(key, { first: i, count: 1 });
+  });
+  const view = (i: number) => {
+    let repeats: number | undefined;
+    if (parts[i].type === 'data-sortie-egress-denied') {
+      const d = (parts[i].data ?? {}) as { host?: unknown; port?: unknown };
+      const seen = denials.get(`${str(d.host)}:${str(d.port)}`)!;
+      if (seen.first !== i) return null;
+      repeats = seen.count;
+    }
+    return <PartView key={(parts[i].id as string | undefined) ?? (parts[i].toolCallId as string | undefined) ?? i} part={parts[i]} actions={actions} repeats={repeats} />;
+  };
   for (let i = 0; i < parts.length;) {
     let j = i;
     while (j < parts.length && TOOLISH.has(parts[j].type)) j++;
@@ -184,7 +244,13 @@ export const MessageView = memo(function MessageView({ message, actions }: { mes
       i = Math.max(j, i + 1);
     }
   }
-  return <div className="msg assistant" data-message-id={message.id}>{out}</div>;
+  const usage = (id: string) => parts.find((p) => p.type === 'data-acp-usage' && p.id === id)?.data as Record<string, unknown> | undefined;
+  return (
+    <div className="msg assistant" data-message-id={message.id}>
+      {out}
+      <UsageLine tokens={usage('tokens')} context={usage('usage')} />
+    </div>
+  );
 });
 
 export function Conversation({ messages, actions }: { messages: Message[]; actions: Actions }) {

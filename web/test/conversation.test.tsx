@@ -1,13 +1,15 @@
 // The conversation renderer over recorded streams: a real turn of the scripted agent through `sortie
-// driver` (fixtures/scripted-turn.sse) and a hand-written one with the parts the driver alone cannot
-// produce (terminal output, an egress denial). Streams go through the real `ai` transport and Chat.
+// driver` (fixtures/scripted-turn.sse), a hand-written one with the parts the driver alone cannot
+// produce (fixtures/extras.sse: terminal output, a priming note, egress denials, token and context
+// usage) and one whose parts carry start and end timestamps (fixtures/timed.sse). Streams go through
+// the real `ai` transport and Chat.
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { act, cleanup, fireEvent, render, screen } from '@testing-library/react';
 import { afterEach, describe, expect, it, vi } from 'vitest';
 import { Chat } from '@ai-sdk/react';
 import { DefaultChatTransport, readUIMessageStream, type UIMessage, type UIMessageChunk } from 'ai';
-import { Conversation, unifiedDiff, type Message } from '../src/conversation';
+import { Conversation, span, unifiedDiff, type Message, type Part } from '../src/conversation';
 
 afterEach(cleanup);
 
@@ -31,52 +33,97 @@ async function snapshots(list: UIMessageChunk[]): Promise<UIMessage[]> {
 const asMessages = (m: UIMessage[]) => m as unknown as Message[];
 
 describe('conversation renderer', () => {
-  it('renders every part kind of a real scripted turn', async () => {
-    const all = await snapshots(chunks(fixture('scripted-turn.sse')));
-    const final = all[all.length - 1];
+  it('renders every part kind: a real scripted turn and the parts only the platform adds', async () => {
+    const scripted = await snapshots(chunks(fixture('scripted-turn.sse')));
+    const extras = await snapshots(chunks(fixture('extras.sse')));
     const user: UIMessage = { id: 'u1', role: 'user', parts: [{ type: 'text', text: 'Please write it' }] };
-    const { container } = render(<Conversation messages={asMessages([user, final])} actions={{}} />);
+    const { container } = render(<Conversation messages={asMessages([user, scripted[scripted.length - 1], extras[extras.length - 1]])} actions={{}} />);
+    const [turn1, turn2] = [...container.querySelectorAll('.msg.assistant')];
     // user prompt, markdown text with a code block
     expect(screen.getByText('Please write it')).toBeTruthy();
-    expect(container.querySelector('.msg.assistant')?.textContent).toContain('All done. The file hello.txt now says:');
-    expect(container.querySelector('.md code')?.textContent).toBe('hello.txt');
-    // reasoning, collapsed
-    const reasoning = container.querySelector('details.reasoning') as HTMLDetailsElement;
+    expect(turn1.textContent).toContain('All done. The file hello.txt now says:');
+    expect(turn1.querySelector('.md code')?.textContent).toBe('hello.txt');
+    // reasoning, collapsed; this recording has no end timestamp, so no duration is made up
+    const reasoning = turn1.querySelector('details.reasoning') as HTMLDetailsElement;
     expect(reasoning.open).toBe(false);
-    expect(reasoning.querySelector('summary')?.textContent).toMatch(/^Thought/);
-    // tool calls: collapsible, with title and status
-    const tools = [...container.querySelectorAll('details.tool')];
-    expect(tools.map((t) => t.querySelector('summary')?.textContent?.replace(/\d+ ms$/, ''))).toEqual([
+    expect(reasoning.querySelector('summary')?.textContent).toBe('Thought');
+    // tool calls: collapsible, with title and status (and no duration without an end timestamp)
+    const tools = [...turn1.querySelectorAll('details.tool')];
+    expect(tools.map((t) => t.querySelector('summary')?.textContent)).toEqual([
       'edit Write hello.txt done', 'execute cat hello.txt; echo done done', 'execute exit 3 failed',
     ]);
+    expect(turn1.querySelectorAll('.took')).toHaveLength(0);
     // the three calls (with the edit's diff) are one collapsible group
-    const groups = container.querySelectorAll('details.tools');
+    const groups = turn1.querySelectorAll('details.tools');
     expect(groups).toHaveLength(1);
     expect(groups[0].querySelector('summary')?.textContent).toBe('3 tool calls · 1 failed');
     expect(groups[0].querySelectorAll('details.tool')).toHaveLength(3);
     expect(groups[0].querySelector('.diff')).toBeTruthy();
     // the diff as a unified diff
-    expect(container.querySelector('.diff pre')?.textContent).toBe('--- /dev/null+++ b/hello.txt@@ -1,0 +1,1 @@+hello');
-    expect(container.querySelector('.diff pre .add')?.textContent).toBe('+hello');
+    expect(turn1.querySelector('.diff pre')?.textContent).toBe('--- /dev/null+++ b/hello.txt@@ -1,0 +1,1 @@+hello');
+    expect(turn1.querySelector('.diff pre .add')?.textContent).toBe('+hello');
     // the plan as a checklist
-    const boxes = [...container.querySelectorAll('.plan input[type=checkbox]')] as HTMLInputElement[];
+    const boxes = [...turn1.querySelectorAll('.plan input[type=checkbox]')] as HTMLInputElement[];
     expect(boxes.map((b) => b.checked)).toEqual([true, true]);
     // the delivery card with the branch
-    expect(container.querySelector('.delivery')?.textContent).toContain('sortie/ses_01kfixture0000000000000000');
-    expect(container.querySelector('.delivery')?.textContent).toContain('1 files');
+    expect(turn1.querySelector('.delivery')?.textContent).toContain('sortie/ses_01kfixture0000000000000000');
+    expect(turn1.querySelector('.delivery')?.textContent).toContain('1 files');
+    // how the agent was primed (data-sortie-priming)
+    const priming = turn2.querySelector('.priming') as HTMLElement;
+    expect(priming.dataset.rung).toBe('transcript');
+    expect(priming.textContent).toBe('The agent was given the conversation so far (a fresh agent process).');
+    // terminal output with its exit status
+    expect(turn2.querySelectorAll('.terminal')).toHaveLength(1);
+    expect(turn2.querySelector('.terminal pre')?.textContent).toBe('running 3 tests\nok\n');
+    expect(turn2.querySelector('.terminal .kind')?.textContent).toContain('exit 0');
+    // an egress denial the agent ran into twice: one card, with the count
+    const denials = turn2.querySelectorAll('.egress');
+    expect(denials).toHaveLength(1);
+    expect(denials[0].textContent).toContain('Blocked connection to packages.example.net:443 (not in the allowlist) ×2');
+    // the turn's usage (data-acp-usage: cumulative tokens, updated in place, and the context window) as one line
+    expect(container.querySelectorAll('[aria-label="turn usage"]')).toHaveLength(1);
+    expect(turn2.querySelector('.usage-line')?.textContent).toBe('3,456 in · 789 out tokens (claude-sonnet-4-5) · context 45,000 / 200,000 (23%)');
+    // nothing falls through to the unknown-part note
+    expect([...container.querySelectorAll('.note')].filter((n) => /^(data-|tool-)/.test(n.textContent ?? ''))).toEqual([]);
   });
 
-  it('renders terminal output, links and an egress denial whose button amends the allowlist', async () => {
+  it('shows a finished part\'s duration from its own start and end timestamps', async () => {
+    const all = await snapshots(chunks(fixture('timed.sse')));
+    const { container } = render(<Conversation messages={asMessages([all[all.length - 1]])} actions={{}} />);
+    expect(container.querySelector('details.reasoning summary')?.textContent).toBe('Thought for 4s');
+    const tools = [...container.querySelectorAll('details.tool')];
+    expect(tools.map((t) => t.querySelector('summary')?.textContent)).toEqual([
+      'execute cargo test done1.3 s', 'execute exit 3 failed80 ms', 'execute sleep 60 running',
+    ]);
+    // while reasoning streams it says so, with no duration yet
+    const thinking = all.find((m) => m.parts.some((p) => p.type === 'reasoning' && p.state === 'streaming'))!;
+    const { container: live } = render(<Conversation messages={asMessages([thinking])} actions={{}} />);
+    expect(live.querySelector('details.reasoning summary')?.textContent).toBe('Thinking…');
+  });
+
+  it('reads the timestamps where the live client and the stored history each keep them', () => {
+    const at = '2026-12-02T18:56:31.500Z', endedAt = '2026-12-02T18:56:32.750Z';
+    const live: Part = { type: 'dynamic-tool', callProviderMetadata: { sortie: { at } }, resultProviderMetadata: { sortie: { at, endedAt } } };
+    const stored: Part = { type: 'dynamic-tool', providerMetadata: { sortie: { at, endedAt } } };
+    const started: Part = { type: 'reasoning', providerMetadata: { sortie: { at } } };
+    const garbled: Part = { type: 'reasoning', providerMetadata: { sortie: { at: 'yesterday', endedAt: 3 } } };
+    expect(span(live)).toEqual({ start: Date.parse(at), end: Date.parse(endedAt) });
+    expect(span(stored)).toEqual({ start: Date.parse(at), end: Date.parse(endedAt) });
+    expect(span(started)).toEqual({ start: Date.parse(at), end: undefined });
+    expect(span(garbled)).toEqual({ start: undefined, end: undefined });
+  });
+
+  it('an egress denial\'s button amends the allowlist, and an allowed host says so', async () => {
     const all = await snapshots(chunks(fixture('extras.sse')));
     const allowHost = vi.fn();
-    const { container } = render(<Conversation messages={asMessages([all[all.length - 1]])} actions={{ allowHost }} />);
-    expect(container.querySelectorAll('.terminal')).toHaveLength(1);
-    expect(container.querySelector('.terminal pre')?.textContent).toBe('running 3 tests\nok\n');
-    expect(container.querySelector('.terminal .kind')?.textContent).toContain('exit 0');
+    const { container, rerender } = render(<Conversation messages={asMessages([all[all.length - 1]])} actions={{ allowHost, allowed: [] }} />);
     expect(screen.getByRole('link', { name: 'the docs' }).getAttribute('href')).toBe('https://example.com');
     expect(container.querySelector('.md strong')?.textContent).toBe('this');
     fireEvent.click(screen.getByRole('button', { name: 'Allow packages.example.net' }));
     expect(allowHost).toHaveBeenCalledWith('packages.example.net');
+    rerender(<Conversation messages={asMessages([all[all.length - 1]])} actions={{ allowHost, allowed: ['packages.example.net'] }} />);
+    expect(screen.queryByRole('button', { name: 'Allow packages.example.net' })).toBeNull();
+    expect(container.querySelector('.egress')?.textContent).toContain('allowed: the next connection goes through');
   });
 
   it('updates data parts with the same id in place', async () => {
@@ -116,17 +163,6 @@ describe('conversation renderer', () => {
     expect(container.querySelectorAll('details.tool')).toHaveLength(3);
     expect(container.querySelectorAll('.plan')).toHaveLength(1);
     expect(container.querySelectorAll('details.reasoning')).toHaveLength(1);
-  });
-
-  it('renders 2,000 parts quickly', () => {
-    const parts = Array.from({ length: 2000 }, (_, i) => (i % 4 === 0
-      ? { type: 'dynamic-tool', toolCallId: `c${i}`, toolName: 'execute', title: `step ${i}`, state: 'output-available', input: { command: 'ls' }, output: 'ok' }
-      : { type: 'text', text: `Paragraph ${i} with \`code\` and **bold**.`, state: 'done' }));
-    const t0 = performance.now();
-    const { container } = render(<Conversation messages={[{ id: 'a', role: 'assistant', parts } as Message]} actions={{}} />);
-    const took = performance.now() - t0;
-    expect(container.querySelectorAll('details.tool')).toHaveLength(500);
-    console.log(`jsdom render of 2,000 parts: ${took.toFixed(0)} ms`);
   });
 });
 
