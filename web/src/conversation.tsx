@@ -1,5 +1,5 @@
 // The conversation: UIMessage parts (AI SDK UI message stream v1, DESIGN §5.1) rendered one by one.
-import { memo, type ReactNode } from 'react';
+import { memo, useState, type ReactNode } from 'react';
 import { Markdown } from './markdown';
 import { ms } from './util';
 
@@ -196,12 +196,26 @@ export const PartView = memo(function PartView({ part, actions, repeats }: { par
   }
 });
 
+/** A user prompt; a long one (a pasted log, a whole spec) shows its first lines until expanded. */
+function Prompt({ text }: { text: string }) {
+  const [open, setOpen] = useState(false);
+  const lines = text.split('\n');
+  const long = lines.length > PROMPT_LINES + 2;
+  return (
+    <>
+      <div className="prompt">{long && !open ? lines.slice(0, PROMPT_LINES).join('\n') : text}</div>
+      {long && <button className="link more" aria-expanded={open} onClick={() => setOpen(!open)}>{open ? 'Show less' : `Show all ${lines.length} lines`}</button>}
+    </>
+  );
+}
+const PROMPT_LINES = 6;
+
 const TOOLISH = new Set(['dynamic-tool', 'data-acp-diff', 'data-acp-terminal', 'step-start']);
 
 export const MessageView = memo(function MessageView({ message, actions }: { message: Message; actions: Actions }) {
   if (message.role === 'user') {
     const text = message.parts.filter((p) => p.type === 'text').map((p) => str(p.text)).join('\n');
-    return <div className="msg user" data-message-id={message.id}><div className="prompt">{text}</div></div>;
+    return <div className="msg user" data-message-id={message.id}><Prompt text={text} /></div>;
   }
   // Runs of two or more tool calls (with their diffs and terminals) are grouped in one collapsible box.
   const parts = message.parts;

@@ -14,12 +14,15 @@ export function Sessions() {
   const [sessions, setSessions] = useState<Session[] | null>(null);
   const [error, setError] = useState<string | null>(null);
   const [tick, setTick] = useState(0);
+  // The repositories seen so far, offered by the repo filter (it matches a repository exactly).
+  const [repos, setRepos] = useState<string[]>([]);
   useEffect(() => {
     let live = true;
     let timer: ReturnType<typeof setTimeout> | undefined;
     const load = () => client.sessions({ phase, repo, archived }).then((r) => {
       if (!live) return;
       setSessions(r.sessions);
+      setRepos((old) => (r.sessions.every((x) => old.includes(x.repo)) ? old : [...new Set([...old, ...r.sessions.map((x) => x.repo)])].sort()));
       setError(null);
       // Poll while anything is live; slowly otherwise.
       timer = setTimeout(load, r.sessions.some((s) => LIVE.includes(s.phase)) ? 1500 : 10000);
@@ -34,7 +37,8 @@ export function Sessions() {
         <label>Phase <select value={phase} onChange={(e) => setPhase(e.target.value as Phase | '')}>
           <option value="">any</option>{PHASES.map((p) => <option key={p}>{p}</option>)}
         </select></label>
-        <label>Repo <input value={repo} onChange={(e) => setRepo(e.target.value)} placeholder="any" /></label>
+        <label>Repo <input value={repo} onChange={(e) => setRepo(e.target.value)} placeholder="any" list="repos" /></label>
+        <datalist id="repos">{repos.map((r) => <option key={r} value={r} />)}</datalist>
         <label><input type="checkbox" checked={archived} onChange={(e) => setArchived(e.target.checked)} /> Archived</label>
         <button onClick={() => setTick(tick + 1)}>Refresh</button>
         <Link to="/new" className="button primary">New session</Link>

@@ -166,6 +166,26 @@ describe('conversation renderer', () => {
   });
 });
 
+describe('user prompts', () => {
+  it('shows a long prompt\'s first lines until expanded', () => {
+    const text = Array.from({ length: 20 }, (_, i) => `line ${i + 1}`).join('\n');
+    const { container } = render(<Conversation messages={[{ id: 'u', role: 'user', parts: [{ type: 'text', text }] }]} actions={{}} />);
+    const prompt = () => container.querySelector('.prompt')?.textContent;
+    expect(prompt()).toBe('line 1\nline 2\nline 3\nline 4\nline 5\nline 6');
+    fireEvent.click(screen.getByRole('button', { name: 'Show all 20 lines' }));
+    expect(prompt()).toBe(text);
+    fireEvent.click(screen.getByRole('button', { name: 'Show less' }));
+    expect(prompt()?.split('\n')).toHaveLength(6);
+  });
+
+  it('shows a short prompt whole, without a button', () => {
+    const text = 'Fix the flaky parser test.\nIt fails one run in ten.';
+    const { container } = render(<Conversation messages={[{ id: 'u', role: 'user', parts: [{ type: 'text', text }] }]} actions={{}} />);
+    expect(container.querySelector('.prompt')?.textContent).toBe(text);
+    expect(screen.queryByRole('button')).toBeNull();
+  });
+});
+
 describe('unifiedDiff', () => {
   it('shows changed lines with context', () => {
     expect(unifiedDiff('a.txt', 'a\nb\nc\n', 'a\nB\nc\n')).toEqual([
