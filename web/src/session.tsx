@@ -111,7 +111,8 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
   // A turn runs that this chat has no stream of (a queued steer that began after the last turn ended,
   // or a turn started by another client): take the history and attach to it. A turn attached twice
   // replays in place (stable message id), so a lagging phase costs a replay, never a duplicate.
-  const attachedTurn = useRef<number | null>(null);
+  // The turn running when this chat mounted is the one `resume: true` attaches to on mount.
+  const attachedTurn = useRef<number | null>(runningTurn);
   useEffect(() => {
     if (runningTurn === null || (status !== 'ready' && status !== 'error')) return;
     if (attachedTurn.current === runningTurn) return;
@@ -231,7 +232,8 @@ export function SessionPage({ id }: { id: string }) {
     <main className="session">
       {error && <p className="error" role="alert">{error}</p>}
       {session ? <Header s={session} turns={turns} onAction={onAction} busy={busy} delivery={delivery} /> : !error && <p className="empty">Loading…</p>}
-      {history ? <Chat id={id} initial={history} onActivity={refresh} reattach={reattach} syncKey={session ? `${session.turns}:${session.phase}` : ''} runningTurn={session?.phase === 'running' ? session.current_turn ?? null : null} onDelivery={setDelivery} allowed={session?.egress.allow ?? []} /> : !error && <p className="empty">Loading the conversation…</p>}
+      {/* The chat starts once the session is known too, so it knows which turn its resume on mount covers. */}
+      {history && session ? <Chat id={id} initial={history} onActivity={refresh} reattach={reattach} syncKey={`${session.turns}:${session.phase}`} runningTurn={session.phase === 'running' ? session.current_turn ?? null : null} onDelivery={setDelivery} allowed={session.egress.allow} /> : !error && <p className="empty">Loading the conversation…</p>}
     </main>
   );
 }
