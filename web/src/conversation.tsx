@@ -1,7 +1,7 @@
 // The conversation: UIMessage parts (AI SDK UI message stream v1, DESIGN §5.1) rendered one by one.
 import { memo, useState, type ReactNode } from 'react';
 import { Markdown } from './markdown';
-import { ms } from './util';
+import { files, ms } from './util';
 
 export interface Part { type: string; [key: string]: unknown }
 export interface Message { id: string; role: 'user' | 'assistant' | 'system'; parts: Part[] }
@@ -170,7 +170,7 @@ export const PartView = memo(function PartView({ part, actions, repeats }: { par
         <div className="card delivery" aria-label="delivery">
           <span className="kind">{data.pushed ? 'delivered' : 'not pushed'}</span> <code>{str(data.branch)}</code>{' '}
           <code>{str(data.headSha).slice(0, 10)}</code>{' '}
-          <span>{stat.files ?? 0} files <span className="add">+{stat.insertions ?? 0}</span> <span className="del">−{stat.deletions ?? 0}</span></span>
+          <span>{files(stat.files ?? 0)} <span className="add">+{stat.insertions ?? 0}</span> <span className="del">−{stat.deletions ?? 0}</span></span>
           {typeof data.prUrl === 'string' && <> · <a href={data.prUrl}>pull request</a></>}
         </div>
       );

@@ -4,7 +4,7 @@ import { DefaultChatTransport, type UIMessage } from 'ai';
 import { ApiError, client, LIVE, type Session, type Turn, type UiMessage } from './api';
 import { Conversation, type Message } from './conversation';
 import { PhaseBadge } from './sessions';
-import { age, ms } from './util';
+import { age, files, ms } from './util';
 
 /** `GET /messages` as useChat's messages: the API documents `parts` only as objects (they are AI SDK parts). */
 const asUi = (m: UiMessage[]) => m as unknown as UIMessage[];
@@ -55,13 +55,15 @@ function Header({ s, turns, onAction, busy, delivery }: { s: Session; turns: Tur
         <div><dt>Repo</dt><dd><code>{s.repo}</code>{s.base && <> @ <code>{s.base}</code></>}</dd></div>
         <div><dt>Agent</dt><dd>{s.agent}{s.model && ` · ${s.model}`}</dd></div>
         <div><dt>Branch</dt><dd><code className="branch">{s.branch}</code>{s.head_sha && <> at <code>{s.head_sha.slice(0, 10)}</code></>}{s.pr && <> · <a href={s.pr.url}>PR #{s.pr.number}</a></>}
-          {delivery?.diffStat && <span className="stat" aria-label="diff stat"> · {delivery.diffStat.files ?? 0} files <span className="add">+{delivery.diffStat.insertions ?? 0}</span> <span className="del">−{delivery.diffStat.deletions ?? 0}</span></span>}</dd></div>
+        </dd></div>
+        {delivery?.diffStat && <div><dt>Last delivery</dt><dd><span className="stat" aria-label="diff stat">{files(delivery.diffStat.files ?? 0)} <span className="add">+{delivery.diffStat.insertions ?? 0}</span> <span className="del">−{delivery.diffStat.deletions ?? 0}</span></span>{delivery.headSha && <> in <code>{delivery.headSha.slice(0, 10)}</code></>}</dd></div>}
         <div><dt>Turns</dt><dd>{s.turns}</dd></div>
         <div><dt>Usage</dt><dd>{s.usage.compute_seconds}s compute · {s.usage.input_tokens} in / {s.usage.output_tokens} out tokens</dd></div>
         <div><dt>Created</dt><dd title={s.created_at}>{age(s.created_at)} ago</dd></div>
       </dl>
       {Object.keys(timings).length > 0 && (
         <ol className="timings" aria-label={`turn ${last.n} timings`}>
+          <li className="label">Turn {last.n}{last.status !== 'running' && ` · ${last.status}`}</li>
           {phaseOrder(timings).map(([k, v]) => <li key={k}><span>{k.replace('_', ' ')}</span> {ms(v)}</li>)}
         </ol>
       )}

@@ -7,6 +7,14 @@ export function PhaseBadge({ phase }: { phase: string }) {
   return <span className={`badge phase-${phase}`}>{phase}</span>;
 }
 
+/** A repository as people name it: `host/owner/name` for a URL, the last two path segments for a local path. */
+export function shortRepo(repo: string): string {
+  const trimmed = repo.replace(/\.git\/?$/, '').replace(/\/+$/, '');
+  const url = /^https?:\/\/(?:[^@/]+@)?([^/]+)\/(.+)$/.exec(trimmed);
+  if (url) return `${url[1]}/${url[2]}`;
+  return trimmed.split('/').filter(Boolean).slice(-2).join('/');
+}
+
 export function Sessions() {
   const [phase, setPhase] = useState<Phase | ''>('');
   const [repo, setRepo] = useState('');
@@ -33,7 +41,15 @@ export function Sessions() {
   return (
     <main>
       <div className="toolbar">
-        <h1>Sessions</h1>
+        <div className="heading">
+          <h1>Sessions</h1>
+          {sessions && sessions.length > 0 && (
+            <span className="count" aria-label="summary">
+              {sessions.length} shown{sessions.some((x) => LIVE.includes(x.phase)) && ` · ${sessions.filter((x) => LIVE.includes(x.phase)).length} live`}
+              {sessions.some((x) => x.phase === 'failed') && ` · ${sessions.filter((x) => x.phase === 'failed').length} failed`}
+            </span>
+          )}
+        </div>
         <label>Phase <select value={phase} onChange={(e) => setPhase(e.target.value as Phase | '')}>
           <option value="">any</option>{PHASES.map((p) => <option key={p}>{p}</option>)}
         </select></label>
@@ -46,16 +62,25 @@ export function Sessions() {
       {error && <p className="error" role="alert">{error}</p>}
       {sessions == null ? <p className="empty">Loading…</p> : sessions.length === 0 ? <p className="empty">No sessions{phase || repo || archived ? ' match these filters' : ' yet'}.</p> : (
         <table className="sessions">
-          <thead><tr><th>Phase</th><th>Title</th><th>Repo</th><th>Agent</th><th>Turns</th><th>Age</th></tr></thead>
+          <thead><tr><th>Phase</th><th>Session</th><th>Repository</th><th>Agent</th><th className="num">Turns</th><th className="num">Updated</th><th className="num">Created</th></tr></thead>
           <tbody>
             {sessions.map((s) => (
               <tr key={s.id}>
                 <td><PhaseBadge phase={s.phase} /></td>
-                <td><Link to={`/sessions/${s.id}`}>{s.title || s.id}</Link></td>
-                <td><code>{s.repo}</code></td>
-                <td>{s.agent}</td>
-                <td>{s.turns}</td>
-                <td title={s.created_at}>{age(s.created_at)}</td>
+                <td>
+                  <Link to={`/sessions/${s.id}`}>{s.title || s.id}</Link>
+                  <div className="sub">
+                    <code>{s.branch}</code>{s.head_sha && <> at <code>{s.head_sha.slice(0, 7)}</code></>}
+                    {s.pr && <> · <a href={s.pr.url}>PR #{s.pr.number}</a></>}
+                    {s.failure && <span className="error"> · {s.failure.code}: {s.failure.reason}</span>}
+                    {s.queued_reason && <> · waits: {s.queued_reason}</>}
+                  </div>
+                </td>
+                <td title={s.repo}><code>{shortRepo(s.repo)}</code></td>
+                <td>{s.agent}{s.model && <div className="sub">{s.model}</div>}</td>
+                <td className="num">{s.turns}</td>
+                <td className="num" title={s.updated_at}>{age(s.updated_at)} ago</td>
+                <td className="num" title={s.created_at}>{age(s.created_at)} ago</td>
               </tr>
             ))}
           </tbody>

@@ -8,3 +8,7 @@ export function age(iso: string, now = Date.now()): string {
 export function ms(n: number): string {
   return n < 1000 ? `${n} ms` : n < 60000 ? `${(n / 1000).toFixed(1)} s` : `${Math.floor(n / 60000)}m${Math.round((n % 60000) / 1000)}s`;
 }
+/** "1 file", "3 files". */
+export function files(n: number): string {
+  return `${n} ${n === 1 ? 'file' : 'files'}`;
+}

@@ -67,7 +67,7 @@ describe('conversation renderer', () => {
     expect(boxes.map((b) => b.checked)).toEqual([true, true]);
     // the delivery card with the branch
     expect(turn1.querySelector('.delivery')?.textContent).toContain('sortie/ses_01kfixture0000000000000000');
-    expect(turn1.querySelector('.delivery')?.textContent).toContain('1 files');
+    expect(turn1.querySelector('.delivery')?.textContent).toContain('1 file +1 −0');
     // how the agent was primed (data-sortie-priming)
     const priming = turn2.querySelector('.priming') as HTMLElement;
     expect(priming.dataset.rung).toBe('transcript');
