@@ -1,12 +1,17 @@
 // End to end in a real browser: Playwright (playwright-core) driving Debian's chromium against a real
 // `sortie serve` (every role, real sandboxes) with the scripted agent. Saves screenshots of the list and
-// of a session page (SORTIE_E2E_SCREENSHOTS, default ../docs) and prints the budgets' figures.
+// of a session page, light and dark (SORTIE_E2E_SCREENSHOTS, default ../docs), and prints the budgets'
+// figures.
 //
 //   node e2e/run.mjs            # needs target/debug/sortie and sortie-scripted-agent built, and root
 //
 // Env: SORTIE_BIN (default ../target/debug/sortie), CHROMIUM (default /usr/bin/chromium), SORTIE_E2E_KEEP=1
 // keeps the scratch dir (repository, data dir) for a look afterwards.
+//
+// No step waits a fixed time: each waits for what it needs (an element, a request, a state of the API),
+// with a deadline.
 import { spawn, execFileSync } from 'node:child_process';
+import { createServer } from 'node:http';
 import { mkdtempSync, mkdirSync, writeFileSync, readFileSync, chmodSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve, dirname } from 'node:path';
@@ -22,25 +27,56 @@ const shots = resolve(process.env.SORTIE_E2E_SCREENSHOTS ?? join(repoRoot, 'docs
 const step = (what) => console.log(`e2e: ${what}`);
 mkdirSync(shots, { recursive: true });
 
+/** Polls `check` (sync or async) until it returns something truthy, which it returns; fails after `ms`. */
+async function until(what, check, ms = 30000) {
+  const deadline = Date.now() + ms;
+  for (;;) {
+    const value = await check();
+    if (value) return value;
+    if (Date.now() > deadline) throw new Error(`timed out after ${ms} ms waiting for ${what}`);
+    await new Promise((ok) => setTimeout(ok, 100));
+  }
+}
+
 const root = mkdtempSync(join(tmpdir(), 'sortie-e2e-'));
 chmodSync(root, 0o755);
 const env = { ...process.env, HOME: root, GIT_CONFIG_NOSYSTEM: '1', SORTIE_LOG: 'warn' };
 const git = (cwd, ...args) => execFileSync('git', args, { cwd, env, stdio: 'pipe' });
-const upstream = join(root, 'upstream.git');
-git(root, 'init', '-q', '--bare', '--initial-branch=main', upstream);
-const seed = join(root, 'seed');
-git(root, 'init', '-q', '--initial-branch=main', seed);
-writeFileSync(join(seed, 'README.md'), 'hello\n');
-git(seed, 'add', '.');
-git(seed, '-c', 'user.name=e2e', '-c', 'user.email=e2e@localhost', 'commit', '-q', '-m', 'first');
-git(seed, 'push', '-q', upstream, 'HEAD:refs/heads/main');
+/** A bare repository with one commit of `files`. */
+function repository(name, files) {
+  const bare = join(root, 'acme', `${name}.git`);
+  git(root, 'init', '-q', '--bare', '--initial-branch=main', bare);
+  const seed = join(root, `${name}-seed`);
+  git(root, 'init', '-q', '--initial-branch=main', seed);
+  for (const [path, text] of Object.entries(files)) {
+    mkdirSync(dirname(join(seed, path)), { recursive: true });
+    writeFileSync(join(seed, path), text);
+  }
+  git(seed, 'add', '.');
+  git(seed, '-c', 'user.name=e2e', '-c', 'user.email=e2e@localhost', 'commit', '-q', '-m', 'first');
+  git(seed, 'push', '-q', bare, 'HEAD:refs/heads/main');
+  return bare;
+}
+const upstream = repository('greet', {
+  'README.md': '# greet\n\nA tiny greeting library.\n',
+  'package.json': '{ "name": "greet", "version": "1.0.0", "type": "module" }\n',
+  'src/greet.js': "export function greet() {\n  return 'Hello, world!';\n}\n",
+});
+const docsRepo = repository('handbook', { 'README.md': '# handbook\n' });
 
-const server = spawn(bin, ['serve', '--listen', '127.0.0.1:0', '--data-dir', join(root, 'data')], {
+// The "public" host an agent tries to reach: late.sortie-test.dev resolves to this server (for the test only).
+const late = createServer((_req, res) => res.end('reached-the-late-host\n'));
+await new Promise((ok) => late.listen(0, '127.0.0.1', ok));
+const latePort = late.address().port;
+
+const server = spawn(bin, ['serve', '--listen', '127.0.0.1:0', '--data-dir', join(root, 'data'),
+  '--sandboxes-per-workspace', '16', '--egress-hosts', 'late.sortie-test.dev=127.0.0.1', '--egress-exempt', '127.0.0.1/32'], {
   env, stdio: ['ignore', 'pipe', 'inherit'],
 });
 let browser;
 const cleanup = async () => {
   await browser?.close().catch(() => {});
+  late.close();
   if (server.exitCode === null) {
     const exited = new Promise((ok) => server.once('exit', ok));
     server.kill('SIGTERM');
@@ -70,6 +106,9 @@ const rest = async (method, path, body) => {
   });
   return res.status === 204 ? null : res.json();
 };
+const phaseOf = async (id) => (await rest('GET', `/v1/sessions/${id}`)).phase;
+const untilPhase = (id, phases, ms = 60000) =>
+  until(`session ${id} in ${phases}`, async () => phases.includes(await phaseOf(id)), ms);
 step(`serving ${url}`);
 
 // The dashboard's API types are generated from web/openapi.json (src/openapi.ts); the binary under test
@@ -80,6 +119,64 @@ step(`serving ${url}`);
   assert.deepEqual(served, snapshot, 'web/openapi.json is the served /v1/openapi.json');
   step('/v1/openapi.json is the snapshot the app\'s types are generated from');
 }
+
+// The first task: a readable request (the scripted agent skips `#` lines), then the steps it plays.
+const task = [
+  '#!scripted',
+  '# Make greet() take an optional name (default "world"), and add a test for both cases.',
+  'plan: Read greet.js | Add the name parameter | Add a test | Run the test',
+  'run: cat src/greet.js',
+  'done: 1',
+  'think: greet() hard-codes "world". A default parameter keeps every existing call working; the test covers the default and a given name.',
+  'sleep: 900',
+  'write: src/greet.js',
+  '/** A greeting for `name` (default: "world"). */',
+  "export function greet(name = 'world') {",
+  '  return `Hello, ${name}!`;',
+  '}',
+  '>>>',
+  'done: 2',
+  'write: test/greet.test.js',
+  "import assert from 'node:assert/strict';",
+  "import { greet } from '../src/greet.js';",
+  '',
+  "assert.equal(greet(), 'Hello, world!');",
+  "assert.equal(greet('sortie'), 'Hello, sortie!');",
+  "console.log('2 assertions passed');",
+  '>>>',
+  'done: 3',
+  'sleep: 600',
+  'run: node test/greet.test.js',
+  'done: 4',
+  'say: `greet()` now takes an optional **name** and still defaults to `"world"`, so existing calls are unchanged.',
+  'say: I added `test/greet.test.js` for both cases; it passes with `node test/greet.test.js`.',
+].join('\n');
+// The steer: its three sentences are seconds apart, so a reload after the first one can prove the
+// second arrives live.
+const STEER_FIRST = 'Adding a farewell helper next to greet.';
+const STEER_MIDDLE = 'Added farewell; running the tests again.';
+const STEER_LAST = 'Both helpers are in src/greet.js and the tests pass.';
+const steerTask = [
+  '#!scripted',
+  '# Also add farewell(name), mirroring greet(), with a test.',
+  `say: ${STEER_FIRST}`,
+  'sleep: 3500',
+  'write: src/greet.js',
+  '/** A greeting for `name` (default: "world"). */',
+  "export function greet(name = 'world') {",
+  '  return `Hello, ${name}!`;',
+  '}',
+  '',
+  '/** A farewell for `name` (default: "world"). */',
+  "export function farewell(name = 'world') {",
+  '  return `Goodbye, ${name}!`;',
+  '}',
+  '>>>',
+  `say: ${STEER_MIDDLE}`,
+  'sleep: 3500',
+  'run: node test/greet.test.js',
+  `say: ${STEER_LAST}`,
+].join('\n');
 
 try {
   browser = await chromium.launch({
@@ -93,6 +190,8 @@ try {
   page.on('pageerror', (e) => consoleErrors.push(String(e)));
   const scriptResponses = [];
   page.on('response', (r) => { if (r.request().resourceType() === 'script') scriptResponses.push(r); });
+  const streamNote = page.getByText(/^Stream unavailable/);
+  const badge = (phase) => page.locator(`.session-header .badge.phase-${phase}`);
 
   // Sign in with the link: the cookie is set and the app lands on the list.
   await page.goto(link);
@@ -102,23 +201,41 @@ try {
   assert.ok(cookie?.httpOnly && cookie.sameSite === 'Strict', JSON.stringify(cookies));
   step('signed in with the link');
 
-  // The composer: a bad allowlist entry shows the API's message next to the field.
+  // The composer offers the agents of /v1/agents: the installed ones, the others disabled with what they need.
   await page.getByRole('link', { name: 'New session' }).first().click();
+  const agents = await rest('GET', '/v1/agents');
+  const agentSelect = page.getByLabel('Agent');
+  await until('the agents in the composer', async () => (await agentSelect.locator('option').count()) === agents.agents.length);
+  const offered = await agentSelect.locator('option').evaluateAll((os) => os.map((o) => ({ id: o.value, installed: !o.disabled })));
+  assert.deepEqual(offered, agents.agents.map((a) => ({ id: a.id, installed: a.installed })));
+  assert.ok(agents.agents.find((a) => a.id === 'scripted')?.installed, 'the scripted agent is installed beside sortie');
+  for (const a of agents.agents.filter((x) => !x.installed)) {
+    assert.match(await page.locator('#agent-hint').textContent(), new RegExp(`${a.id} \\(${a.needs}\\)`));
+  }
+  step(`composer agents: ${offered.map((a) => `${a.id}${a.installed ? '' : ' (not installed)'}`).join(', ')}`);
+
+  // Refusals land next to their fields: a bad allowlist entry, a bad base branch, a long title, a large task.
   await page.getByLabel('Repository').fill(upstream);
-  await page.getByLabel('Agent').selectOption('scripted');
-  const script = [
-    '#!scripted', 'plan: Write the file | Say hello', 'think: The file comes first.', 'write: hello.txt', 'hello', '>>>',
-    'done: 1', 'sleep: 1500', 'say: Wrote **hello.txt**.', 'done: 2',
-  ].join('\n');
-  await page.getByLabel('Title').fill('Add a greeting file');
-  await page.getByLabel('Task').fill(script);
-  await page.getByLabel('Egress allowlist').fill('github.com, bad_host!');
-  await page.getByRole('button', { name: 'Start session' }).click();
-  const allowError = page.locator('#allow-error');
-  await allowError.waitFor();
-  assert.match(await allowError.textContent(), /EGRESS_ALLOWLIST_INVALID/);
-  step(`bad allowlist: ${await allowError.textContent()}`);
+  await agentSelect.selectOption('scripted');
+  await page.getByLabel('Title').fill('Make greet() take an optional name');
+  await page.getByLabel('Task').fill(task);
+  const refused = async (fill, field, code) => {
+    await fill();
+    await page.getByRole('button', { name: 'Start session' }).click();
+    const error = page.locator(`#${field}-error`);
+    await error.waitFor();
+    assert.match(await error.textContent(), new RegExp(`^${code}: `));
+    assert.equal(await page.locator(`#${field}`).getAttribute('aria-invalid'), 'true');
+    step(`refused next to ${field}: ${await error.textContent()}`);
+  };
+  await refused(() => page.getByLabel('Egress allowlist').fill('github.com, bad_host!'), 'allow', 'EGRESS_ALLOWLIST_INVALID');
   await page.getByLabel('Egress allowlist').fill('');
+  await refused(() => page.getByLabel('Base branch').fill('no..such branch'), 'base', 'BASE_INVALID');
+  await page.getByLabel('Base branch').fill('');
+  await refused(() => page.getByLabel('Title').fill('t'.repeat(201)), 'title', 'TITLE_TOO_LONG');
+  await page.getByLabel('Title').fill('Make greet() take an optional name');
+  await refused(() => page.getByLabel('Task').fill(`${task}\n# ${'x'.repeat(101 * 1024)}`), 'task', 'PROMPT_TOO_LARGE');
+  await page.getByLabel('Task').fill(task);
   await page.getByRole('button', { name: 'Start session' }).click();
   await page.waitForURL(/\/sessions\/ses_/);
   const sessionUrl = page.url();
@@ -128,30 +245,73 @@ try {
   // Parts appear live, then the delivery card shows the branch.
   await page.locator('.plan').waitFor();
   await page.locator('details.tool').first().waitFor();
-  await page.locator('.diff').waitFor();
+  await page.locator('.diff').first().waitFor();
   const delivery = page.locator('.delivery');
   await delivery.waitFor({ timeout: 60000 });
   assert.match(await delivery.textContent(), new RegExp(`sortie/${id}`));
-  await page.locator('.badge.phase-idle').waitFor({ timeout: 30000 });
-  assert.match(await page.getByLabel('diff stat').textContent(), /1 files \+1 −0/);
+  await badge('idle').waitFor({ timeout: 30000 });
+  // The header's diff stat is the delivered branch's, as git counts it.
+  const [files, insertions, deletions] = (git(upstream, 'diff', '--shortstat', 'main', `sortie/${id}`).toString().match(/\d+/g) ?? []).map(Number);
+  assert.equal(await page.getByLabel('diff stat').textContent(), `${files} files +${insertions} −${deletions ?? 0}`);
+  assert.equal(files, 2);
   step('first turn streamed and delivered');
 
   // Steer: the second turn streams.
-  const steer = ['#!scripted', 'say: Second turn starts.', 'sleep: 4000', 'say: Second turn ends.'].join('\n');
-  await page.getByLabel('Steer the agent').fill(steer);
+  await page.getByLabel('Steer the agent').fill(steerTask);
   await page.getByRole('button', { name: 'Send' }).click();
-  await page.getByText('Second turn starts.', { exact: true }).waitFor({ timeout: 30000 });
+  await page.getByText(STEER_FIRST, { exact: true }).waitFor({ timeout: 30000 });
   step('steered; the second turn streams');
 
-  // Reload mid-turn: the conversation resumes without duplicates.
+  // Reload mid-turn: the conversation resumes without duplicates. The page also reloads the stored
+  // history when the phase changes, so this proves the resume itself: the next sentence (said seconds
+  // after the reload) shows while the turn still runs, no stored history the page fetched had it yet, and
+  // the resumed stream was answered 200.
+  const afterReload = { streams: [], histories: [] };
+  const onResponse = (r) => {
+    const path = new URL(r.url()).pathname;
+    if (path === `/v1/sessions/${id}/stream` && r.request().method() === 'GET') afterReload.streams.push(r.status());
+    if (path === `/v1/sessions/${id}/messages`) afterReload.histories.push(r.text());
+  };
+  page.on('response', onResponse);
   await page.reload();
-  await page.getByText('Second turn ends.', { exact: true }).waitFor({ timeout: 30000 });
-  assert.equal(await page.getByText('Second turn starts.', { exact: true }).count(), 1, 'the replayed turn is not duplicated');
+  await page.getByText(STEER_MIDDLE, { exact: true }).waitFor({ timeout: 30000 });
+  assert.equal(await page.getByText(STEER_LAST, { exact: true }).count(), 0, 'the resumed turn is still running');
+  assert.equal(await badge('running').count(), 1, 'the header still says running');
+  assert.equal(await streamNote.count(), 0, 'no "stream unavailable" note');
+  // What the agent had said in each stored history the page fetched (the prompts quote the sentences too).
+  const said = (await Promise.all(afterReload.histories)).map((body) => JSON.parse(body)
+    .filter((m) => m.role === 'assistant').flatMap((m) => m.parts).filter((p) => p.type === 'text').map((p) => p.text).join('\n'));
+  assert.ok(said.length >= 1, 'the page loaded the stored history');
+  assert.ok(said.every((text) => !text.includes(STEER_MIDDLE)),
+    'the sentence came from the resumed stream, not from a stored history');
+  assert.deepEqual(afterReload.streams, [200], 'the stream was resumed once, answered 200');
+  page.off('response', onResponse);
+  await page.getByText(STEER_LAST, { exact: true }).waitFor({ timeout: 30000 });
+  assert.equal(await page.getByText(STEER_FIRST, { exact: true }).count(), 1, 'the replayed turn is not duplicated');
+  assert.equal(await page.getByText(STEER_MIDDLE, { exact: true }).count(), 1, 'the replayed turn is not duplicated');
   assert.equal(await page.locator('.msg.assistant').count(), 2);
+  assert.equal(await page.locator('.msg.user').count(), 2);
   assert.equal(await page.locator('.plan').count(), 1);
-  await page.locator('.badge.phase-idle').waitFor({ timeout: 30000 });
-  step('reloaded mid-turn; resumed without duplicates');
-  await page.screenshot({ path: join(shots, 'dashboard-session.png'), fullPage: false });
+  await badge('idle').waitFor({ timeout: 30000 });
+  step(`reloaded mid-turn; resumed live (GET /stream ${afterReload.streams.join(', ')}) without duplicates`);
+  await page.locator('.timings').waitFor();
+  await page.screenshot({ path: join(shots, 'dashboard-session.png'), fullPage: true });
+
+  // The same page in the dark theme (the session cookie carries over).
+  {
+    const dark = await browser.newContext({ viewport: { width: 1280, height: 860 }, colorScheme: 'dark' });
+    await dark.addCookies(await context.cookies());
+    const darkPage = await dark.newPage();
+    await darkPage.goto(sessionUrl);
+    await darkPage.locator('.delivery').first().waitFor();
+    await darkPage.getByText(STEER_LAST, { exact: true }).waitFor();
+    await darkPage.locator('.timings').waitFor();
+    const background = await darkPage.evaluate(() => getComputedStyle(document.documentElement).backgroundColor);
+    assert.equal(background, 'rgb(13, 17, 23)', 'the dark theme applies');
+    await darkPage.screenshot({ path: join(shots, 'dashboard-session-dark.png'), fullPage: true });
+    await dark.close();
+    step('the dark theme');
+  }
 
   // Queue a steer while a turn runs: it streams live once it starts, after the running one.
   await page.getByLabel('Steer the agent').fill(['#!scripted', 'say: Third turn starts.', 'sleep: 3000', 'say: Third turn ends.'].join('\n'));
@@ -165,29 +325,99 @@ try {
   await page.getByText('Queued turn ends.', { exact: true }).waitFor({ timeout: 30000 });
   assert.equal(await page.getByText('Third turn ends.', { exact: true }).count(), 1);
   assert.equal(await page.getByText('Queued turn streams.', { exact: true }).count(), 1, 'the queued turn is not duplicated');
-  await page.locator('.badge.phase-idle').waitFor({ timeout: 30000 });
+  await badge('idle').waitFor({ timeout: 30000 });
   step('a steer queued mid-turn streams after it');
 
-  // The list, with the session in it beside a failed and a running one.
-  const failing = await rest('POST', '/v1/sessions', { repo: upstream, agent: 'scripted', title: 'Fix the flaky parser test', task: '#!scripted\nsay: looking\nfail: the parser test still fails' });
-  await rest('POST', '/v1/sessions', { repo: upstream, agent: 'scripted', title: 'Bump the dependencies', task: '#!scripted\nplan: Bump | Test\nsleep: 120000' });
-  await page.waitForTimeout(4000);
+  // An egress denial: the agent's fetch is blocked, the card's button amends the allowlist through the real
+  // API, and the agent's next try in the same turn gets through.
+  const fetchLate = `python3 -c "import urllib.request as u; print(u.urlopen('http://late.sortie-test.dev:${latePort}/').read().decode())"`;
+  const egress = await rest('POST', '/v1/sessions', {
+    repo: upstream, agent: 'scripted', title: 'Read the changelog from late.sortie-test.dev', egress: { allow: [] },
+    task: ['#!scripted', '# Read the changelog at late.sortie-test.dev and summarize it.',
+      `run: for i in $(seq 240); do ${fetchLate} 2>/dev/null && break; sleep 0.25; done`, 'say: Read the changelog.'].join('\n'),
+  });
+  await page.goto(`${url}/sessions/${egress.id}`);
+  const allow = page.getByRole('button', { name: 'Allow late.sortie-test.dev' });
+  await allow.waitFor({ timeout: 60000 });
+  const amended = page.waitForResponse((r) => r.url().endsWith(`/v1/sessions/${egress.id}/egress`) && r.request().method() === 'POST');
+  await allow.click();
+  assert.equal((await amended).status(), 200);
+  await page.getByText('allowed: the next connection goes through').waitFor({ timeout: 10000 });
+  await page.getByText('Read the changelog.', { exact: true }).waitFor({ timeout: 60000 });
+  assert.deepEqual((await rest('GET', `/v1/sessions/${egress.id}`)).egress.allow, ['late.sortie-test.dev']);
+  assert.equal(await page.locator('.egress').count(), 1, 'one card for the blocked host, however often it was tried');
+  assert.match(await page.locator('details.tool').first().textContent(), /reached-the-late-host/);
+  step(`egress denial allowed from the page (${await page.locator('.egress').textContent()})`);
+
+  // The list: sessions in several phases, filters, and live updates.
+  const failing = await rest('POST', '/v1/sessions', { repo: upstream, agent: 'scripted', title: 'Fix the flaky parser test', task: '#!scripted\n# The parser test fails one run in ten; find out why.\nsay: Looking at the parser test.\nfail: the parser test still fails: expected 3 tokens, got 2' });
+  const bump = await rest('POST', '/v1/sessions', { repo: upstream, agent: 'scripted', title: 'Bump the dependencies', task: '#!scripted\nplan: Bump | Test\nsleep: 120000' });
+  const handbook = await rest('POST', '/v1/sessions', { repo: docsRepo, agent: 'scripted', title: 'Document the release process', task: '#!scripted\nwrite: RELEASING.md\n# Releasing\n\n1. Tag the commit.\n>>>\nsay: Wrote RELEASING.md.' });
+  await untilPhase(failing.id, ['failed']);
+  await untilPhase(bump.id, ['running']);
+  await untilPhase(handbook.id, ['idle']);
   await page.getByRole('link', { name: 'Sessions' }).click();
-  await page.locator('table.sessions').waitFor();
-  assert.equal(await page.locator(`a[href="/sessions/${id}"]`).count(), 1);
-  await page.screenshot({ path: join(shots, 'dashboard-sessions.png') });
+  const rows = page.locator('table.sessions tbody tr');
+  const row = (sid) => page.locator('table.sessions tbody tr', { has: page.locator(`a[href="/sessions/${sid}"]`) });
+  await row(handbook.id).waitFor();
+  for (const [sid, phase] of [[id, 'idle'], [failing.id, 'failed'], [bump.id, 'running'], [handbook.id, 'idle'], [egress.id, 'idle']]) {
+    assert.equal(await row(sid).locator(`.badge.phase-${phase}`).count(), 1, `${sid} shows ${phase}`);
+  }
+  // Filters: by phase, by repository (exact), and the archived ones instead of the others.
+  await page.getByLabel('Phase').selectOption('failed');
+  await until('the phase filter', async () => (await rows.count()) === 1 && (await row(failing.id).count()) === 1);
+  await page.getByLabel('Phase').selectOption('');
+  await page.getByLabel('Repo').fill(docsRepo);
+  await until('the repo filter', async () => (await rows.count()) === 1 && (await row(handbook.id).count()) === 1);
+  await page.getByLabel('Repo').fill('');
+  await row(id).waitFor();
+  step('list filters by phase and repository');
+  // Live: a session started elsewhere shows up and moves through its phases on this page, unreloaded.
+  await page.evaluate(() => { window.sortieNotReloaded = true; });
+  const tidy = await rest('POST', '/v1/sessions', { repo: upstream, agent: 'scripted', title: 'Tidy the README', task: '#!scripted\nsay: Tidying the README.\nsleep: 4000\nsay: Tidied.' });
+  await row(tidy.id).locator('.badge.phase-running').waitFor({ timeout: 30000 });
+  await row(tidy.id).locator('.badge.phase-idle').waitFor({ timeout: 30000 });
+  assert.equal(await page.evaluate(() => window.sortieNotReloaded), true, 'the list updated in place');
+  step('the list follows a live session through its phases');
+  await page.getByLabel('Repo').blur();
+  const table = await page.locator('table.sessions').boundingBox();
+  await page.screenshot({ path: join(shots, 'dashboard-sessions.png'), clip: { x: 0, y: 0, width: 1280, height: Math.ceil(table.y + table.height + 24) } });
 
   // A failed session: its failure shows, and Retry runs the last prompt again as a new turn.
   await page.goto(`${url}/sessions/${failing.id}`);
-  await page.locator('.badge.phase-failed').waitFor({ timeout: 30000 });
+  await badge('failed').waitFor({ timeout: 30000 });
+  await page.getByText(/the parser test still fails/).first().waitFor();
   await page.getByRole('button', { name: 'Retry' }).click();
   await page.waitForFunction(() => document.querySelectorAll('.msg.assistant').length === 2, null, { timeout: 30000 });
-  await page.locator('.badge.phase-failed').waitFor({ timeout: 30000 });
+  await badge('failed').waitFor({ timeout: 30000 });
   assert.equal((await rest('GET', `/v1/sessions/${failing.id}`)).turns, 2);
   step('a failed session retried');
-  await page.goto(sessionUrl);
+
+  // Stream unavailable: the conversation cannot connect, and the page says so while its control-plane
+  // half (the header) still follows the session to its end.
+  await page.route('**/v1/sessions/*/stream', (route) => route.abort());
+  const offline = await rest('POST', '/v1/sessions', { repo: upstream, agent: 'scripted', title: 'Work without a stream', task: '#!scripted\nsay: Working without a stream.\nsleep: 5000\nsay: Finished without a stream.' });
+  await untilPhase(offline.id, ['running']);
+  await page.goto(`${url}/sessions/${offline.id}`);
+  await streamNote.waitFor({ timeout: 30000 });
+  await badge('running').waitFor();
+  await badge('idle').waitFor({ timeout: 30000 });
+  await page.getByText('Finished without a stream.', { exact: true }).waitFor({ timeout: 30000 });
+  await page.unroute('**/v1/sessions/*/stream');
+  step(`stream unavailable; the header still updated (${await streamNote.textContent()})`);
+
+  // Cancel: the running session ends for good.
+  await page.goto(`${url}/sessions/${bump.id}`);
+  await badge('running').waitFor({ timeout: 30000 });
+  page.once('dialog', (dialog) => dialog.accept());
+  await page.getByRole('button', { name: 'Cancel' }).click();
+  await badge('canceled').waitFor({ timeout: 30000 });
+  assert.equal(await phaseOf(bump.id), 'canceled');
+  assert.equal(await page.getByRole('button', { name: 'Cancel' }).isDisabled(), true);
+  step('canceled');
 
   // Stop a running turn, then archive.
+  await page.goto(sessionUrl);
   await page.getByLabel('Steer the agent').fill(['#!scripted', 'say: Long work.', 'sleep: 60000', 'say: never'].join('\n'));
   await page.getByRole('button', { name: 'Send' }).click();
   await page.getByText('Long work.', { exact: true }).waitFor({ timeout: 30000 });
@@ -199,23 +429,25 @@ try {
   assert.equal(await page.getByText('Redirected.', { exact: true }).count(), 1);
   step('interrupted with a new prompt');
   await page.getByRole('button', { name: 'Stop' }).click();
-  await page.locator('.badge.phase-idle').waitFor({ timeout: 30000 });
+  await badge('idle').waitFor({ timeout: 30000 });
   step('stopped');
   await page.getByRole('button', { name: 'Archive' }).click();
   await page.getByRole('button', { name: 'Archived' }).waitFor();
-  const archived = await rest('GET', `/v1/sessions/${id}`);
-  assert.equal(archived.archived, true);
-  step('archived');
+  assert.equal((await rest('GET', `/v1/sessions/${id}`)).archived, true);
+  // The list hides it, and shows it among the archived ones.
+  await page.getByRole('link', { name: 'Sessions' }).click();
+  await row(handbook.id).waitFor();
+  assert.equal(await row(id).count(), 0, 'an archived session leaves the default list');
+  await page.getByLabel('Archived').check();
+  await row(id).waitFor();
+  assert.equal(await rows.count(), 1, 'the archived list has only the archived session');
+  step('archived; the list filters archived sessions');
 
   // First render of a 2,000-part session.
   const lines = ['#!scripted'];
   for (let i = 0; i < 1000; i++) lines.push(`think: step ${i}`, `say: Part ${i} with \`code\` and **bold**.`);
   const big = await rest('POST', '/v1/sessions', { repo: upstream, agent: 'scripted', task: lines.join('\n'), title: '2,000 parts' });
-  for (let i = 0; i < 120; i++) {
-    const s = await rest('GET', `/v1/sessions/${big.id}`);
-    if (s.phase === 'idle' || s.phase === 'failed') break;
-    await new Promise((r) => setTimeout(r, 500));
-  }
+  await untilPhase(big.id, ['idle', 'failed'], 60000);
   const messages = await rest('GET', `/v1/sessions/${big.id}/messages`);
   const parts = messages.filter((m) => m.role === 'assistant').reduce((n, m) => n + m.parts.length, 0);
   await page.goto(`${url}/sessions/${big.id}`);
@@ -231,7 +463,15 @@ try {
   await page.waitForURL(/\/signin$/);
   await page.getByRole('heading', { name: 'Sign in to sortie' }).waitFor();
   step('a 401 sends the app to sign-in');
+  // Pasting a token signs in too (kept in the tab's sessionStorage, sent as a bearer token).
+  await page.getByLabel('Token').fill(token);
+  await page.getByRole('button', { name: 'Sign in' }).click();
+  await page.getByRole('heading', { name: 'Sessions' }).waitFor();
+  await row(handbook.id).waitFor();
+  assert.equal((await context.cookies()).length, 0, 'no cookie: the pasted token authenticates');
+  step('signed in with a pasted token');
   // The link worked once.
+  await page.evaluate(() => sessionStorage.clear());
   await page.goto(link);
   await page.getByRole('alert').waitFor();
   assert.match(await page.getByRole('alert').textContent(), /UNAUTHORIZED/);
