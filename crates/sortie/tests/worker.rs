@@ -512,7 +512,11 @@ async fn steer_interrupt_stop_and_cancel() {
     let driver_before = driver_pid(&id).expect("the warm sandbox's driver");
     world.steer(&id, "#!scripted\nwrite: b.txt\nb\n>>>", "queue").await;
     let (session, turns) = world.settled(&id, 2).await;
-    assert_eq!(driver_pid(&id), Some(driver_before), "the steer ran in the same sandbox");
+    assert_eq!(
+        driver_pid(&id),
+        Some(driver_before),
+        "the steer ran in the same sandbox"
+    );
     assert_eq!(status_of(&turns, 2), "completed", "{turns:#?}");
     assert_eq!(world.commits_on_branch(&id), 2);
     let second = world.branch(&id).expect("branch");
