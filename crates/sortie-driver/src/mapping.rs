@@ -43,10 +43,14 @@ struct OpenBlock {
     kind: BlockKind,
     id: String,
     acp_message_id: Option<String>,
+    /// When it opened.
+    at: String,
 }
 
 #[derive(Debug)]
 struct Tool {
+    /// When the call was first seen.
+    at: String,
     name: String,
     title: Option<String>,
     input: Value,
@@ -64,6 +68,8 @@ pub struct Mapper {
     tools: HashMap<String, Tool>,
     started: bool,
     finished: bool,
+    /// When the latest update arrived: what ends a block or a call ended it then.
+    last_at: Option<String>,
 }
 
 impl Mapper {
@@ -76,6 +82,7 @@ impl Mapper {
             tools: HashMap::new(),
             started: false,
             finished: false,
+            last_at: None,
         }
     }
 
@@ -103,6 +110,7 @@ impl Mapper {
         if self.finished {
             return Mapped::Ignored;
         }
+        self.last_at = Some(at.to_owned());
         self.start(out);
         let Some(kind) = update.get("sessionUpdate").and_then(Value::as_str) else {
             return Mapped::Unknown;
@@ -146,6 +154,7 @@ impl Mapper {
         if self.finished {
             return;
         }
+        self.last_at = Some(at.to_owned());
         self.start(out);
         if let Some(tool_call) = params.get("toolCall") {
             self.upsert_tool(tool_call, at, out);
@@ -203,6 +212,8 @@ impl Mapper {
                 out.push(UiChunk::ToolOutputError {
                     tool_call_id: id.clone(),
                     error_text: "the turn ended before the tool finished".into(),
+                    at: self.tools.get(id).map(|tool| tool.at.clone()),
+                    ended_at: self.last_at.clone(),
                 });
             }
             self.tools.values_mut().for_each(|tool| tool.finished = true);
@@ -253,6 +264,7 @@ impl Mapper {
                 kind,
                 id,
                 acp_message_id: acp_message_id.map(str::to_owned),
+                at: at.to_owned(),
             });
         }
         if let Some(open) = &self.open {
@@ -268,7 +280,11 @@ impl Mapper {
         if let Some(open) = self.open.take() {
             out.push(match open.kind {
                 BlockKind::Text => UiChunk::TextEnd { id: open.id },
-                BlockKind::Reasoning => UiChunk::ReasoningEnd { id: open.id },
+                BlockKind::Reasoning => UiChunk::ReasoningEnd {
+                    id: open.id,
+                    at: Some(open.at),
+                    ended_at: self.last_at.clone(),
+                },
             });
         }
     }
@@ -303,6 +319,7 @@ impl Mapper {
                 self.tools.insert(
                     id.to_owned(),
                     Tool {
+                        at: at.to_owned(),
                         name,
                         title,
                         input,
@@ -385,6 +402,8 @@ impl Mapper {
                 out.push(UiChunk::ToolOutputAvailable {
                     tool_call_id: id.to_owned(),
                     output,
+                    at: Some(tool.at.clone()),
+                    ended_at: Some(at.to_owned()),
                 });
             }
             Some("failed") => {
@@ -399,6 +418,8 @@ impl Mapper {
                 out.push(UiChunk::ToolOutputError {
                     tool_call_id: id.to_owned(),
                     error_text,
+                    at: Some(tool.at.clone()),
+                    ended_at: Some(at.to_owned()),
                 });
             }
             _ => {}
@@ -610,7 +631,31 @@ mod tests {
         assert_eq!(chunks[6]["input"], json!({"path": "a.txt"}));
         assert_eq!(
             chunks[7],
-            json!({"type": "tool-output-available", "toolCallId": "c1", "output": "ok"})
+            json!({"type": "tool-output-available", "toolCallId": "c1", "output": "ok", "providerMetadata": {"sortie": {"at": AT, "endedAt": AT}}})
+        );
+    }
+
+    #[test]
+    fn reasoning_and_tool_calls_carry_when_they_began_and_ended() {
+        let mut mapper = Mapper::new("ses_x-t1");
+        let mut out = Vec::new();
+        let at = |s: u32| format!("2026-12-02T00:00:{s:02}.000Z");
+        mapper.on_update(&text("agent_thought_chunk", "hm"), &at(1), &mut out);
+        mapper.on_update(&text("agent_thought_chunk", " more"), &at(2), &mut out);
+        let call = json!({"sessionUpdate": "tool_call", "toolCallId": "c1", "kind": "execute", "status": "pending"});
+        mapper.on_update(&call, &at(4), &mut out);
+        let done = json!({"sessionUpdate": "tool_call_update", "toolCallId": "c1", "status": "completed"});
+        mapper.on_update(&done, &at(9), &mut out);
+        let json: Vec<Value> = out.iter().map(|c| serde_json::to_value(c).expect("json")).collect();
+        let of = |kind: &str| json.iter().find(|c| c["type"] == kind).cloned().expect(kind);
+        // The thought ran from its first chunk until what ended it (the tool call) arrived.
+        assert_eq!(
+            of("reasoning-end")["providerMetadata"],
+            json!({"sortie": {"at": at(1), "endedAt": at(4)}})
+        );
+        assert_eq!(
+            of("tool-output-available")["providerMetadata"],
+            json!({"sortie": {"at": at(4), "endedAt": at(9)}})
         );
     }
 
@@ -663,7 +708,7 @@ mod tests {
         assert_eq!(chunks[2]["toolName"], "other");
         assert_eq!(
             chunks[4],
-            json!({"type": "tool-output-error", "toolCallId": "ghost", "errorText": "{\"exitCode\":2}"})
+            json!({"type": "tool-output-error", "toolCallId": "ghost", "errorText": "{\"exitCode\":2}", "providerMetadata": {"sortie": {"at": AT, "endedAt": AT}}})
         );
     }
 

@@ -37,8 +37,12 @@ pub enum UiChunk {
         id: String,
         delta: String,
     },
+    /// `at` repeats the block's start (clients replace a reasoning part's metadata with the end's);
+    /// `ended_at` is when it ended: together, how long the agent thought.
     ReasoningEnd {
         id: String,
+        at: Option<String>,
+        ended_at: Option<String>,
     },
     /// An agent tool call begins (always `dynamic`: agents bring their own tools).
     ToolInputStart {
@@ -54,13 +58,18 @@ pub enum UiChunk {
         title: Option<String>,
         input: Value,
     },
+    /// `at` (the call's start) and `ended_at` time the call.
     ToolOutputAvailable {
         tool_call_id: String,
         output: Value,
+        at: Option<String>,
+        ended_at: Option<String>,
     },
     ToolOutputError {
         tool_call_id: String,
         error_text: String,
+        at: Option<String>,
+        ended_at: Option<String>,
     },
     /// `data-<name>`: everything of ours. Same `name` and `id` replace each other in place.
     Data {
@@ -118,6 +127,18 @@ fn provider_metadata(at: &str) -> Value {
     serde_json::json!({ "sortie": { "at": at } })
 }
 
+/// `providerMetadata` of a chunk that ends something: its start again and its end, when known.
+fn span_metadata(at: Option<&String>, ended_at: Option<&String>) -> Option<Value> {
+    let mut sortie = serde_json::Map::new();
+    if let Some(at) = at {
+        sortie.insert("at".into(), Value::from(at.as_str()));
+    }
+    if let Some(ended_at) = ended_at {
+        sortie.insert("endedAt".into(), Value::from(ended_at.as_str()));
+    }
+    (!sortie.is_empty()).then(|| serde_json::json!({ "sortie": sortie }))
+}
+
 impl Serialize for UiChunk {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         let mut map = serializer.serialize_map(None)?;
@@ -140,7 +161,13 @@ impl Serialize for UiChunk {
                 map.serialize_entry("id", id)?;
                 map.serialize_entry("delta", delta)?;
             }
-            Self::TextEnd { id } | Self::ReasoningEnd { id } => map.serialize_entry("id", id)?,
+            Self::TextEnd { id } => map.serialize_entry("id", id)?,
+            Self::ReasoningEnd { id, at, ended_at } => {
+                map.serialize_entry("id", id)?;
+                if let Some(metadata) = span_metadata(at.as_ref(), ended_at.as_ref()) {
+                    map.serialize_entry("providerMetadata", &metadata)?;
+                }
+            }
             Self::ToolInputStart {
                 tool_call_id,
                 tool_name,
@@ -171,16 +198,29 @@ impl Serialize for UiChunk {
                 }
                 map.serialize_entry("input", input)?;
             }
-            Self::ToolOutputAvailable { tool_call_id, output } => {
+            Self::ToolOutputAvailable {
+                tool_call_id,
+                output,
+                at,
+                ended_at,
+            } => {
                 map.serialize_entry("toolCallId", tool_call_id)?;
                 map.serialize_entry("output", output)?;
+                if let Some(metadata) = span_metadata(at.as_ref(), ended_at.as_ref()) {
+                    map.serialize_entry("providerMetadata", &metadata)?;
+                }
             }
             Self::ToolOutputError {
                 tool_call_id,
                 error_text,
+                at,
+                ended_at,
             } => {
                 map.serialize_entry("toolCallId", tool_call_id)?;
                 map.serialize_entry("errorText", error_text)?;
+                if let Some(metadata) = span_metadata(at.as_ref(), ended_at.as_ref()) {
+                    map.serialize_entry("providerMetadata", &metadata)?;
+                }
             }
             Self::Data {
                 id, data, transient, ..
@@ -289,8 +329,28 @@ mod tests {
                 UiChunk::ToolOutputAvailable {
                     tool_call_id: "c".into(),
                     output: Value::Null,
+                    at: None,
+                    ended_at: None,
                 },
                 json!({"type": "tool-output-available", "toolCallId": "c", "output": null}),
+            ),
+            (
+                UiChunk::ToolOutputError {
+                    tool_call_id: "c".into(),
+                    error_text: "exit 1".into(),
+                    at: Some("2026-01-01T00:00:00.000Z".into()),
+                    ended_at: Some("2026-01-01T00:00:02.500Z".into()),
+                },
+                json!({"type": "tool-output-error", "toolCallId": "c", "errorText": "exit 1",
+                    "providerMetadata": {"sortie": {"at": "2026-01-01T00:00:00.000Z", "endedAt": "2026-01-01T00:00:02.500Z"}}}),
+            ),
+            (
+                UiChunk::ReasoningEnd {
+                    id: "r0".into(),
+                    at: Some("2026-01-01T00:00:00.000Z".into()),
+                    ended_at: None,
+                },
+                json!({"type": "reasoning-end", "id": "r0", "providerMetadata": {"sortie": {"at": "2026-01-01T00:00:00.000Z"}}}),
             ),
             (
                 UiChunk::Data {

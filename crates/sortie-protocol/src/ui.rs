@@ -50,6 +50,8 @@ pub fn assemble_parts<'a>(chunks: impl IntoIterator<Item = &'a Value>) -> Vec<Va
                 }
                 if kind.ends_with("-end") {
                     part["state"] = json!("done");
+                    // An end's metadata (its start again, and its end) replaces the start's, as clients do.
+                    copy_optional(chunk, part, "providerMetadata");
                     open_text.remove(&key);
                 }
             }
@@ -89,6 +91,7 @@ pub fn assemble_parts<'a>(chunks: impl IntoIterator<Item = &'a Value>) -> Vec<Va
                     continue;
                 };
                 let part = &mut parts[index];
+                copy_optional(chunk, part, "providerMetadata");
                 if kind == "tool-output-available" {
                     part["output"] = chunk["output"].clone();
                     part["state"] = json!("output-available");
@@ -153,6 +156,19 @@ mod tests {
                 json!({"type": "text", "text": "Hello", "state": "done", "providerMetadata": {"sortie": {"at": "x"}}}),
             ]
         );
+    }
+
+    #[test]
+    fn an_end_keeps_when_its_block_or_call_began_and_ended() {
+        let span = json!({"sortie": {"at": "a", "endedAt": "b"}});
+        let parts = assemble(&[
+            json!({"type": "reasoning-start", "id": "r1", "providerMetadata": {"sortie": {"at": "a"}}}),
+            json!({"type": "reasoning-end", "id": "r1", "providerMetadata": span}),
+            json!({"type": "tool-input-start", "toolCallId": "c1", "toolName": "execute", "dynamic": true, "providerMetadata": {"sortie": {"at": "a"}}}),
+            json!({"type": "tool-output-available", "toolCallId": "c1", "output": "ok", "providerMetadata": span}),
+        ]);
+        assert_eq!(parts[0]["providerMetadata"], span);
+        assert_eq!(parts[1]["providerMetadata"], span);
     }
 
     #[test]
