@@ -56,6 +56,8 @@ struct Tool {
     input: Value,
     text_output: String,
     raw_output: Option<Value>,
+    /// The agent sent a diff for it.
+    diffed: bool,
     finished: bool,
 }
 
@@ -325,6 +327,7 @@ impl Mapper {
                         input,
                         text_output: String::new(),
                         raw_output: None,
+                        diffed: false,
                         finished: false,
                     },
                 );
@@ -354,6 +357,7 @@ impl Mapper {
             for item in content {
                 match item.get("type").and_then(Value::as_str) {
                     Some("diff") => {
+                        tool.diffed = true;
                         let path = item.get("path").and_then(Value::as_str).unwrap_or_default();
                         out.push(data(
                             "acp-diff",
@@ -393,6 +397,16 @@ impl Mapper {
         match fields.get("status").and_then(Value::as_str) {
             Some("completed") => {
                 tool.finished = true;
+                if !tool.diffed
+                    && tool.name == "edit"
+                    && let Some((path, content)) = created_file(&tool.input, tool.raw_output.as_ref())
+                {
+                    out.push(data(
+                        "acp-diff",
+                        Some(format!("diff:{id}:{path}")),
+                        json!({"toolCallId": id, "path": path, "oldText": null, "newText": content}),
+                    ));
+                }
                 let output = match (tool.text_output.is_empty(), &tool.raw_output) {
                     (true, None) => Value::Null,
                     (true, Some(raw)) => raw.clone(),
@@ -425,6 +439,23 @@ impl Mapper {
             _ => {}
         }
     }
+}
+
+/// The path and content of a whole-file write that created its file, when the call says both: some
+/// agents (opencode's `write`) send no diff for it. The old text of a file that existed is unknown
+/// here, so an overwrite gets none rather than a made-up one.
+fn created_file<'a>(input: &'a Value, raw_output: Option<&Value>) -> Option<(&'a str, &'a str)> {
+    let path = ["filePath", "file_path", "path"]
+        .iter()
+        .find_map(|key| input.get(*key).and_then(Value::as_str))?;
+    let content = input.get("content").and_then(Value::as_str)?;
+    let output = raw_output?;
+    let existed = output
+        .get("metadata")
+        .and_then(|metadata| metadata.get("exists"))
+        .or_else(|| output.get("existed"))
+        .and_then(Value::as_bool)?;
+    (!existed).then_some((path, content))
 }
 
 fn data(name: &str, id: Option<String>, data: Value) -> UiChunk {
@@ -633,6 +664,53 @@ mod tests {
             chunks[7],
             json!({"type": "tool-output-available", "toolCallId": "c1", "output": "ok", "providerMetadata": {"sortie": {"at": AT, "endedAt": AT}}})
         );
+    }
+
+    #[test]
+    fn a_whole_file_write_without_a_diff_gets_one_when_it_created_the_file() {
+        // opencode's `write`: input only once running, no diff content, `exists` in the output's metadata.
+        let write = |id: &str, exists: bool| {
+            let mut mapper = Mapper::new("ses_x-t1");
+            let mut out = Vec::new();
+            let updates = [
+                json!({"sessionUpdate": "tool_call", "toolCallId": id, "kind": "edit", "status": "pending", "rawInput": {}}),
+                json!({"sessionUpdate": "tool_call_update", "toolCallId": id, "kind": "edit", "status": "in_progress",
+                       "rawInput": {"filePath": "/workspace/hello.txt", "content": "hello\n"}}),
+                json!({"sessionUpdate": "tool_call_update", "toolCallId": id, "status": "completed",
+                       "content": [{"type": "content", "content": {"type": "text", "text": "Wrote file successfully."}}],
+                       "rawOutput": {"output": "Wrote file successfully.", "metadata": {"filepath": "/workspace/hello.txt", "exists": exists}}}),
+            ];
+            for update in &updates {
+                mapper.on_update(update, AT, &mut out);
+            }
+            out.iter()
+                .map(|c| serde_json::to_value(c).expect("json"))
+                .filter(|c| c["type"] == "data-acp-diff")
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            write("w1", false),
+            vec![json!({"type": "data-acp-diff", "id": "diff:w1:/workspace/hello.txt",
+                        "data": {"toolCallId": "w1", "path": "/workspace/hello.txt", "oldText": null, "newText": "hello\n"}})]
+        );
+        // Over a file that existed, the old text is unknown: no diff rather than a wrong one.
+        assert_eq!(write("w2", true), Vec::<Value>::new());
+    }
+
+    #[test]
+    fn a_call_that_sent_its_diff_gets_no_second_one() {
+        let mut mapper = Mapper::new("ses_x-t1");
+        let mut out = Vec::new();
+        let done = json!({"sessionUpdate": "tool_call", "toolCallId": "e1", "kind": "edit", "status": "completed",
+            "rawInput": {"filePath": "a.txt", "content": "new"},
+            "content": [{"type": "diff", "path": "a.txt", "oldText": null, "newText": "new"}],
+            "rawOutput": {"metadata": {"exists": false}}});
+        mapper.on_update(&done, AT, &mut out);
+        let diffs = out
+            .iter()
+            .filter(|c| serde_json::to_value(c).expect("json")["type"] == "data-acp-diff")
+            .count();
+        assert_eq!(diffs, 1);
     }
 
     #[test]
