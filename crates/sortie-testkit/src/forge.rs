@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use axum::Router;
@@ -158,6 +158,8 @@ pub struct GitForge {
     credentials: Mutex<(String, String)>,
     seen: Mutex<Vec<ForgeRequest>>,
     pulls: Mutex<Vec<FakePull>>,
+    /// The token may push but not open pull requests (GitHub's 403 for a token without the permission).
+    pulls_forbidden: AtomicBool,
 }
 
 impl GitForge {
@@ -167,7 +169,13 @@ impl GitForge {
             credentials: Mutex::new(credentials_for(token)),
             seen: Mutex::new(Vec::new()),
             pulls: Mutex::new(Vec::new()),
+            pulls_forbidden: AtomicBool::new(false),
         })
+    }
+
+    /// From now on opening a pull request is refused as GitHub refuses a token lacking the permission.
+    pub fn forbid_pulls(&self, forbidden: bool) {
+        self.pulls_forbidden.store(forbidden, Ordering::SeqCst);
     }
 
     /// From now on only `token` is accepted (a rotated token).
@@ -257,6 +265,16 @@ async fn open_pull(
         return json_answer(
             StatusCode::UNAUTHORIZED,
             &serde_json::json!({"message": "Bad credentials"}),
+        );
+    }
+    if forge.pulls_forbidden.load(Ordering::SeqCst) {
+        return json_answer(
+            StatusCode::FORBIDDEN,
+            &serde_json::json!({
+                "message": "Resource not accessible by integration",
+                "documentation_url": "https://docs.github.com/rest/pulls/pulls#create-a-pull-request",
+                "status": "403",
+            }),
         );
     }
     let Ok(asked) = serde_json::from_slice::<serde_json::Value>(&body) else {

@@ -1,8 +1,8 @@
 //! The draft pull request of a session delivered to a GitHub forge (DESIGN §1: a branch, and a draft
 //! PR where the repo lives on a forge). Opened once, after the first delivery, through GitHub's REST
 //! API with the workspace's forge token; an existing PR for the branch (a retry, another worker) is
-//! found and recorded instead of a second one. A failure here never fails the turn: the branch is
-//! delivered, and the reason is logged and handed back for the stream.
+//! found and recorded instead of a second one. A failure fails the turn with `PR_OPEN_FAILED` and the
+//! forge's reason; the branch stays delivered, and the next delivery (a steer) tries again.
 
 use std::time::Duration;
 

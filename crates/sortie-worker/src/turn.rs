@@ -351,8 +351,32 @@ async fn run_agent_turn(
         .store
         .set_turn_details(&session.id, n, report.priming.as_deref(), Some(&timings))
         .await;
-    let failed = failure.is_some() || rejected.is_some();
     let delivered = head_sha.is_some();
+    if rejected.is_none() && failure.is_none() && delivered && session.pr.is_none() && status != TurnStatus::Canceled {
+        // Opening the draft PR is the last step of delivering (DESIGN §4.1), bounded by the forge
+        // call's deadline; the branch stands whatever the forge answers.
+        if !delivering {
+            delivering = matches!(
+                context
+                    .store
+                    .transition_session(&session.id, SessionPhase::Running, SessionPhase::Delivering)
+                    .await,
+                Ok(true)
+            );
+        }
+        if let pull_request::PullRequest::Failed(reason) = open_pull_request(context, session).await {
+            status = TurnStatus::Failed;
+            failure = Some((
+                FailureCode::PrOpenFailed,
+                format!(
+                    "{reason}. The work is on the branch sortie/{}; steer the session (or retry the turn) to \
+                     open the pull request again.",
+                    session.id
+                ),
+            ));
+        }
+    }
+    let failed = failure.is_some() || rejected.is_some();
     if rejected.is_none() {
         finish(context, &session.id, n, status, head_sha, failure).await;
     }
@@ -381,16 +405,11 @@ async fn run_agent_turn(
         return None;
     }
     let _ = context.store.settle_session(&session.id, from, failed).await;
-    if delivered && session.pr.is_none() {
-        // After the session settles: a slow forge API must not hold up the next turn.
-        let (context, session) = (context.clone(), session.clone());
-        tokio::spawn(async move { open_pull_request(&context, &session).await });
-    }
     Some(sandbox)
 }
 
 /// Opens the draft PR of a session on a GitHub forge after its first delivery (see [`pull_request`]).
-async fn open_pull_request(context: &Arc<Context>, session: &SessionRow) {
+async fn open_pull_request(context: &Arc<Context>, session: &SessionRow) -> pull_request::PullRequest {
     let config = &context.config;
     let base = match &session.base {
         Some(base) => base.clone(),
@@ -407,7 +426,10 @@ async fn open_pull_request(context: &Arc<Context>, session: &SessionRow) {
                 Ok(head) => head,
                 Err(error) => {
                     tracing::warn!(session = %session.id, error = %error.0, "no default branch for the pull request");
-                    return;
+                    return pull_request::PullRequest::Failed(format!(
+                        "the repository's default branch is unknown, so no pull request could be opened ({})",
+                        error.0
+                    ));
                 }
             }
         }
@@ -418,7 +440,7 @@ async fn open_pull_request(context: &Arc<Context>, session: &SessionRow) {
         .await
         .map(|turn| turn.prompt)
         .unwrap_or_default();
-    match pull_request::ensure_draft(
+    let outcome = pull_request::ensure_draft(
         context.store.as_ref(),
         config.keyring.as_deref(),
         config.forge_http.as_ref(),
@@ -426,8 +448,8 @@ async fn open_pull_request(context: &Arc<Context>, session: &SessionRow) {
         &base,
         &task,
     )
-    .await
-    {
+    .await;
+    match &outcome {
         pull_request::PullRequest::Opened { url, number } => {
             tracing::info!(session = %session.id, %url, number, "draft pull request opened");
         }
@@ -436,6 +458,7 @@ async fn open_pull_request(context: &Arc<Context>, session: &SessionRow) {
         }
         pull_request::PullRequest::NotApplicable => {}
     }
+    outcome
 }
 
 /// The turn's status, delivered head and failure from the driver's report and the stop request.

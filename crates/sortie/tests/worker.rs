@@ -1270,6 +1270,9 @@ async fn a_session_on_a_github_forge_opens_one_draft_pull_request() {
         .await;
     assert_eq!((status, &connection["kind"]), (200, &json!("github")), "{connection}");
 
+    // The token may push but not open pull requests: the branch is delivered and the turn says why
+    // there is no PR, in GitHub's words.
+    forge.forbid_pulls(true);
     let id = world
         .create(
             "#!scripted\nwrite: feature.txt\nthe feature\n>>>",
@@ -1277,13 +1280,26 @@ async fn a_session_on_a_github_forge_opens_one_draft_pull_request() {
         )
         .await;
     let (session, turns) = world.settled(&id, 1).await;
-    assert_eq!(status_of(&turns, 1), "completed", "{session:#}");
+    assert_eq!(status_of(&turns, 1), "failed", "{session:#}");
+    assert_eq!(code_of(&turns[0]), "PR_OPEN_FAILED", "{turns:#?}");
+    let reason = turns[0]["failure"]["reason"].as_str().unwrap_or_default();
     assert!(
-        rev(&repo, &format!("refs/heads/sortie/{id}")).is_some(),
-        "the branch is on the forge"
+        reason.contains("Resource not accessible by integration") && reason.contains(&format!("sortie/{id}")),
+        "{reason}"
     );
-    // Opened once the session has settled, so it never holds up a queued turn.
-    let (session, _) = world.wait(&id, 30, |s, _| s["pr"].is_object()).await;
+    assert_eq!(session["phase"], "failed", "{session:#}");
+    assert!(session["pr"].is_null(), "{session:#}");
+    let first = rev(&repo, &format!("refs/heads/sortie/{id}")).expect("the branch is on the forge");
+    assert_eq!(turns[0]["head_sha"], json!(first), "{turns:#?}");
+
+    // Once the token may, the next delivery opens the PR before the session settles.
+    forge.forbid_pulls(false);
+    world
+        .steer(&id, "#!scripted\nwrite: second.txt\nsecond\n>>>", "queue")
+        .await;
+    let (session, turns) = world.settled(&id, 2).await;
+    assert_eq!(status_of(&turns, 2), "completed", "{session:#}");
+    assert_eq!(session["phase"], "idle", "{session:#}");
     assert_eq!(
         session["pr"],
         json!({"url": "https://forge.test/acme/upstream/pull/1", "number": 1}),
@@ -1302,12 +1318,12 @@ async fn a_session_on_a_github_forge_opens_one_draft_pull_request() {
         pull.body
     );
 
-    // A second delivery updates the same branch; the PR is not opened again.
+    // A further delivery updates the same branch; the PR is not opened again.
     world
         .steer(&id, "#!scripted\nwrite: more.txt\nmore\n>>>", "queue")
         .await;
-    let (session, turns) = world.settled(&id, 2).await;
-    assert_eq!(status_of(&turns, 2), "completed", "{session:#}");
+    let (session, turns) = world.settled(&id, 3).await;
+    assert_eq!(status_of(&turns, 3), "completed", "{session:#}");
     assert_eq!(session["pr"]["number"], 1);
     let calls: Vec<_> = forge
         .requests()
@@ -1315,8 +1331,8 @@ async fn a_session_on_a_github_forge_opens_one_draft_pull_request() {
         .filter(|r| r.line.contains("/pulls"))
         .collect();
     assert!(
-        calls.len() == 1 && calls[0].authorized,
-        "one authorized PR call: {calls:?}"
+        calls.len() == 2 && calls.iter().all(|c| c.authorized),
+        "the refused call and the one that opened it, both authorized: {calls:?}"
     );
 }
 
