@@ -182,7 +182,7 @@ fuzz_target!(|data: &[u8]| {
     let complete = mode & 2 == 2;
     let own = format!("refs/heads/sortie/{SESSION}");
     match decide(&body, SESSION, complete) {
-        Decision::Allow { updates } => {
+        Decision::Allow { updates, .. } => {
             assert!(!updates.is_empty());
             for update in &updates {
                 assert_eq!(update.refname, own);

@@ -314,10 +314,10 @@ impl Upstreams for Forge {
 async fn fake_forge(
     upstream: PathBuf,
     token: &str,
-    redirect: bool,
+    misbehaviour: Misbehaviour,
     session: &SessionId,
 ) -> (String, Arc<std::sync::Mutex<Vec<String>>>) {
-    let (app, seen) = forge_app(upstream, token, redirect, session);
+    let (app, seen) = forge_app(upstream, token, misbehaviour, session);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!(
         "http://{}/_sortie/git/{session}.git",
@@ -327,11 +327,24 @@ async fn fake_forge(
     (url, seen)
 }
 
+/// How the fake forge answers besides honestly.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Misbehaviour {
+    None,
+    /// Every request is redirected elsewhere.
+    Redirect,
+    /// Only the push itself (`POST …/git-receive-pack`) gets a 401, as after a token was revoked
+    /// between the ref advertisement and the pack.
+    RefusePushPost,
+    /// Only the push itself is redirected.
+    RedirectPushPost,
+}
+
 /// The fake forge's routes: every request recorded with whether it carried the credential.
 fn forge_app(
     upstream: PathBuf,
     token: &str,
-    redirect: bool,
+    misbehaviour: Misbehaviour,
     session: &SessionId,
 ) -> (axum::Router, Arc<std::sync::Mutex<Vec<String>>>) {
     use base64::Engine;
@@ -366,6 +379,10 @@ fn forge_app(
                     request.uri(),
                     auth == expected
                 ));
+                let push_post =
+                    request.method() == axum::http::Method::POST && request.uri().path().ends_with("/git-receive-pack");
+                let redirect = misbehaviour == Misbehaviour::Redirect
+                    || (push_post && misbehaviour == Misbehaviour::RedirectPushPost);
                 if redirect {
                     return axum::response::Response::builder()
                         .status(302)
@@ -373,7 +390,7 @@ fn forge_app(
                         .body(axum::body::Body::empty())
                         .expect("response");
                 }
-                if auth != expected {
+                if auth != expected || (push_post && misbehaviour == Misbehaviour::RefusePushPost) {
                     return axum::response::Response::builder()
                         .status(401)
                         .header("www-authenticate", "Basic realm=forge")
@@ -404,7 +421,7 @@ async fn a_forge_gets_the_credential_and_the_client_never_does() {
     let setup = setup().await;
     let token = "ghs_s3cr3t-installation-token";
     let session = SessionId::generate();
-    let (forge_url, seen) = fake_forge(setup.upstream.clone(), token, false, &session).await;
+    let (forge_url, seen) = fake_forge(setup.upstream.clone(), token, Misbehaviour::None, &session).await;
     let base = proxy_for(Arc::new(Forge(session.clone(), forge_url, token.to_owned()))).await;
     let url = format!("{base}/_sortie/git/{session}.git");
     let work = setup.root.join("forge-work");
@@ -438,7 +455,7 @@ async fn a_forge_gets_the_credential_and_the_client_never_does() {
 async fn a_forge_that_refuses_or_redirects_is_not_relayed() {
     let setup = setup().await;
     let session = SessionId::generate();
-    let (forge_url, _) = fake_forge(setup.upstream.clone(), "the-right-token", false, &session).await;
+    let (forge_url, _) = fake_forge(setup.upstream.clone(), "the-right-token", Misbehaviour::None, &session).await;
     let base = proxy_for(Arc::new(Forge(session.clone(), forge_url, "a-wrong-token".into()))).await;
     let refused = git(
         &setup.root,
@@ -456,7 +473,7 @@ async fn a_forge_that_refuses_or_redirects_is_not_relayed() {
     );
 
     let session = SessionId::generate();
-    let (redirecting, _) = fake_forge(setup.upstream.clone(), "t", true, &session).await;
+    let (redirecting, _) = fake_forge(setup.upstream.clone(), "t", Misbehaviour::Redirect, &session).await;
     let base = proxy_for(Arc::new(Forge(session.clone(), redirecting, "t".into()))).await;
     let redirected = git(
         &setup.root,
@@ -471,12 +488,56 @@ async fn a_forge_that_refuses_or_redirects_is_not_relayed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_the_forge_refuses_or_redirects_is_not_relayed_and_changes_nothing() {
+    let setup = setup().await;
+    for (misbehaviour, says) in [
+        (
+            Misbehaviour::RefusePushPost,
+            "upstream rejected the proxy's credentials",
+        ),
+        (Misbehaviour::RedirectPushPost, "redirect; not followed"),
+    ] {
+        let session = SessionId::generate();
+        let (forge_url, seen) = fake_forge(setup.upstream.clone(), "t", misbehaviour, &session).await;
+        let base = proxy_for(Arc::new(Forge(session.clone(), forge_url, "t".into()))).await;
+        let work = setup.root.join(format!("work-{session}"));
+        ok(git(
+            &setup.root,
+            &setup.root,
+            &[
+                "clone",
+                &format!("{base}/_sortie/git/{session}.git"),
+                work.to_str().expect("utf-8"),
+            ],
+        ));
+        commit(&work, &setup.root, "p.txt", b"p\n");
+        let own = format!("refs/heads/sortie/{session}");
+        let pushed = git(&work, &setup.root, &["push", "origin", &format!("HEAD:{own}")]);
+        let said = String::from_utf8_lossy(&pushed.stderr);
+        assert!(!pushed.status.success() && said.contains(says), "{said}");
+        assert!(!said.contains("Username") && !said.contains("elsewhere"), "{said}");
+        assert_eq!(
+            rev(&setup.upstream, &setup.root, &own),
+            None,
+            "the forge's branch is unchanged"
+        );
+        let requests = seen.lock().expect("lock").clone();
+        assert!(
+            requests
+                .iter()
+                .any(|r| r.starts_with("POST") && r.contains("git-receive-pack")),
+            "the push reached the forge: {requests:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forge_over_tls_is_trusted_through_extra_roots_and_an_untrusted_one_is_a_502() {
     let setup = setup().await;
     let certificates = make_certificates(&setup.root.join("tls"));
     let token = "ghs_tls-installation-token";
     let session = SessionId::generate();
-    let (app, seen) = forge_app(setup.upstream.clone(), token, false, &session);
+    let (app, seen) = forge_app(setup.upstream.clone(), token, Misbehaviour::None, &session);
     let (forge, failed_handshakes) = https_forge(app, &certificates).await;
     let upstreams = Arc::new(Forge(
         session.clone(),

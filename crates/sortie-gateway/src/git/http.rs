@@ -412,10 +412,51 @@ async fn receive_pack_route(
                 prefix: Bytes::from(head),
                 body: Some(rest),
             };
-            forward(&proxy, &upstream, request).await
+            let answer = forward(&proxy, &upstream, request).await;
+            match decision {
+                Decision::Allow { updates, side_band } if !answer.status().is_success() => {
+                    failed_push(&session, answer, &updates, side_band).await
+                }
+                _ => answer,
+            }
         }
         Decision::NeedMore => plain(StatusCode::BAD_REQUEST, "the push request ended early"),
     }
+}
+
+/// A push the upstream did not take (it refused the credential, redirected, failed): git prints only
+/// "HTTP 502" for a failed pack POST, so the reason goes back as report-status `ng` lines instead.
+async fn failed_push(
+    session: &SessionId,
+    answer: Response,
+    updates: &[receive_pack::RefUpdate],
+    side_band: bool,
+) -> Response {
+    let status = answer.status();
+    let ours = answer
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/plain"));
+    let text = axum::body::to_bytes(answer.into_body(), 4096).await.unwrap_or_default();
+    let text = String::from_utf8_lossy(&text);
+    let said = text.trim().trim_start_matches("sortie: ");
+    let reason = if ours && !said.is_empty() {
+        said.to_owned()
+    } else {
+        format!("the repository's upstream answered {status}")
+    };
+    tracing::warn!(session = %session, %reason, "push failed upstream");
+    metrics::counter!("sortie_git_pushes_total", "decision" => "failed_upstream").increment(1);
+    let refnames: Vec<String> = updates.iter().map(|u| u.refname.clone()).collect();
+    (
+        StatusCode::OK,
+        [
+            (header::CONTENT_TYPE, "application/x-git-receive-pack-result"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        receive_pack::refusal(&reason, &refnames, side_band),
+    )
+        .into_response()
 }
 
 /// Runs `git http-backend` for one request: `prefix` then `body` go to its stdin; its CGI answer is

@@ -24,8 +24,9 @@ pub enum Decision {
     NeedMore,
     /// The empty probe git sends before a large push: forward it.
     Probe,
-    /// Forward the request: its commands touch only the session's branch.
-    Allow { updates: Vec<RefUpdate> },
+    /// Forward the request: its commands touch only the session's branch. `side_band` says how
+    /// to answer should the upstream fail it.
+    Allow { updates: Vec<RefUpdate>, side_band: bool },
     /// Refuse the whole push with this reason; answer with [`refusal`].
     Refuse {
         reason: String,
@@ -182,7 +183,7 @@ pub fn decide(body: &[u8], session_id: &str, complete: bool) -> Decision {
         // The pack's first bytes decide whether something else follows the flush.
         return Decision::NeedMore;
     }
-    Decision::Allow { updates }
+    Decision::Allow { updates, side_band }
 }
 
 fn truncate(text: &str) -> String {
