@@ -188,8 +188,12 @@ export const PartView = memo(function PartView({ part, actions, repeats }: { par
     case 'data-acp-usage': // one line at the end of the message (UsageLine)
     case 'data-acp-mode':
     case 'data-acp-commands':
-    case 'data-sortie-phase':
       return null;
+    case 'data-sortie-phase': {
+      // Timings show in the header; a phase says something only while it waits (the next one replaces it).
+      const note = (part.data as { note?: unknown } | undefined)?.note;
+      return typeof note === 'string' && note ? <div className="note waiting" role="status">{note}</div> : null;
+    }
     default:
       if (part.type.startsWith('tool-')) return <Tool part={{ ...part, toolName: part.type.slice(5) }} />;
       return <div className="note">{part.type}</div>;

@@ -33,6 +33,16 @@ async function snapshots(list: UIMessageChunk[]): Promise<UIMessage[]> {
 const asMessages = (m: UIMessage[]) => m as unknown as Message[];
 
 describe('conversation renderer', () => {
+  it('says what a phase waits for, and nothing once the next phase replaced it', () => {
+    const phase = (data: Record<string, unknown>) =>
+      ({ id: 'a1', role: 'assistant', parts: [{ type: 'data-sortie-phase', id: 'phase', data }] }) as unknown as Message;
+    const waiting = 'the gateway cannot be reached; the push is tried again for up to 120s';
+    const { container, rerender } = render(<Conversation messages={[phase({ phase: 'delivering', note: waiting })]} actions={{}} />);
+    expect(container.querySelector('.note.waiting')?.textContent).toBe(waiting);
+    rerender(<Conversation messages={[phase({ phase: 'done', delivery_ms: 900 })]} actions={{}} />);
+    expect(container.querySelector('.note.waiting')).toBeNull();
+  });
+
   it('renders every part kind: a real scripted turn and the parts only the platform adds', async () => {
     const scripted = await snapshots(chunks(fixture('scripted-turn.sse')));
     const extras = await snapshots(chunks(fixture('extras.sse')));

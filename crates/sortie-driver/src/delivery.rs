@@ -40,7 +40,16 @@ pub struct DeliveryConfig {
     /// secret since), and added to what was read before.
     pub known_secrets_file: Option<PathBuf>,
     pub git_timeout: Duration,
+    /// How long a push keeps being tried while the gateway cannot be reached (the server may be
+    /// restarting: its sandboxes outlive it).
+    pub unreachable_wait: Duration,
 }
+
+/// The default of [`DeliveryConfig::unreachable_wait`]: the server's default grace for sandboxes
+/// it left behind, so a push outlasts any restart the sandbox itself outlasts.
+pub const UNREACHABLE_WAIT: Duration = Duration::from_secs(120);
+/// The longest pause between two attempts of a push the gateway did not answer.
+const UNREACHABLE_MAX_PAUSE: Duration = Duration::from_secs(4);
 
 /// What a delivery did, as `/status` reports it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
@@ -99,6 +108,28 @@ pub enum GitError {
         status: ExitStatus,
         stderr: String,
     },
+}
+
+impl GitError {
+    /// Whether git says the remote could not be reached at all (the gateway is down or restarting):
+    /// worth trying again, unlike an answer that refused the push.
+    pub fn is_unreachable(&self) -> bool {
+        const SIGNS: [&str; 9] = [
+            "Empty reply from server",
+            "Connection refused",
+            "Connection reset by peer",
+            "Failed to connect",
+            "Couldn't connect",
+            "Could not connect",
+            "Recv failure",
+            "Send failure",
+            "the repository's forge did not answer",
+        ];
+        match self {
+            Self::Failed { stderr, .. } => SIGNS.iter().any(|sign| stderr.contains(sign)),
+            Self::Spawn { .. } | Self::TimedOut { .. } => false,
+        }
+    }
 }
 
 /// A branch name the driver will not push to.
@@ -464,6 +495,8 @@ pub struct DeliveryInput<'a> {
     /// HEAD when the driver first ran a turn in this workspace: where the changes start when there
     /// is no baseline.
     pub start_head: Option<&'a str>,
+    /// Told once, in a sentence, when the push waits for an unreachable gateway.
+    pub waiting: Option<tokio::sync::mpsc::UnboundedSender<String>>,
 }
 
 /// Commits, scans and publishes; the report says what happened, its `error` what went wrong.
@@ -545,7 +578,7 @@ async fn try_deliver(
         .await?;
     (report.files, report.insertions, report.deletions) = parse_shortstat(&stat);
 
-    publish(config, git, &candidate, input.baseline).await?;
+    publish(config, git, &candidate, input).await?;
     report.pushed = true;
     Ok(())
 }
@@ -648,8 +681,40 @@ async fn undo_commit(git: &Git, before: Option<&str>) -> Result<(), GitError> {
     Ok(())
 }
 
-/// Idempotent publication (§7.3).
+/// Publication, tried again while the gateway cannot be reached (each attempt reads the remote
+/// first, so one that landed unanswered is not pushed twice).
 async fn publish(
+    config: &DeliveryConfig,
+    git: &Git,
+    candidate: &str,
+    input: &DeliveryInput<'_>,
+) -> Result<(), DeliveryError> {
+    let deadline = tokio::time::Instant::now() + config.unreachable_wait;
+    let mut pause = Duration::from_millis(250);
+    let mut told = false;
+    loop {
+        match publish_once(config, git, candidate, input.baseline).await {
+            Err(DeliveryError::Git(error))
+                if error.is_unreachable() && tokio::time::Instant::now() + pause < deadline =>
+            {
+                tracing::warn!(%error, ?pause, "the gateway is unreachable; the push is tried again");
+                if !told && let Some(waiting) = &input.waiting {
+                    let _ = waiting.send(format!(
+                        "the gateway cannot be reached; the push is tried again for up to {}s",
+                        config.unreachable_wait.as_secs()
+                    ));
+                    told = true;
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(UNREACHABLE_MAX_PAUSE);
+            }
+            outcome => return outcome,
+        }
+    }
+}
+
+/// Idempotent publication (§7.3).
+async fn publish_once(
     config: &DeliveryConfig,
     git: &Git,
     candidate: &str,

@@ -448,8 +448,17 @@ impl Turn {
 
     /// `data-sortie-phase` with the timings so far: one part (same id) that clients update in place.
     fn publish_phase(&mut self, phase: &str) {
+        self.publish_phase_note(phase, "");
+    }
+
+    /// The phase part with a sentence on what it waits for (none when `note` is empty); the next
+    /// phase part replaces it.
+    fn publish_phase_note(&mut self, phase: &str, note: &str) {
         let mut data = self.timings.clone();
         data.insert("phase".into(), Value::from(phase));
+        if !note.is_empty() {
+            data.insert("note".into(), Value::from(note));
+        }
         self.publish_own(UiChunk::Data {
             name: "sortie-phase".into(),
             id: Some("phase".into()),
@@ -725,13 +734,22 @@ async fn deliver(turn: &mut Turn, config: &DeliveryConfig, git: &Git, request: &
             ..DeliveryReport::default()
         }
     } else {
+        let (waiting, mut notices) = tokio::sync::mpsc::unbounded_channel();
         let input = DeliveryInput {
             prompt: &request.prompt,
             session_id: &shared.config.session_id,
             baseline: request.baseline.as_deref(),
             start_head: start_head.and_then(Option::as_deref),
+            waiting: Some(waiting),
         };
-        crate::delivery::deliver(config, git, &input).await
+        let delivering = crate::delivery::deliver(config, git, &input);
+        tokio::pin!(delivering);
+        loop {
+            tokio::select! {
+                report = &mut delivering => break report,
+                Some(note) = notices.recv() => turn.publish_phase_note("delivering", &note),
+            }
+        }
     };
     turn.time("delivery", began.elapsed());
     let mut data = json!({

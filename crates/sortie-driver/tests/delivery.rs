@@ -75,6 +75,7 @@ fn config(remote: &Path) -> DeliveryConfig {
         known_secrets: Arc::new(KnownSecrets::default()),
         known_secrets_file: None,
         git_timeout: Duration::from_secs(60),
+        unreachable_wait: Duration::from_secs(2),
     }
 }
 
@@ -84,6 +85,7 @@ fn input<'a>(baseline: Option<&'a str>, start_head: Option<&'a str>) -> Delivery
         session_id: "ses_lib",
         baseline,
         start_head,
+        waiting: None,
     }
 }
 
@@ -156,4 +158,65 @@ async fn an_unreachable_remote_fails_the_delivery_with_gits_words() {
     // The commit is made and kept for the next attempt.
     assert!(report.changed && !report.pushed);
     assert_eq!(report.head_sha, Some(git(&setup.workspace, &["rev-parse", "HEAD"])));
+}
+
+#[tokio::test]
+async fn a_gateway_that_does_not_answer_is_tried_again_until_the_wait_runs_out() {
+    let setup = setup();
+    std::fs::write(setup.workspace.join("a.txt"), "a\n").expect("write");
+    // A relay whose gateway is down: every connection is accepted and closed without a word.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = accepted.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            drop(stream);
+        }
+    });
+    let remote = PathBuf::from(format!("http://127.0.0.1:{port}/_sortie/git/ses_lib.git"));
+    let (waiting, mut notices) = tokio::sync::mpsc::unbounded_channel();
+    let mut input = input(None, None);
+    input.waiting = Some(waiting);
+    let report = deliver(&config(&remote), &setup.git, &input).await;
+    let error = report.error.expect("failed");
+    assert_eq!(error.code, "DELIVERY_FAILED");
+    assert!(error.reason.contains("Empty reply from server"), "{}", error.reason);
+    assert!(accepted.load(std::sync::atomic::Ordering::SeqCst) >= 3, "tried again");
+    let note = notices.try_recv().expect("told once");
+    assert!(note.contains("cannot be reached"), "{note}");
+    assert!(notices.try_recv().is_err(), "told only once");
+    assert!(report.changed && !report.pushed);
+}
+
+#[test]
+fn only_a_remote_that_cannot_be_reached_is_worth_trying_again() {
+    use sortie_driver::delivery::GitError;
+    let failed = |stderr: &str| GitError::Failed {
+        what: "push the branch",
+        status: std::os::unix::process::ExitStatusExt::from_raw(128 << 8),
+        stderr: stderr.to_owned(),
+    };
+    for stderr in [
+        "fatal: unable to access 'http://127.0.0.1:3128/_sortie/git/s.git/': Empty reply from server",
+        "fatal: unable to access 'http://x/': Failed to connect to 127.0.0.1 port 3128 after 0 ms: Couldn't connect to server",
+        "fatal: unable to access 'http://x/': Recv failure: Connection reset by peer",
+        "fatal: unable to access 'http://x/': sortie: the repository's forge did not answer",
+    ] {
+        assert!(failed(stderr).is_unreachable(), "{stderr}");
+    }
+    for stderr in [
+        "! [remote rejected] HEAD -> refs/heads/main (sortie: refs/heads/main may not be pushed)",
+        "fatal: unable to access 'http://x/': sortie: upstream rejected the proxy's credentials",
+        "! [rejected] HEAD -> sortie/s (stale info)",
+        "fatal: 'origin' does not appear to be a git repository",
+    ] {
+        assert!(!failed(stderr).is_unreachable(), "{stderr}");
+    }
+    let timed_out = GitError::TimedOut {
+        what: "push the branch",
+        seconds: 120,
+    };
+    assert!(!timed_out.is_unreachable());
 }

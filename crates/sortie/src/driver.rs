@@ -60,6 +60,7 @@ pub async fn run(args: DriverArgs) -> anyhow::Result<ExitCode> {
                 known_secrets: Arc::new(known_secrets),
                 known_secrets_file: args.secret_digests.clone(),
                 git_timeout: delivery::GIT_TIMEOUT,
+                unreachable_wait: delivery::UNREACHABLE_WAIT,
             })
         }
         None => None,

@@ -892,6 +892,63 @@ async fn a_killed_server_or_driver_never_leaves_a_session_hanging() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_while_the_server_is_down_waits_for_it() {
+    let mut world = World::start(&[]);
+    let id = world
+        .create(
+            "#!scripted\nsay: working\nsleep: 1500\nwrite: late.txt\nlate\n>>>",
+            json!({}),
+        )
+        .await;
+    world.wait_said(&id, "working").await;
+    let driver_before = driver_pid(&id).expect("the session's driver");
+    world.kill_server();
+    // The turn ends and its push finds no gateway: the driver says so in the turn (read here from
+    // the driver itself, as the restarted worker will) and tries again.
+    let driver = support::http_builder()
+        .unix_socket(world.data_dir.join("work/sessions").join(&id).join("run/driver.sock"))
+        .build()
+        .expect("client");
+    let mut stream = driver
+        .get("http://driver/turns/1/stream")
+        .send()
+        .await
+        .expect("the driver's stream");
+    let mut seen = String::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !seen.contains("the gateway cannot be reached") {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, stream.chunk()).await {
+            Ok(Ok(Some(bytes))) => seen.push_str(&String::from_utf8_lossy(&bytes)),
+            other => panic!("the driver never waited for the gateway ({other:?}): {seen}"),
+        }
+    }
+    drop(stream);
+    world.restart_server();
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(status_of(&turns, 1), "completed", "{session:#}");
+    assert_eq!(driver_pid(&id), Some(driver_before), "the same sandbox, adopted");
+    assert_eq!(world.files_on_branch(&id), vec!["late.txt".to_owned()]);
+    let head = world.branch(&id).expect("branch");
+    assert_eq!(session["head_sha"].as_str(), Some(head.as_str()));
+    // The wait is in the transcript, then replaced in place by the phase that followed it.
+    let chunks = world.attach(&id, Some(1)).await;
+    let phases: Vec<&Value> = chunks.iter().filter(|c| c["type"] == "data-sortie-phase").collect();
+    let waited = phases
+        .iter()
+        .position(|c| {
+            c["data"]["note"]
+                .as_str()
+                .is_some_and(|n| n.contains("cannot be reached"))
+        })
+        .unwrap_or_else(|| panic!("no wait in {phases:#?}"));
+    assert!(
+        phases[waited + 1..].iter().any(|c| c["data"]["note"].is_null()),
+        "{phases:#?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_worker_starting_leaves_the_first_ones_turns_alone() {
     let database = sortie_store::testing::TestDatabase::postgres().await.expect("postgres");
     let world = World::start_on(&[], Some(&database));
