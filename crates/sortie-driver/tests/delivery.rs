@@ -182,7 +182,14 @@ async fn a_gateway_that_does_not_answer_is_tried_again_until_the_wait_runs_out()
     let report = deliver(&config(&remote), &setup.git, &input).await;
     let error = report.error.expect("failed");
     assert_eq!(error.code, "DELIVERY_FAILED");
-    assert!(error.reason.contains("Empty reply from server"), "{}", error.reason);
+    // A connection closed unread ends as either, depending on whether git's request was in flight.
+    assert!(
+        ["Empty reply from server", "Connection reset by peer"]
+            .iter()
+            .any(|said| error.reason.contains(said)),
+        "{}",
+        error.reason
+    );
     assert!(accepted.load(std::sync::atomic::Ordering::SeqCst) >= 3, "tried again");
     let note = notices.try_recv().expect("told once");
     assert!(note.contains("cannot be reached"), "{note}");
