@@ -385,16 +385,7 @@ async fn receive_pack_route(
                 }
             };
             let _ = tokio::time::timeout(REFUSED_PUSH_DRAIN_DEADLINE, drain).await;
-            let answer = receive_pack::refusal(&reason, &refnames, side_band);
-            (
-                StatusCode::OK,
-                [
-                    (header::CONTENT_TYPE, "application/x-git-receive-pack-result"),
-                    (header::CACHE_CONTROL, "no-cache"),
-                ],
-                answer,
-            )
-                .into_response()
+            report_status(receive_pack::refusal(&reason, &refnames, side_band))
         }
         Decision::Probe | Decision::Allow { .. } => {
             let counted = if decision == Decision::Probe {
@@ -448,13 +439,18 @@ async fn failed_push(
     tracing::warn!(session = %session, %reason, "push failed upstream");
     metrics::counter!("sortie_git_pushes_total", "decision" => "failed_upstream").increment(1);
     let refnames: Vec<String> = updates.iter().map(|u| u.refname.clone()).collect();
+    report_status(receive_pack::refusal(&reason, &refnames, side_band))
+}
+
+/// A receive-pack answer of sortie's own (a report-status `git push` prints).
+fn report_status(body: Vec<u8>) -> Response {
     (
         StatusCode::OK,
         [
             (header::CONTENT_TYPE, "application/x-git-receive-pack-result"),
             (header::CACHE_CONTROL, "no-cache"),
         ],
-        receive_pack::refusal(&reason, &refnames, side_band),
+        body,
     )
         .into_response()
 }
