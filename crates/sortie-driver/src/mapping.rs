@@ -112,7 +112,7 @@ impl Mapper {
         if self.finished {
             return Mapped::Ignored;
         }
-        self.last_at = Some(at.to_owned());
+        self.note_time(at);
         self.start(out);
         let Some(kind) = update.get("sessionUpdate").and_then(Value::as_str) else {
             return Mapped::Unknown;
@@ -156,7 +156,7 @@ impl Mapper {
         if self.finished {
             return;
         }
-        self.last_at = Some(at.to_owned());
+        self.note_time(at);
         self.start(out);
         if let Some(tool_call) = params.get("toolCall") {
             self.upsert_tool(tool_call, at, out);
@@ -276,6 +276,13 @@ impl Mapper {
                 BlockKind::Reasoning => UiChunk::ReasoningDelta { id, delta: text },
             });
         }
+    }
+
+    /// Remembers when the latest update arrived, reusing the buffer: this runs for every update.
+    fn note_time(&mut self, at: &str) {
+        let last = self.last_at.get_or_insert_with(String::new);
+        last.clear();
+        last.push_str(at);
     }
 
     fn close_block(&mut self, out: &mut Vec<UiChunk>) {
