@@ -114,7 +114,9 @@ impl GitError {
     /// Whether git says the remote could not be reached at all (the gateway is down or restarting):
     /// worth trying again, unlike an answer that refused the push.
     pub fn is_unreachable(&self) -> bool {
-        const SIGNS: [&str; 9] = [
+        // Not "Send failure": an upstream that refuses a large pack early leaves git writing into a
+        // closed connection, and that refusal must not be uploaded again and again.
+        const SIGNS: [&str; 8] = [
             "Empty reply from server",
             "Connection refused",
             "Connection reset by peer",
@@ -122,11 +124,13 @@ impl GitError {
             "Couldn't connect",
             "Could not connect",
             "Recv failure",
-            "Send failure",
             "the repository's forge did not answer",
         ];
         match self {
-            Self::Failed { stderr, .. } => SIGNS.iter().any(|sign| stderr.contains(sign)),
+            // A report-status line means the remote answered: a refusal, whatever its words.
+            Self::Failed { stderr, .. } => {
+                !stderr.contains("[remote rejected]") && SIGNS.iter().any(|sign| stderr.contains(sign))
+            }
             Self::Spawn { .. } | Self::TimedOut { .. } => false,
         }
     }

@@ -217,6 +217,8 @@ fn only_a_remote_that_cannot_be_reached_is_worth_trying_again() {
         "! [remote rejected] HEAD -> refs/heads/main (sortie: refs/heads/main may not be pushed)",
         "fatal: unable to access 'http://x/': sortie: upstream rejected the proxy's credentials",
         "! [rejected] HEAD -> sortie/s (stale info)",
+        "error: RPC failed; curl 55 Send failure: Broken pipe",
+        "To http://x\n!\tHEAD:refs/heads/sortie/s\t[remote rejected] (sortie: the repository's forge did not answer)",
         "fatal: 'origin' does not appear to be a git repository",
     ] {
         assert!(!failed(stderr).is_unreachable(), "{stderr}");

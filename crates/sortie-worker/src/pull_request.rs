@@ -2,7 +2,7 @@
 //! PR where the repo lives on a forge). Opened once, after the first delivery, through GitHub's REST
 //! API with the workspace's forge token; an existing PR for the branch (a retry, another worker) is
 //! found and recorded instead of a second one. A failure fails the turn with `PR_OPEN_FAILED` and the
-//! forge's reason; the branch stays delivered, and the next delivery (a steer) tries again.
+//! forge's reason; the branch stays delivered, and the next turn (a steer) tries again.
 
 use std::time::Duration;
 
@@ -47,7 +47,7 @@ pub async fn ensure_draft(
     ring: Option<&sortie_store::KeyRing>,
     http: Option<&reqwest::Client>,
     session: &SessionRow,
-    base: &str,
+    base: impl Future<Output = Result<String, String>>,
     task: &str,
 ) -> PullRequest {
     let (Some(host), Some(ring), Some(http)) = (repo_forge_host(&session.repo), ring, http) else {
@@ -66,6 +66,10 @@ pub async fn ensure_draft(
             "{} is not an owner/name repository URL; no pull request was opened",
             session.repo
         ));
+    };
+    let base = match base.await {
+        Ok(base) => base,
+        Err(reason) => return PullRequest::Failed(reason),
     };
     let token = String::from_utf8_lossy(token.expose()).into_owned();
     let pulls = format!("{}/repos/{owner}/{name}/pulls", connection.api_base);

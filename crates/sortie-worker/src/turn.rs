@@ -352,7 +352,10 @@ async fn run_agent_turn(
         .set_turn_details(&session.id, n, report.priming.as_deref(), Some(&timings))
         .await;
     let delivered = head_sha.is_some();
-    if rejected.is_none() && failure.is_none() && delivered && session.pr.is_none() && status != TurnStatus::Canceled {
+    // The branch is on the remote when this turn pushed it or an earlier one did (a steer that
+    // changed nothing still retries a pull request that failed to open).
+    let on_remote = delivered || session.head_sha.is_some();
+    if rejected.is_none() && failure.is_none() && on_remote && session.pr.is_none() && status != TurnStatus::Canceled {
         // Opening the draft PR is the last step of delivering (DESIGN §4.1), bounded by the forge
         // call's deadline; the branch stands whatever the forge answers.
         if !delivering {
@@ -369,11 +372,17 @@ async fn run_agent_turn(
             failure = Some((
                 FailureCode::PrOpenFailed,
                 format!(
-                    "{reason}. The work is on the branch sortie/{}; steer the session (or retry the turn) to \
-                     open the pull request again.",
+                    "{reason}. The work is on the branch sortie/{}; steer the session to open the pull \
+                     request again.",
                     session.id
                 ),
             ));
+        }
+        // A cancel that came while the forge answered still cancels.
+        if let Ok(row) = context.store.turn(&session.id, n).await
+            && row.stop_requested == Some(StopRequest::Cancel)
+        {
+            (status, failure) = (TurnStatus::Canceled, None);
         }
     }
     let failed = failure.is_some() || rejected.is_some();
@@ -404,33 +413,41 @@ async fn run_agent_turn(
         destroy(context, &session.id, &sandbox).await;
         return None;
     }
-    let _ = context.store.settle_session(&session.id, from, failed).await;
+    if let Ok(None) = context.store.settle_session(&session.id, from, failed).await
+        && matches!(
+            context.store.session_by_id(&session.id).await.map(|now| now.phase),
+            Ok(SessionPhase::Canceled)
+        )
+    {
+        // Canceled while it delivered: nothing of it may stay warm.
+        destroy(context, &session.id, &sandbox).await;
+        return None;
+    }
     Some(sandbox)
 }
 
 /// Opens the draft PR of a session on a GitHub forge after its first delivery (see [`pull_request`]).
 async fn open_pull_request(context: &Arc<Context>, session: &SessionRow) -> pull_request::PullRequest {
     let config = &context.config;
-    let base = match &session.base {
-        Some(base) => base.clone(),
-        None => {
-            let mirror = prepare::mirror_path(&config.work_dir.join("mirrors"), &session.repo);
-            match prepare::git(
-                &config.git_binary,
-                Some(&mirror),
-                &["symbolic-ref", "--short", "HEAD"],
-                Duration::from_secs(10),
-            )
-            .await
-            {
-                Ok(head) => head,
-                Err(error) => {
-                    tracing::warn!(session = %session.id, error = %error.0, "no default branch for the pull request");
-                    return pull_request::PullRequest::Failed(format!(
+    // Looked up only once a pull request is really to be opened.
+    let base = async {
+        match &session.base {
+            Some(base) => Ok(base.clone()),
+            None => {
+                let mirror = prepare::mirror_path(&config.work_dir.join("mirrors"), &session.repo);
+                prepare::git(
+                    &config.git_binary,
+                    Some(&mirror),
+                    &["symbolic-ref", "--short", "HEAD"],
+                    Duration::from_secs(10),
+                )
+                .await
+                .map_err(|error| {
+                    format!(
                         "the repository's default branch is unknown, so no pull request could be opened ({})",
                         error.0
-                    ));
-                }
+                    )
+                })
             }
         }
     };
@@ -445,7 +462,7 @@ async fn open_pull_request(context: &Arc<Context>, session: &SessionRow) -> pull
         config.keyring.as_deref(),
         config.forge_http.as_ref(),
         session,
-        &base,
+        base,
         &task,
     )
     .await;

@@ -1349,10 +1349,15 @@ async fn a_session_on_a_github_forge_opens_one_draft_pull_request() {
     let first = rev(&repo, &format!("refs/heads/sortie/{id}")).expect("the branch is on the forge");
     assert_eq!(turns[0]["head_sha"], json!(first), "{turns:#?}");
 
-    // Once the token may, the next delivery opens the PR before the session settles.
+    // Once the token may, the next turn opens the PR before the session settles, even one that
+    // changes nothing (the branch is on the forge already).
     forge.forbid_pulls(false);
     world
-        .steer(&id, "#!scripted\nwrite: second.txt\nsecond\n>>>", "queue")
+        .steer(
+            &id,
+            "#!scripted\nsay: nothing to change; open the pull request",
+            "queue",
+        )
         .await;
     let (session, turns) = world.settled(&id, 2).await;
     assert_eq!(status_of(&turns, 2), "completed", "{session:#}");

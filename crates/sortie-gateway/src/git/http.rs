@@ -415,6 +415,9 @@ async fn receive_pack_route(
     }
 }
 
+/// How long the body of an upstream's failed answer to a push is waited for.
+const FAILED_PUSH_BODY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// A push the upstream did not take (it refused the credential, redirected, failed): git prints only
 /// "HTTP 502" for a failed pack POST, so the reason goes back as report-status `ng` lines instead.
 async fn failed_push(
@@ -428,7 +431,15 @@ async fn failed_push(
         .headers()
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/plain"));
-    let text = axum::body::to_bytes(answer.into_body(), 4096).await.unwrap_or_default();
+    // Bounded in size and in time: a failing upstream may also stall.
+    let text = tokio::time::timeout(
+        FAILED_PUSH_BODY_DEADLINE,
+        axum::body::to_bytes(answer.into_body(), 4096),
+    )
+    .await
+    .ok()
+    .and_then(Result::ok)
+    .unwrap_or_default();
     let text = String::from_utf8_lossy(&text);
     let said = text.trim().trim_start_matches("sortie: ");
     let reason = if ours && !said.is_empty() {
