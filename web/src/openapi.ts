@@ -595,7 +595,7 @@ export interface components {
         };
         /**
          * @description A session id, `ses_` + a lowercase ULID (26 Crockford base32 characters). Sorting ids sorts sessions
-         *     by creation time (millisecond precision).
+         *     by creation time: by millisecond across processes, and exactly within one.
          * @example ses_01jd8x3k4m5n6p7q8r9s0t1v2w
          */
         SessionId: string;
