@@ -160,6 +160,8 @@ pub struct GitForge {
     pulls: Mutex<Vec<FakePull>>,
     /// The token may push but not open pull requests (GitHub's 403 for a token without the permission).
     pulls_forbidden: AtomicBool,
+    /// Milliseconds a pull-request call waits before it is answered (a slow forge).
+    pulls_delay_ms: std::sync::atomic::AtomicU64,
 }
 
 impl GitForge {
@@ -170,7 +172,14 @@ impl GitForge {
             seen: Mutex::new(Vec::new()),
             pulls: Mutex::new(Vec::new()),
             pulls_forbidden: AtomicBool::new(false),
+            pulls_delay_ms: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// From now on a call that opens a pull request is answered only after `delay`.
+    pub fn delay_pulls(&self, delay: std::time::Duration) {
+        self.pulls_delay_ms
+            .store(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX), Ordering::SeqCst);
     }
 
     /// From now on opening a pull request is refused as GitHub refuses a token lacking the permission.
@@ -261,6 +270,10 @@ async fn open_pull(
 ) -> Response {
     let authorized = forge.bearer_ok(&headers);
     forge.record(format!("POST /repos/{owner}/{name}/pulls"), authorized);
+    let delay = forge.pulls_delay_ms.load(Ordering::SeqCst);
+    if delay > 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+    }
     if !authorized {
         return json_answer(
             StatusCode::UNAUTHORIZED,

@@ -1399,6 +1399,52 @@ async fn a_session_on_a_github_forge_opens_one_draft_pull_request() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_while_the_forge_opens_the_pull_request_still_cancels() {
+    const TOKEN: &str = "ghs_SLOWPR-canary-token-0123456789abcd";
+    let ForgeWorld {
+        world,
+        forge,
+        repo,
+        host,
+        _dir,
+    } = forge_world(TOKEN, "acme").await;
+    let (status, _) = world
+        .call(
+            reqwest::Method::PUT,
+            &format!("/v1/forge-connections/{host}"),
+            Some(json!({"token": TOKEN, "api_base": format!("https://{host}")})),
+        )
+        .await;
+    assert_eq!(status, 200);
+    forge.delay_pulls(Duration::from_secs(4));
+    let id = world
+        .create(
+            "#!scripted\nwrite: slow.txt\nslow\n>>>",
+            json!({"repo": format!("https://{host}/acme/upstream.git")}),
+        )
+        .await;
+    // The branch is pushed and the pull request call is in flight: cancel now.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !forge.requests().iter().any(|r| r.line.contains("/pulls")) {
+        assert!(Instant::now() < deadline, "the pull request was never asked for");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        rev(&repo, &format!("refs/heads/sortie/{id}")).is_some(),
+        "delivered first"
+    );
+    world.post(&id, "cancel").await;
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(session["phase"], "canceled", "{session:#}");
+    assert_eq!(status_of(&turns, 1), "canceled", "{turns:#?}");
+    let gone = Instant::now() + Duration::from_secs(10);
+    while live_sandboxes().contains(&id) {
+        assert!(Instant::now() < gone, "the canceled session's sandbox still runs");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_allowlist_amended_through_the_api_opens_the_next_connection_of_a_running_turn() {
     // The "public" server every test name resolves to (127.0.0.1, exempted for the test only).
     let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
