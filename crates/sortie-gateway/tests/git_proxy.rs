@@ -404,6 +404,19 @@ fn forge_app(
     (app, seen)
 }
 
+/// Clones `session`'s repository through the proxy at `base` into `work` (from and with `$HOME` at `root`).
+fn clone_session(root: &Path, base: &str, session: &SessionId, work: &Path) {
+    ok(git(
+        root,
+        root,
+        &[
+            "clone",
+            &format!("{base}/_sortie/git/{session}.git"),
+            work.to_str().expect("utf-8"),
+        ],
+    ));
+}
+
 async fn proxy_for(upstreams: Arc<dyn Upstreams>) -> String {
     serve_proxy(router(upstreams, PathBuf::from("git"))).await
 }
@@ -501,15 +514,7 @@ async fn a_push_the_forge_refuses_or_redirects_is_not_relayed_and_changes_nothin
         let (forge_url, seen) = fake_forge(setup.upstream.clone(), "t", misbehaviour, &session).await;
         let base = proxy_for(Arc::new(Forge(session.clone(), forge_url, "t".into()))).await;
         let work = setup.root.join(format!("work-{session}"));
-        ok(git(
-            &setup.root,
-            &setup.root,
-            &[
-                "clone",
-                &format!("{base}/_sortie/git/{session}.git"),
-                work.to_str().expect("utf-8"),
-            ],
-        ));
+        clone_session(&setup.root, &base, &session, &work);
         commit(&work, &setup.root, "p.txt", b"p\n");
         let own = format!("refs/heads/sortie/{session}");
         let pushed = git(&work, &setup.root, &["push", "origin", &format!("HEAD:{own}")]);
@@ -552,15 +557,7 @@ async fn a_forge_over_tls_is_trusted_through_extra_roots_and_an_untrusted_one_is
     let trusting = router_with_forge_tls(upstreams.clone(), PathBuf::from("git"), &tls).expect("router");
     let base = serve_proxy(trusting).await;
     let work = setup.root.join("tls-work");
-    ok(git(
-        &setup.root,
-        &setup.root,
-        &[
-            "clone",
-            &format!("{base}/_sortie/git/{session}.git"),
-            work.to_str().expect("utf-8"),
-        ],
-    ));
+    clone_session(&setup.root, &base, &session, &work);
     assert_eq!(
         std::fs::read_to_string(work.join("README.md")).expect("cloned"),
         "hello\n"

@@ -1154,6 +1154,22 @@ async fn forge_world(token: &str, path: &str) -> ForgeWorld {
     }
 }
 
+/// A forge world whose workspace is connected to the forge as GitHub, with its API at the forge.
+async fn github_forge_world(token: &str) -> ForgeWorld {
+    let forge_world = forge_world(token, "acme").await;
+    let host = &forge_world.host;
+    let (status, connection) = forge_world
+        .world
+        .call(
+            reqwest::Method::PUT,
+            &format!("/v1/forge-connections/{host}"),
+            Some(json!({"token": token, "api_base": format!("https://{host}")})),
+        )
+        .await;
+    assert_eq!((status, &connection["kind"]), (200, &json!("github")), "{connection}");
+    forge_world
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repository_on_an_https_forge_is_delivered_with_a_token_no_sandbox_holds() {
     const TOKEN: &str = "ghs_FORGE-canary-token-0123456789wxyz";
@@ -1310,22 +1326,13 @@ async fn the_sandbox_holds_the_sortie_binary_and_its_agent_not_their_directory()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_on_a_github_forge_opens_one_draft_pull_request() {
-    const TOKEN: &str = "ghs_PULLS-canary-token-0123456789abcd";
     let ForgeWorld {
         world,
         forge,
         repo,
         host,
         _dir,
-    } = forge_world(TOKEN, "acme").await;
-    let (status, connection) = world
-        .call(
-            reqwest::Method::PUT,
-            &format!("/v1/forge-connections/{host}"),
-            Some(json!({"token": TOKEN, "api_base": format!("https://{host}")})),
-        )
-        .await;
-    assert_eq!((status, &connection["kind"]), (200, &json!("github")), "{connection}");
+    } = github_forge_world("ghs_PULLS-canary-token-0123456789abcd").await;
 
     // The token may push but not open pull requests: the branch is delivered and the turn says why
     // there is no PR, in GitHub's words.
@@ -1400,22 +1407,13 @@ async fn a_session_on_a_github_forge_opens_one_draft_pull_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_while_the_forge_opens_the_pull_request_still_cancels() {
-    const TOKEN: &str = "ghs_SLOWPR-canary-token-0123456789abcd";
     let ForgeWorld {
         world,
         forge,
         repo,
         host,
         _dir,
-    } = forge_world(TOKEN, "acme").await;
-    let (status, _) = world
-        .call(
-            reqwest::Method::PUT,
-            &format!("/v1/forge-connections/{host}"),
-            Some(json!({"token": TOKEN, "api_base": format!("https://{host}")})),
-        )
-        .await;
-    assert_eq!(status, 200);
+    } = github_forge_world("ghs_SLOWPR-canary-token-0123456789abcd").await;
     forge.delay_pulls(Duration::from_secs(4));
     let id = world
         .create(
