@@ -351,6 +351,17 @@ try {
       `run: for i in $(seq 240); do ${fetchLate} 2>/dev/null && break; sleep 0.25; done`, 'say: Read the changelog.'].join('\n'),
   });
   await page.goto(`${url}/sessions/${egress.id}`);
+  // Once the agent's answer shows it stays: the page never rebuilds a turn it already streamed to its end
+  // (it did when the control plane's phase lagged the stream, and a turn attached again replays from start).
+  await page.evaluate(() => {
+    const w = /** @type {any} */ (window);
+    w.sortieWentAway = [];
+    new MutationObserver(() => {
+      const shown = [...document.querySelectorAll('.msg.assistant')].some((m) => m.textContent.includes('Read the changelog.'));
+      if (shown) w.sortieShown = true;
+      else if (w.sortieShown) w.sortieWentAway.push(Math.round(performance.now()));
+    }).observe(document.body, { subtree: true, childList: true, characterData: true });
+  });
   const allow = page.getByRole('button', { name: 'Allow late.sortie-test.dev' });
   await allow.waitFor({ timeout: 60000 });
   const amended = page.waitForResponse((r) => r.url().endsWith(`/v1/sessions/${egress.id}/egress`) && r.request().method() === 'POST');
@@ -369,6 +380,8 @@ try {
     await toolOutput.getByText(/reached-the-late-host/).waitFor({ state: 'attached', timeout: 15000 });
     step(`NOTE: the tool's output showed ${Date.now() - since} ms after the text that follows it`);
   }
+  await badge('idle').waitFor({ timeout: 30000 });
+  assert.deepEqual(await page.evaluate(() => /** @type {any} */ (window).sortieWentAway), [], 'the answer never went away once shown');
   step(`egress denial allowed from the page (${await page.locator('.egress').textContent()})`);
 
   // The list: sessions in several phases, filters, and live updates.

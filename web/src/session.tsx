@@ -27,6 +27,27 @@ function lastDelivery(messages: UIMessage[]): Delivery | null {
   return last;
 }
 
+/** The turn an assistant message answers: its id is `<session>-t<n>` (the driver names it, every replay keeps it). */
+export function turnOfLastAnswer(messages: UIMessage[]): number | null {
+  for (let m = messages.length - 1; m >= 0; m--) {
+    if (messages[m].role !== 'assistant') continue;
+    const n = /-t(\d+)$/.exec(messages[m].id);
+    return n ? Number(n[1]) : null;
+  }
+  return null;
+}
+
+/** `stored` shows less than `shown`: the same messages, none with more parts, and some with fewer or missing. */
+export function isBehind(stored: UIMessage[], shown: UIMessage[]): boolean {
+  if (stored.length > shown.length) return false;
+  let fewer = stored.length < shown.length;
+  for (let i = 0; i < stored.length; i++) {
+    if (stored[i].id !== shown[i].id || stored[i].parts.length > shown[i].parts.length) return false;
+    if (stored[i].parts.length < shown[i].parts.length) fewer = true;
+  }
+  return fewer;
+}
+
 /** The turn's phases in the order they happen (DESIGN §2), then any the server adds. */
 const PHASE_ORDER = ['queued', 'sandbox', 'clone', 'setup', 'agent_ready', 'first_part', 'agent_turn', 'delivery'];
 function phaseOrder(timings: Record<string, number>): [string, number][] {
@@ -105,23 +126,34 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
   // The control plane saw the session change (a turn ended or began elsewhere): once no stream is open,
   // take the stored history, so a turn that ended before this page could attach still shows, and a turn
   // that ended while it streamed shows as stored (the transcript is the record, the live view a preview).
-  // A history that comes back after a stream began is dropped: the stream is newer.
+  // A history that comes back after a stream began is dropped (the stream is newer), and so is one that
+  // is behind what the page shows (the recorder stores a part up to 100 ms after it streamed).
   const syncedKey = useRef(syncKey);
   const idle = status === 'ready' || status === 'error';
   const idleRef = useRef(idle);
   idleRef.current = idle;
+  const shown = useRef(messages);
+  shown.current = messages;
   useEffect(() => {
     if (!idle || syncedKey.current === syncKey) return;
     syncedKey.current = syncKey;
     let live = true;
-    void client.messages(id).then((m) => { if (live && idleRef.current) setMessages(asUi(m)); }).catch(() => {});
+    void client.messages(id).then((m) => {
+      if (live && idleRef.current && !isBehind(asUi(m), shown.current)) setMessages(asUi(m));
+    }).catch(() => {});
     return () => { live = false; };
   }, [syncKey, idle]); // eslint-disable-line react-hooks/exhaustive-deps
   // A turn runs that this chat has no stream of (a queued steer that began after the last turn ended,
-  // or a turn started by another client): take the history and attach to it. A turn attached twice
-  // replays in place (stable message id), so a lagging phase costs a replay, never a duplicate.
-  // The turn running when this chat mounted is the one `resume: true` attaches to on mount.
+  // or a turn started by another client): take the history and attach to it. The turn a stream carries
+  // is known from its message id, so a turn this page streamed to its end is not attached again when the
+  // control plane still says it runs (an attach replays the turn from its start: it never duplicates,
+  // but the page would show the turn rebuilding). The turn running when this chat mounted is the one
+  // `resume: true` attaches to on mount.
   const attachedTurn = useRef<number | null>(runningTurn);
+  const streamingTurn = status === 'streaming' ? turnOfLastAnswer(messages) : null;
+  useEffect(() => {
+    if (streamingTurn !== null) attachedTurn.current = streamingTurn;
+  }, [streamingTurn]);
   useEffect(() => {
     if (runningTurn === null || (status !== 'ready' && status !== 'error')) return;
     if (attachedTurn.current === runningTurn) return;
