@@ -27,7 +27,7 @@ function lastDelivery(messages: UIMessage[]): Delivery | null {
   return last;
 }
 
-/** The turn an assistant message answers: its id is `<session>-t<n>` (the driver names it, every replay keeps it). */
+/** The turn the last assistant message answers: its id is `<session>-t<n>` (the driver names it, every replay keeps it). */
 export function turnOfLastAnswer(messages: UIMessage[]): number | null {
   for (let m = messages.length - 1; m >= 0; m--) {
     if (messages[m].role !== 'assistant') continue;
@@ -158,7 +158,10 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
     if (runningTurn === null || (status !== 'ready' && status !== 'error')) return;
     if (attachedTurn.current === runningTurn) return;
     attachedTurn.current = runningTurn;
-    void client.messages(id).then((m) => { setMessages(asUi(m)); void resumeStream(); }).catch(() => {});
+    // The stored part of that turn is left out: the attach replays it from its start, and showing it first
+    // would show it vanish and grow back.
+    const answer = `${id}-t${runningTurn}`;
+    void client.messages(id).then((m) => { setMessages(asUi(m).filter((x) => x.id !== answer)); void resumeStream(); }).catch(() => {});
   }, [runningTurn, status]); // eslint-disable-line react-hooks/exhaustive-deps
   const delivery = useMemo(() => lastDelivery(messages), [messages]);
   useEffect(() => onDelivery(delivery), [delivery]); // eslint-disable-line react-hooks/exhaustive-deps
