@@ -37,15 +37,14 @@ export function turnOfLastAnswer(messages: UIMessage[]): number | null {
   return null;
 }
 
-/** `stored` shows less than `shown`: the same messages, none with more parts, and some with fewer or missing. */
-export function isBehind(stored: UIMessage[], shown: UIMessage[]): boolean {
-  if (stored.length > shown.length) return false;
-  let fewer = stored.length < shown.length;
-  for (let i = 0; i < stored.length; i++) {
-    if (stored[i].id !== shown[i].id || stored[i].parts.length > shown[i].parts.length) return false;
-    if (stored[i].parts.length < shown[i].parts.length) fewer = true;
-  }
-  return fewer;
+/** The stored messages, each kept as shown instead where the page shows more of it (same id, larger parts). */
+export function newest(stored: UIMessage[], shown: UIMessage[]): UIMessage[] {
+  const byId = new Map(shown.map((m) => [m.id, m]));
+  const size = (m: UIMessage) => JSON.stringify(m.parts).length;
+  return stored.map((m) => {
+    const seen = byId.get(m.id);
+    return seen && size(seen) > size(m) ? seen : m;
+  });
 }
 
 /** The turn's phases in the order they happen (DESIGN §2), then any the server adds. */
@@ -110,46 +109,39 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
       headers: { Authorization: `Ticket ${await client.ticket(id, 'attach')}` },
     }),
   }), [id]);
+  // The turn this chat has a stream of (or had, to its end); see the attach effect below.
+  const attachedTurn = useRef<number | null>(runningTurn);
   const { messages, sendMessage, status, resumeStream, setMessages } = useChat({
     id,
     messages: initial,
     transport,
     resume: true,
     onError: (e: Error) => setStreamError(e.message),
-    onFinish: () => onActivity(),
+    onFinish: ({ isDisconnect }) => {
+      // A stream the network (or the gateway, for a slow client) cut: its turn may still run, attach again.
+      if (isDisconnect) attachedTurn.current = null;
+      onActivity();
+    },
   });
   // A turn started outside this chat (Retry in the header): reload the history, then attach to its stream.
   useEffect(() => {
     if (reattach === 0) return;
-    void client.messages(id).then((m) => { setMessages(asUi(m)); void resumeStream(); });
+    void client.messages(id).then((m) => { setMessages(asUi(m)); void resumeStream(); }).catch(() => {});
   }, [reattach]); // eslint-disable-line react-hooks/exhaustive-deps
-  // The control plane saw the session change (a turn ended or began elsewhere): once no stream is open,
-  // take the stored history, so a turn that ended before this page could attach still shows, and a turn
-  // that ended while it streamed shows as stored (the transcript is the record, the live view a preview).
-  // A history that comes back after a stream began is dropped (the stream is newer), and so is one that
-  // is behind what the page shows (the recorder stores a part up to 100 ms after it streamed).
-  const syncedKey = useRef(syncKey);
   const idle = status === 'ready' || status === 'error';
   const idleRef = useRef(idle);
   idleRef.current = idle;
   const shown = useRef(messages);
   shown.current = messages;
-  useEffect(() => {
-    if (!idle || syncedKey.current === syncKey) return;
-    syncedKey.current = syncKey;
-    let live = true;
-    void client.messages(id).then((m) => {
-      if (live && idleRef.current && !isBehind(asUi(m), shown.current)) setMessages(asUi(m));
-    }).catch(() => {});
-    return () => { live = false; };
-  }, [syncKey, idle]); // eslint-disable-line react-hooks/exhaustive-deps
+  // null: the first sync runs on mount too (the history the page loaded may predate the phase it shows).
+  const syncedKey = useRef<string | null>(null);
   // A turn runs that this chat has no stream of (a queued steer that began after the last turn ended,
   // or a turn started by another client): take the history and attach to it. The turn a stream carries
   // is known from its message id, so a turn this page streamed to its end is not attached again when the
   // control plane still says it runs (an attach replays the turn from its start: it never duplicates,
   // but the page would show the turn rebuilding). The turn running when this chat mounted is the one
-  // `resume: true` attaches to on mount.
-  const attachedTurn = useRef<number | null>(runningTurn);
+  // `resume: true` attaches to on mount. This effect runs before the sync below and its fetch counts as
+  // that sync, so the sync cannot show the turn's stored part while the attach is on its way.
   const streamingTurn = status === 'streaming' ? turnOfLastAnswer(messages) : null;
   useEffect(() => {
     if (streamingTurn !== null) attachedTurn.current = streamingTurn;
@@ -158,11 +150,27 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
     if (runningTurn === null || (status !== 'ready' && status !== 'error')) return;
     if (attachedTurn.current === runningTurn) return;
     attachedTurn.current = runningTurn;
+    syncedKey.current = syncKey;
     // The stored part of that turn is left out: the attach replays it from its start, and showing it first
     // would show it vanish and grow back.
     const answer = `${id}-t${runningTurn}`;
     void client.messages(id).then((m) => { setMessages(asUi(m).filter((x) => x.id !== answer)); void resumeStream(); }).catch(() => {});
   }, [runningTurn, status]); // eslint-disable-line react-hooks/exhaustive-deps
+  // The control plane saw the session change (a turn ended or began elsewhere): once no stream is open,
+  // take the stored history, so a turn that ended before this page could attach still shows, and a turn
+  // that ended while it streamed shows as stored (the transcript is the record, the live view a preview).
+  // A history that comes back after a stream began is dropped (the stream is newer), and a stored message
+  // that holds less than the one shown keeps the shown one (the recorder stores a part up to 100 ms after
+  // it streamed; the next sync brings the rest).
+  useEffect(() => {
+    if (!idle || syncedKey.current === syncKey) return;
+    syncedKey.current = syncKey;
+    let live = true;
+    void client.messages(id).then((m) => {
+      if (live && idleRef.current) setMessages(newest(asUi(m), shown.current));
+    }).catch(() => {});
+    return () => { live = false; };
+  }, [syncKey, idle]); // eslint-disable-line react-hooks/exhaustive-deps
   const delivery = useMemo(() => lastDelivery(messages), [messages]);
   useEffect(() => onDelivery(delivery), [delivery]); // eslint-disable-line react-hooks/exhaustive-deps
   const [text, setText] = useState('');

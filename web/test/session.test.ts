@@ -1,8 +1,8 @@
 // The session page's bookkeeping between its stream and the stored history: which turn a streamed
-// answer belongs to, and when a stored history is behind what the page already shows.
+// answer belongs to, and which of a stored message and the shown one holds more.
 import { describe, expect, it } from 'vitest';
 import type { UIMessage } from 'ai';
-import { isBehind, turnOfLastAnswer } from '../src/session';
+import { newest, turnOfLastAnswer } from '../src/session';
 
 const user = (id: string): UIMessage => ({ id, role: 'user', parts: [{ type: 'text', text: 'do it' }] });
 const answer = (id: string, parts: number): UIMessage => ({
@@ -23,17 +23,22 @@ describe('turnOfLastAnswer', () => {
   });
 });
 
-describe('isBehind', () => {
+describe('newest', () => {
   const shown = [user('u1'), answer('ses_a-t1', 5)];
-  it('is behind when a message has fewer parts or a message is missing', () => {
-    expect(isBehind([user('u1'), answer('ses_a-t1', 4)], shown)).toBe(true);
-    expect(isBehind([user('u1')], shown)).toBe(true);
+  it('keeps a shown message that holds more than its stored copy', () => {
+    const stored = [user('u1'), answer('ses_a-t1', 4)];
+    expect(newest(stored, shown)[1]).toBe(shown[1]);
+    const running = { ...answer('ses_a-t1', 5), parts: [{ type: 'dynamic-tool', toolCallId: 'c', toolName: 'execute', state: 'input-available', input: {} }] } as UIMessage;
+    const done = { ...running, parts: [{ ...running.parts[0], state: 'output-available', output: 'reached' }] } as UIMessage;
+    expect(newest([user('u1'), running], [user('u1'), done])[1]).toBe(done);
   });
-  it('is not behind when it is the same, has more, or is a different conversation', () => {
-    expect(isBehind([user('u1'), answer('ses_a-t1', 5)], shown)).toBe(false);
-    expect(isBehind([user('u1'), answer('ses_a-t1', 6)], shown)).toBe(false);
-    expect(isBehind([...shown, user('u2')], shown)).toBe(false);
-    expect(isBehind([user('u9'), answer('ses_a-t1', 1)], shown)).toBe(false);
-    expect(isBehind([], [])).toBe(false);
+  it('takes the stored message when it holds as much or more, and stored messages the page lacks', () => {
+    const stored = [user('ses_a-u1'), answer('ses_a-t1', 5), user('ses_a-u2')];
+    const merged = newest(stored, shown);
+    expect(merged).toHaveLength(3);
+    expect(merged[0]).toBe(stored[0]);
+    expect(merged[1]).toBe(stored[1]);
+    expect(merged[2]).toBe(stored[2]);
+    expect(newest([], shown)).toEqual([]);
   });
 });
