@@ -147,7 +147,7 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
     if (streamingTurn !== null) attachedTurn.current = streamingTurn;
   }, [streamingTurn]);
   useEffect(() => {
-    if (runningTurn === null || (status !== 'ready' && status !== 'error')) return;
+    if (runningTurn === null || !idle) return;
     if (attachedTurn.current === runningTurn) return;
     attachedTurn.current = runningTurn;
     syncedKey.current = syncKey;
