@@ -866,8 +866,9 @@ async fn a_killed_server_or_driver_never_leaves_a_session_hanging() {
         }
     };
     // A client attached across the crash gets what the turn said once and a clean end, whether it
-    // was reading from the driver when it died or joined after.
-    let attached = world.attach(&id, None);
+    // was reading from the driver when it died or joined after. It names the turn: one that joins
+    // after the worker already marked it lost would otherwise get 204 (no turn is active).
+    let attached = world.attach(&id, Some(3));
     let kill = async {
         let killed = Command::new("kill")
             .args(["-9", &pid.to_string()])
