@@ -233,6 +233,22 @@ impl AgentHandle {
     }
 }
 
+/// Kills the process group `pgid` of an agent this process no longer holds a handle to: SIGTERM, then
+/// SIGKILL after `grace`.
+pub async fn kill_group_of(pgid: i32, grace: Duration) {
+    let group = nix::unistd::Pid::from_raw(pgid);
+    let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGTERM);
+    let exited = tokio::time::timeout(grace, async {
+        while nix::sys::signal::killpg(group, None).is_ok() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    if exited.is_err() {
+        let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+    }
+}
+
 async fn keep_stderr_tail(stderr: tokio::process::ChildStderr, tail: Arc<Mutex<VecDeque<u8>>>) {
     let mut stderr = stderr;
     let mut buffer = [0_u8; 4096];

@@ -10,12 +10,12 @@ use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Serialize;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::process::Command;
 
-use crate::driver::TurnFailure;
 use crate::secrets::{Finding, KnownSecrets, PatchScanner, secret_reason};
+pub use sortie_protocol::driver::DeliveryReport;
+use sortie_protocol::driver::{DriverFailureCode, TurnFailure};
 
 /// The longest subject line of a commit message.
 const SUBJECT_MAX_CHARS: usize = 72;
@@ -51,22 +51,6 @@ pub const UNREACHABLE_WAIT: Duration = Duration::from_secs(120);
 /// The longest pause between two attempts of a push the gateway did not answer.
 const UNREACHABLE_MAX_PAUSE: Duration = Duration::from_secs(4);
 
-/// What a delivery did, as `/status` reports it.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct DeliveryReport {
-    /// The commit delivered (or that would have been); `None` when there is none, or when it was undone
-    /// because it held a secret.
-    pub head_sha: Option<String>,
-    /// The remote branch is at `head_sha` (pushed now, or by an earlier attempt).
-    pub pushed: bool,
-    /// The branch has something new since the baseline.
-    pub changed: bool,
-    pub files: u64,
-    pub insertions: u64,
-    pub deletions: u64,
-    pub error: Option<TurnFailure>,
-}
-
 /// Why a delivery failed; `code()` is the turn's failure code.
 #[derive(Debug, thiserror::Error)]
 pub enum DeliveryError {
@@ -79,17 +63,17 @@ pub enum DeliveryError {
 }
 
 impl DeliveryError {
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> DriverFailureCode {
         match self {
-            Self::SecretDetected(_) => "SECRET_DETECTED",
-            Self::PushConflict(_) => "PUSH_CONFLICT",
-            Self::Git(_) => "DELIVERY_FAILED",
+            Self::SecretDetected(_) => DriverFailureCode::SecretDetected,
+            Self::PushConflict(_) => DriverFailureCode::PushConflict,
+            Self::Git(_) => DriverFailureCode::DeliveryFailed,
         }
     }
 
     pub fn to_failure(&self) -> TurnFailure {
         TurnFailure {
-            code: self.code().to_owned(),
+            code: self.code(),
             reason: self.to_string(),
         }
     }
@@ -507,7 +491,7 @@ pub struct DeliveryInput<'a> {
 pub async fn deliver(config: &DeliveryConfig, git: &Git, input: &DeliveryInput<'_>) -> DeliveryReport {
     let mut report = DeliveryReport::default();
     if let Err(error) = try_deliver(config, git, input, &mut report).await {
-        tracing::warn!(code = error.code(), %error, "delivery failed");
+        tracing::warn!(code = error.code().as_str(), %error, "delivery failed");
         report.error = Some(error.to_failure());
     }
     report

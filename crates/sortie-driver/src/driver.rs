@@ -1,28 +1,36 @@
-//! The driver's turn engine: one turn at a time on one agent process, each turn mapped into its hub
-//! and log, with a timeout and a cancel that end in a killed process group if the agent will not stop;
-//! a fresh agent primed with the session's context (§6.4); the work delivered when the agent stops
-//! (§7.3); the turn's timings measured and published.
+//! The driver's turn engine: one turn at a time, each on a fresh agent process that is killed when
+//! the turn ends (nothing the agent started outlives its turn), each turn mapped into its hub and log,
+//! with a timeout and a cancel that end in a killed process group if the agent will not stop; a fresh
+//! agent primed with the session's context (§6.4); the work delivered when the agent stops (§7.3).
+//!
+//! Every turn carries the nonce the host started it with: the same number under another nonce is
+//! refused, so nothing but the host decides what a turn is.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use serde::Serialize;
-use serde_json::{Map, Value, json};
+use serde_json::Value;
+use sortie_feed::hub::{HUB_MEMORY_LIMIT, TurnHub, log_path};
 use sortie_protocol::api::rfc3339_from_epoch_ms;
 use sortie_protocol::chunk::UiChunk;
+use sortie_protocol::driver::{
+    AgentState as ReportedAgentState, AgentStatus, DriverFailureCode, DriverStatus, PrimingRung, TurnFailure,
+    TurnReport, TurnState, VERSION, is_commit_id,
+};
 use tokio::sync::Notify;
 
 use crate::agent::{AgentEvent, AgentHandle, AgentLaunch, AgentState};
 use crate::delivery::{DeliveryConfig, DeliveryInput, DeliveryReport, Git};
-use crate::hub::{HUB_MEMORY_LIMIT, TurnHub, log_path};
 use crate::mapping::{Mapped, Mapper, TurnEnd};
 use crate::priming::{AgentOrigin, PrimingContext, prime};
 use crate::setup::{SetupError, SetupOutcome};
 
 /// How often a cancel is repeated until the agent ends its turn or the grace runs out.
 const CANCEL_RESEND: Duration = Duration::from_millis(250);
+/// The most of a file the agent could have written that the driver reads (its persisted session id).
+const PERSISTED_MAX_BYTES: u64 = 4096;
 
 /// How a driver runs its agent.
 #[derive(Clone, Debug)]
@@ -50,67 +58,21 @@ const ACP_SESSION_FILE: &str = "acp-session";
 /// The file under `persist_dir` that holds HEAD at the first turn (empty: an unborn branch).
 const START_HEAD_FILE: &str = "start-head";
 
-/// A turn's status as `/status` reports it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TurnState {
-    /// The agent works.
-    Running,
-    /// The agent stopped; its work is being committed, scanned and pushed.
-    Delivering,
-    Completed,
-    Cancelled,
-    Failed,
-}
-
-impl TurnState {
-    /// Running or delivering: no other turn (nor a setup script) may start.
-    pub fn is_active(self) -> bool {
-        matches!(self, Self::Running | Self::Delivering)
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct TurnFailure {
-    pub code: String,
-    pub reason: String,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct TurnReport {
-    pub n: u32,
-    pub state: TurnState,
-    pub stop_reason: Option<String>,
-    pub failure: Option<TurnFailure>,
-    pub parts: u64,
-    /// The rung that primed a fresh agent (`session_load`, `transcript`, `task`, `none`); `None` on a
-    /// warm agent or the session's first agent.
-    pub priming: Option<&'static str>,
-    /// What the delivery did, once it ran (not when the agent never started, nor without delivery).
-    pub delivery: Option<DeliveryReport>,
-    /// Milliseconds by phase, one vocabulary with the turn body: the worker's figures as given
-    /// (`queued`, `clone`, `sandbox`, `setup`), then `agent_ready`, `first_part`, `agent_turn`,
-    /// `delivery` as measured.
-    pub timings: Map<String, Value>,
-}
-
 /// What a turn is asked to do.
 #[derive(Clone, Debug, Default)]
 pub struct TurnRequest {
+    /// The host's nonce for this turn.
+    pub nonce: String,
     pub prompt: String,
     /// The branch's last delivered commit; `None`: the branch must not exist on the remote yet.
     pub baseline: Option<String>,
     pub priming: PrimingContext,
-    /// The worker's timings so far (queued, sandbox, clone, setup), opaque to the driver.
-    pub host_timings: Map<String, Value>,
 }
 
 struct TurnRecord {
     hub: Arc<TurnHub>,
     report: TurnReport,
     cancel: Arc<Notify>,
-    /// Parts of sortie's own (an egress denial) to put into the turn's stream, in order.
-    own: tokio::sync::mpsc::UnboundedSender<UiChunk>,
 }
 
 #[derive(Default)]
@@ -123,22 +85,16 @@ struct Activity {
 struct Shared {
     config: DriverConfig,
     activity: Mutex<Activity>,
-    agent: tokio::sync::Mutex<Option<AgentHandle>>,
+    /// The process group of the running turn's agent (none between turns: each turn's agent dies
+    /// with it), for a shutdown that comes mid-turn.
+    agent_group: Mutex<Option<i32>>,
     agent_state: Mutex<AgentStatus>,
-    /// The agent's ACP session, to `session/load` into a fresh process (read from `persist_dir` at start).
+    /// The agent's ACP session, to `session/load` into the next fresh process (read from
+    /// `persist_dir` at start).
     acp_session: Mutex<Option<String>>,
     /// HEAD when the first turn started (`Some(None)`: unborn): where a never-delivered branch's
     /// changes begin. Unset when it could not be read.
     start_head: tokio::sync::OnceCell<Option<String>>,
-}
-
-/// The agent as `/status` reports it.
-#[derive(Clone, Debug, Serialize)]
-pub struct AgentStatus {
-    pub state: &'static str,
-    pub reason: Option<String>,
-    /// The agent's pid (= its process group), while one runs.
-    pub pid: Option<i32>,
 }
 
 /// Why a turn was not started.
@@ -148,6 +104,8 @@ pub enum StartError {
     AnotherTurnRunning(u32),
     #[error("the setup script is running; start the turn when it is done")]
     SetupRunning,
+    #[error("turn {0} exists under another nonce: it was not started by the host")]
+    NotOurs(u32),
 }
 
 /// Why a setup script did not run to an outcome.
@@ -185,9 +143,9 @@ impl Driver {
             shared: Arc::new(Shared {
                 config,
                 activity: Mutex::new(Activity::default()),
-                agent: tokio::sync::Mutex::new(None),
+                agent_group: Mutex::new(None),
                 agent_state: Mutex::new(AgentStatus {
-                    state: "not_started",
+                    state: ReportedAgentState::NotStarted,
                     reason: None,
                     pid: None,
                 }),
@@ -197,11 +155,14 @@ impl Driver {
         }
     }
 
-    /// Starts turn `n`, or answers with the turn already known under `n` (idempotent).
+    /// Starts turn `n`, or answers with the turn already known under `n` and the same nonce
+    /// (idempotent); the same `n` under another nonce is refused.
     pub fn start_turn(&self, n: u32, request: TurnRequest) -> Result<TurnReport, StartError> {
-        let started = Instant::now();
         let mut activity = lock(&self.shared.activity);
         if let Some(existing) = activity.turns.get(&n) {
+            if existing.report.nonce != request.nonce {
+                return Err(StartError::NotOurs(n));
+            }
             return Ok(existing.report.clone());
         }
         if let Some((running, _)) = activity.turns.iter().find(|(_, t)| t.report.state.is_active()) {
@@ -219,23 +180,22 @@ impl Driver {
         };
         let report = TurnReport {
             n,
+            nonce: request.nonce.clone(),
             state: TurnState::Running,
             stop_reason: None,
             failure: None,
             parts: 0,
             priming: None,
+            load_error: None,
             delivery: None,
-            timings: request.host_timings.clone(),
         };
         let cancel = Arc::new(Notify::new());
-        let (own, own_parts) = tokio::sync::mpsc::unbounded_channel();
         activity.turns.insert(
             n,
             TurnRecord {
                 hub: hub.clone(),
                 report: report.clone(),
                 cancel: cancel.clone(),
-                own,
             },
         );
         drop(activity);
@@ -244,10 +204,8 @@ impl Driver {
             n,
             mapper: Mapper::new(format!("{}-t{n}", self.shared.config.session_id)),
             hub,
-            timings: request.host_timings.clone(),
-            started,
         };
-        tokio::spawn(run_turn(turn, request, cancel, own_parts));
+        tokio::spawn(run_turn(turn, request, cancel));
         Ok(report)
     }
 
@@ -263,16 +221,6 @@ impl Driver {
             Some(turn) => turn.report.state == TurnState::Delivering,
             None => false,
         }
-    }
-
-    /// Adds a part of sortie's own (`data-sortie-*`) to the active turn; `false` if none is active.
-    pub fn push_own(&self, chunk: UiChunk) -> bool {
-        let activity = lock(&self.shared.activity);
-        activity
-            .turns
-            .values()
-            .find(|t| t.report.state.is_active())
-            .is_some_and(|t| t.own.send(chunk).is_ok())
     }
 
     /// Runs the setup script between turns (§2 step 2) and answers its outcome.
@@ -309,6 +257,15 @@ impl Driver {
         log_path(&self.shared.config.turns_dir, n)
     }
 
+    /// Turn `n`'s report, if this driver ran it.
+    pub fn report(&self, n: u32) -> Option<TurnReport> {
+        lock(&self.shared.activity).turns.get(&n).map(|t| TurnReport {
+            parts: t.hub.len(),
+            ..t.report.clone()
+        })
+    }
+
+    /// Every turn this driver ran, in order.
     pub fn turns(&self) -> Vec<TurnReport> {
         lock(&self.shared.activity)
             .turns
@@ -320,24 +277,39 @@ impl Driver {
             .collect()
     }
 
-    pub fn agent_status(&self) -> AgentStatus {
-        lock(&self.shared.agent_state).clone()
+    pub fn status(&self) -> DriverStatus {
+        let active_turn = lock(&self.shared.activity)
+            .turns
+            .iter()
+            .find(|(_, t)| t.report.state.is_active())
+            .map(|(n, _)| *n);
+        DriverStatus {
+            version: VERSION,
+            agent: lock(&self.shared.agent_state).clone(),
+            active_turn,
+        }
     }
 
-    /// Kills the agent (shutdown).
+    /// Kills the running turn's agent, if any (shutdown).
     pub async fn shutdown(&self) {
-        let mut agent = self.shared.agent.lock().await;
-        if let Some(handle) = agent.take() {
-            handle.kill_group(self.shared.config.kill_grace).await;
+        let group = lock(&self.shared.agent_group).take();
+        if let Some(group) = group {
+            crate::agent::kill_group_of(group, self.shared.config.kill_grace).await;
         }
     }
 }
 
 /// The ACP session id an earlier driver persisted, if it looks like one.
 fn read_persisted_session(path: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(path).ok()?;
+    use std::io::Read;
+    // $HOME is the agent's too: read a bounded prefix and take only what can be an id.
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .ok()?
+        .take(PERSISTED_MAX_BYTES)
+        .read_to_string(&mut text)
+        .ok()?;
     let id = text.trim();
-    // $HOME is the agent's too: take only what can be an id.
     (!id.is_empty() && id.len() <= 256 && !id.chars().any(char::is_control)).then(|| id.to_owned())
 }
 
@@ -366,10 +338,6 @@ async fn remember_session(shared: &Shared, session_id: String) {
     }
 }
 
-fn is_commit_id(text: &str) -> bool {
-    matches!(text.len(), 40 | 64) && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
-}
-
 /// Records HEAD at the first turn of this workspace (persisted, so that a later driver on the same
 /// home starts from the same point); a failure leaves it unset.
 async fn record_start_head(shared: &Shared, git: &Git) {
@@ -377,7 +345,7 @@ async fn record_start_head(shared: &Shared, git: &Git) {
     let recorded = shared
         .start_head
         .get_or_try_init(|| async {
-            if let Ok(text) = tokio::fs::read_to_string(&path).await {
+            if let Ok(text) = read_bounded(&path).await {
                 let head = text.trim();
                 if head.is_empty() {
                     return Ok(None);
@@ -398,7 +366,22 @@ async fn record_start_head(shared: &Shared, git: &Git) {
     }
 }
 
-fn set_agent_status(shared: &Shared, state: &'static str, reason: Option<String>, pid: Option<i32>) {
+async fn read_bounded(path: &Path) -> std::io::Result<String> {
+    use tokio::io::AsyncReadExt;
+    let mut text = String::new();
+    tokio::fs::File::open(path)
+        .await?
+        .take(PERSISTED_MAX_BYTES)
+        .read_to_string(&mut text)
+        .await?;
+    Ok(text)
+}
+
+fn set_agent_status(shared: &Shared, state: ReportedAgentState, reason: Option<String>) {
+    let pid = match state {
+        ReportedAgentState::Starting | ReportedAgentState::Ready => *lock(&shared.agent_group),
+        _ => None,
+    };
     *lock(&shared.agent_state) = AgentStatus { state, reason, pid };
 }
 
@@ -411,73 +394,26 @@ fn with_stderr(reason: String, agent: &AgentHandle) -> String {
     }
 }
 
-fn millis(duration: Duration) -> u64 {
-    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
-}
-
-/// One turn on its way: the stream it writes and the clock it keeps.
+/// One turn on its way: the stream it writes.
 struct Turn {
     shared: Arc<Shared>,
     n: u32,
     mapper: Mapper,
     hub: Arc<TurnHub>,
-    timings: Map<String, Value>,
-    started: Instant,
 }
 
 impl Turn {
-    /// A part of sortie's own, in stream order.
-    fn publish_own(&mut self, chunk: UiChunk) {
-        let mut chunks = Vec::new();
-        self.mapper.push_own(chunk, &mut chunks);
-        self.hub.publish(&chunks);
-    }
-
     fn update(&self, change: impl FnOnce(&mut TurnReport)) {
         if let Some(record) = lock(&self.shared.activity).turns.get_mut(&self.n) {
             change(&mut record.report);
         }
     }
-
-    /// Records a timing, in the report as well.
-    fn time(&mut self, name: &str, duration: Duration) {
-        self.timings.insert(name.to_owned(), Value::from(millis(duration)));
-        let timings = self.timings.clone();
-        self.update(|report| report.timings = timings);
-    }
-
-    /// `data-sortie-phase` with the timings so far: one part (same id) that clients update in place.
-    fn publish_phase(&mut self, phase: &str) {
-        self.publish_phase_note(phase, "");
-    }
-
-    /// The phase part with a sentence on what it waits for (none when `note` is empty); the next
-    /// phase part replaces it.
-    fn publish_phase_note(&mut self, phase: &str, note: &str) {
-        let mut data = self.timings.clone();
-        data.insert("phase".into(), Value::from(phase));
-        if !note.is_empty() {
-            data.insert("note".into(), Value::from(note));
-        }
-        self.publish_own(UiChunk::Data {
-            name: "sortie-phase".into(),
-            id: Some("phase".into()),
-            data: Value::Object(data),
-            transient: false,
-        });
-    }
 }
 
-async fn run_turn(
-    mut turn: Turn,
-    request: TurnRequest,
-    cancel: Arc<Notify>,
-    mut own_parts: tokio::sync::mpsc::UnboundedReceiver<UiChunk>,
-) {
+async fn run_turn(mut turn: Turn, request: TurnRequest, cancel: Arc<Notify>) {
     let mut chunks = Vec::new();
     turn.mapper.start(&mut chunks);
     turn.hub.publish(&chunks);
-    turn.publish_phase("running");
     let shared = turn.shared.clone();
     let delivery = shared.config.delivery.as_ref().map(|config| {
         let git = Git {
@@ -491,7 +427,7 @@ async fn run_turn(
         record_start_head(&shared, git).await;
     }
 
-    let ran = run_agent(&mut turn, &request, &cancel, &mut own_parts).await;
+    let ran = run_agent(&mut turn, &request, &cancel).await;
     let mut ending = Ending::from(ran.outcome);
     if ran.agent_started
         && let Some((config, git)) = &delivery
@@ -505,11 +441,6 @@ async fn run_turn(
             ending.failure = Some(failure);
         }
     }
-    // Parts of sortie's own that came while the turn was delivering.
-    while let Ok(chunk) = own_parts.try_recv() {
-        turn.publish_own(chunk);
-    }
-    turn.publish_phase("done");
     end(turn, ending);
 }
 
@@ -521,7 +452,7 @@ struct AgentRun {
 }
 
 impl AgentRun {
-    fn not_started(code: &'static str, reason: String) -> Self {
+    fn not_started(code: DriverFailureCode, reason: String) -> Self {
         Self {
             outcome: Outcome::failed(code, reason),
             agent_started: false,
@@ -529,42 +460,26 @@ impl AgentRun {
     }
 }
 
-async fn run_agent(
-    turn: &mut Turn,
-    request: &TurnRequest,
-    cancel: &Notify,
-    own_parts: &mut tokio::sync::mpsc::UnboundedReceiver<UiChunk>,
-) -> AgentRun {
+/// Runs the agent part of the turn on a fresh agent process, which is killed (its whole process
+/// group) before this returns: nothing of it runs on into the delivery or the next turn.
+async fn run_agent(turn: &mut Turn, request: &TurnRequest, cancel: &Notify) -> AgentRun {
     let shared = turn.shared.clone();
     let config = &shared.config;
-    let mut chunks = Vec::new();
-    let mut agent_slot = shared.agent.lock().await;
-    if let Some(agent) = agent_slot.as_ref()
-        && agent.try_exit_status().await.is_some()
-    {
-        *agent_slot = None;
-    }
-    let fresh = agent_slot.is_none();
     let resume_session = lock(&shared.acp_session).clone();
-    if fresh {
-        let launch = AgentLaunch {
-            resume_session: resume_session.clone(),
-            ..config.launch.clone()
-        };
-        set_agent_status(&shared, "starting", None, None);
-        match AgentHandle::spawn(launch) {
-            Ok(agent) => {
-                set_agent_status(&shared, "starting", None, agent.pid());
-                *agent_slot = Some(agent);
-            }
-            Err(error) => {
-                set_agent_status(&shared, "failed", Some(error.to_string()), None);
-                return AgentRun::not_started("AGENT_START_FAILED", error.to_string());
-            }
+    let launch = AgentLaunch {
+        resume_session: resume_session.clone(),
+        ..config.launch.clone()
+    };
+    let mut agent = match AgentHandle::spawn(launch) {
+        Ok(agent) => {
+            *lock(&shared.agent_group) = agent.pid();
+            set_agent_status(&shared, ReportedAgentState::Starting, None);
+            agent
         }
-    }
-    let Some(agent) = agent_slot.as_mut() else {
-        return AgentRun::not_started("INTERNAL", "the agent process was lost before the turn".into());
+        Err(error) => {
+            set_agent_status(&shared, ReportedAgentState::Failed, Some(error.to_string()));
+            return AgentRun::not_started(DriverFailureCode::AgentStartFailed, error.to_string());
+        }
     };
     let (loaded, load_error) = match agent.ready(config.start_timeout).await {
         AgentState::Ready {
@@ -574,42 +489,34 @@ async fn run_agent(
             ..
         } => {
             remember_session(&shared, session_id).await;
-            set_agent_status(&shared, "ready", None, agent.pid());
+            set_agent_status(&shared, ReportedAgentState::Ready, None);
             (loaded, load_error)
         }
         AgentState::Failed { reason } => {
-            let reason = with_stderr(format!("the agent did not start: {reason}"), agent);
+            let reason = with_stderr(format!("the agent did not start: {reason}"), &agent);
             agent.kill_group(config.kill_grace).await;
-            *agent_slot = None;
-            set_agent_status(&shared, "failed", Some(reason.clone()), None);
-            return AgentRun::not_started("AGENT_START_FAILED", reason);
+            lock(&shared.agent_group).take();
+            set_agent_status(&shared, ReportedAgentState::Failed, Some(reason.clone()));
+            return AgentRun::not_started(DriverFailureCode::AgentStartFailed, reason);
         }
         AgentState::Starting => (false, None),
     };
-    turn.time("agent_ready", turn.started.elapsed());
 
     let origin = AgentOrigin {
-        fresh,
+        fresh: true,
         had_session: resume_session.is_some(),
         loaded,
     };
     let (rung, prompt) = prime(turn.n, origin, &request.priming, &request.prompt);
     if let Some(rung) = rung {
-        turn.update(|report| report.priming = Some(rung.as_str()));
-        let mut data = json!({ "rung": rung.as_str() });
-        if let Some(error) = load_error {
-            data["load_error"] = Value::from(error);
-        }
-        turn.publish_own(UiChunk::Data {
-            name: "sortie-priming".into(),
-            id: Some("priming".into()),
-            data,
-            transient: false,
+        let load_error = load_error.filter(|_| rung != PrimingRung::SessionLoad);
+        turn.update(|report| {
+            report.priming = Some(rung);
+            report.load_error = load_error;
         });
     }
 
-    let prompted = Instant::now();
-    let mut first_part: Option<Duration> = None;
+    let mut chunks = Vec::new();
     let mut prompt_done = agent.prompt(prompt);
     let timeout = tokio::time::sleep(config.turn_timeout);
     tokio::pin!(timeout);
@@ -624,27 +531,16 @@ async fn run_agent(
         };
         tokio::select! {
             event = agent.events.recv() => {
-                if first_part.is_none() && is_part(event.as_ref()) {
-                    first_part = Some(turn.started.elapsed());
-                }
                 match handle_event(event, &mut turn.mapper, &turn.hub, &mut chunks) {
                     Step::Continue => {}
                     Step::Finished(stop_reason) => break Outcome::stopped(stop_reason, canceled),
-                    Step::Broken(reason) => {
-                        let reason = with_stderr(reason, agent);
-                        agent.kill_group(config.kill_grace).await;
-                        *agent_slot = None;
-                        break Outcome::failed("AGENT_ERROR", reason);
-                    }
+                    Step::Broken(reason) => break Outcome::failed(DriverFailureCode::AgentError, with_stderr(reason, &agent)),
                 }
             }
             answer = &mut prompt_done => {
                 // The answer's line followed every update, so whatever is still queued came first.
                 let mut finished = None;
                 while let Ok(event) = agent.events.try_recv() {
-                    if first_part.is_none() && is_part(Some(&event)) {
-                        first_part = Some(turn.started.elapsed());
-                    }
                     if let Step::Finished(stop_reason) = handle_event(Some(event), &mut turn.mapper, &turn.hub, &mut chunks) {
                         finished = Some(stop_reason);
                     }
@@ -653,33 +549,22 @@ async fn run_agent(
                     (_, Some(stop_reason)) => break Outcome::stopped(stop_reason, canceled),
                     (Ok(Ok(())), None) => break Outcome::stopped("end_turn".into(), canceled),
                     (Ok(Err(error)), None) => {
-                        let exited = agent.try_exit_status().await;
-                        let reason = match exited {
+                        let reason = match agent.try_exit_status().await {
                             Some(status) => format!("the agent exited mid-turn ({status})"),
                             None => format!("the agent failed the turn: {error}"),
                         };
-                        let reason = with_stderr(reason, agent);
-                        if exited.is_some() {
-                            agent.kill_group(config.kill_grace).await;
-                            *agent_slot = None;
-                        }
-                        break Outcome::failed("AGENT_ERROR", reason);
+                        break Outcome::failed(DriverFailureCode::AgentError, with_stderr(reason, &agent));
                     }
                     (Err(_), None) => {
-                        let reason = with_stderr("the agent connection closed mid-turn".into(), agent);
-                        agent.kill_group(config.kill_grace).await;
-                        *agent_slot = None;
-                        break Outcome::failed("AGENT_ERROR", reason);
+                        let reason = with_stderr("the agent connection closed mid-turn".into(), &agent);
+                        break Outcome::failed(DriverFailureCode::AgentError, reason);
                     }
                 }
             }
             () = &mut timeout => {
                 agent.cancel();
-                agent.kill_group(config.kill_grace).await;
-                *agent_slot = None;
-                break Outcome::failed("TURN_TIMEOUT", format!("the turn ran past its limit of {}s; the agent was stopped", config.turn_timeout.as_secs()));
+                break Outcome::failed(DriverFailureCode::TurnTimeout, format!("the turn ran past its limit of {}s; the agent was stopped", config.turn_timeout.as_secs()));
             }
-            Some(chunk) = own_parts.recv() => turn.publish_own(chunk),
             () = cancel.notified(), if kill_at.is_none() => {
                 canceled = true;
                 agent.cancel();
@@ -691,42 +576,29 @@ async fn run_agent(
             }
             () = kill_timer => {
                 // Canceled, and the agent did not end its turn in time.
-                agent.kill_group(config.kill_grace).await;
-                *agent_slot = None;
                 break Outcome::Canceled { reason: Some(format!("the agent did not stop within {}s of the cancel; it was killed", config.kill_grace.as_secs())) };
             }
         }
     };
-    if agent_slot.is_none() {
-        set_agent_status(&shared, "stopped", None, None);
-    }
-    drop(agent_slot);
-    if let Some(first_part) = first_part {
-        turn.time("first_part", first_part);
-    }
-    turn.time("agent_turn", prompted.elapsed());
+    // The turn is over for the agent: its whole process group goes, before the delivery reads the tree.
+    agent.kill_group(config.kill_grace).await;
+    lock(&shared.agent_group).take();
+    set_agent_status(&shared, ReportedAgentState::Stopped, None);
     AgentRun {
         outcome,
         agent_started: true,
     }
 }
 
-/// Whether an event of the agent becomes a part of the turn (not the end, not a fault).
-fn is_part(event: Option<&AgentEvent>) -> bool {
-    matches!(event, Some(AgentEvent::Update(_) | AgentEvent::Permission(_)))
-}
-
-/// Commits, scans and pushes the turn's work; publishes and reports what happened.
+/// Commits, scans and pushes the turn's work; reports what happened.
 async fn deliver(turn: &mut Turn, config: &DeliveryConfig, git: &Git, request: &TurnRequest) -> DeliveryReport {
     turn.update(|report| report.state = TurnState::Delivering);
-    turn.publish_phase("delivering");
-    let began = Instant::now();
     let shared = turn.shared.clone();
     let start_head = shared.start_head.get();
     let report = if request.baseline.is_none() && start_head.is_none() {
         DeliveryReport {
             error: Some(TurnFailure {
-                code: "DELIVERY_FAILED".into(),
+                code: DriverFailureCode::DeliveryFailed,
                 reason: "the workspace's commit could not be read when the first turn began (is it a git \
                          repository?), so the changes to scan are unknown; nothing was pushed"
                     .into(),
@@ -734,46 +606,15 @@ async fn deliver(turn: &mut Turn, config: &DeliveryConfig, git: &Git, request: &
             ..DeliveryReport::default()
         }
     } else {
-        let (waiting, mut notices) = tokio::sync::mpsc::unbounded_channel();
         let input = DeliveryInput {
             prompt: &request.prompt,
             session_id: &shared.config.session_id,
             baseline: request.baseline.as_deref(),
             start_head: start_head.and_then(Option::as_deref),
-            waiting: Some(waiting),
+            waiting: None,
         };
-        let delivering = crate::delivery::deliver(config, git, &input);
-        tokio::pin!(delivering);
-        loop {
-            tokio::select! {
-                report = &mut delivering => break report,
-                Some(note) = notices.recv() => turn.publish_phase_note("delivering", &note),
-            }
-        }
+        crate::delivery::deliver(config, git, &input).await
     };
-    turn.time("delivery", began.elapsed());
-    let mut data = json!({
-        "branch": config.branch,
-        "pushed": report.pushed,
-        "changed": report.changed,
-        "diffStat": {"files": report.files, "insertions": report.insertions, "deletions": report.deletions},
-    });
-    // Absent, not null, when there is none (§5.1); keys as DESIGN §5.1 names them.
-    if let Some(head_sha) = &report.head_sha {
-        data["headSha"] = Value::from(head_sha.as_str());
-    }
-    if let Some(baseline) = &request.baseline {
-        data["baseline"] = Value::from(baseline.as_str());
-    }
-    if let Some(error) = &report.error {
-        data["error"] = json!({ "code": error.code, "reason": error.reason });
-    }
-    turn.publish_own(UiChunk::Data {
-        name: "sortie-delivery".into(),
-        id: Some("delivery".into()),
-        data,
-        transient: false,
-    });
     let reported = report.clone();
     turn.update(|record| record.delivery = Some(reported));
     report
@@ -820,11 +661,11 @@ fn handle_event(event: Option<AgentEvent>, mapper: &mut Mapper, hub: &TurnHub, c
 enum Outcome {
     Stopped { stop_reason: String },
     Canceled { reason: Option<String> },
-    Failed { code: &'static str, reason: String },
+    Failed { code: DriverFailureCode, reason: String },
 }
 
 impl Outcome {
-    fn failed(code: &'static str, reason: String) -> Self {
+    fn failed(code: DriverFailureCode, reason: String) -> Self {
         Self::Failed { code, reason }
     }
 
@@ -837,7 +678,7 @@ impl Outcome {
     }
 }
 
-/// How a turn ends, as `/status` reports it.
+/// How a turn ends, as its report says.
 struct Ending {
     state: TurnState,
     stop_reason: Option<String>,
@@ -856,17 +697,14 @@ impl From<Outcome> for Ending {
                 state: TurnState::Cancelled,
                 stop_reason: Some("cancelled".to_owned()),
                 failure: reason.map(|reason| TurnFailure {
-                    code: "CANCELED".into(),
+                    code: DriverFailureCode::Canceled,
                     reason,
                 }),
             },
             Outcome::Failed { code, reason } => Self {
                 state: TurnState::Failed,
                 stop_reason: None,
-                failure: Some(TurnFailure {
-                    code: code.into(),
-                    reason,
-                }),
+                failure: Some(TurnFailure { code, reason }),
             },
         }
     }
@@ -877,7 +715,7 @@ impl Ending {
     fn turn_end(&self) -> TurnEnd {
         match (&self.state, &self.failure) {
             (TurnState::Failed, Some(failure)) => TurnEnd::Failed {
-                code: failure.code.clone(),
+                code: failure.code.as_str().to_owned(),
                 reason: failure.reason.clone(),
             },
             _ => TurnEnd::Stopped {
@@ -891,7 +729,7 @@ fn end(mut turn: Turn, ending: Ending) {
     let mut chunks = Vec::new();
     turn.mapper.finish(&ending.turn_end(), &mut chunks);
     turn.hub.publish(&chunks);
-    // The report first: whoever saw the stream end and asks `/status` finds the turn ended too.
+    // The report first: whoever saw the stream end and asks for the report finds the turn ended too.
     turn.update(|report| {
         report.state = ending.state;
         report.stop_reason = ending.stop_reason;

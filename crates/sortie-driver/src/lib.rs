@@ -1,15 +1,17 @@
-//! The driver: inside the sandbox it spawns the agent, speaks ACP to it, maps every update to AI SDK
-//! UI message chunks, keeps each turn in a hub (memory) and a log (file), serves turns on a local
-//! HTTP API (DESIGN §6.2), primes a fresh agent with the session's context (§6.4), runs the setup
-//! script, and delivers each turn's work as a commit pushed to the session's branch (§7.3).
+//! The driver: inside the sandbox it spawns the agent (a fresh process each turn), speaks ACP to it,
+//! maps every update to AI SDK UI message chunks, keeps each turn in a hub (memory) and a log (file),
+//! serves turns on a local HTTP API (DESIGN §6.2, bodies in `sortie_protocol::driver`), primes a
+//! fresh agent with the session's context (§6.4), runs the setup script, and delivers each turn's
+//! work as a commit pushed to the session's branch (§7.3).
 //!
-//! It must never hold a credential: everything it reaches outside the sandbox goes through the gateway.
+//! It must never hold a credential: everything it reaches outside the sandbox goes through the
+//! gateway. The host believes nothing it says (DESIGN §9 invariant 9): the driver's stream carries
+//! the agent's chunks only, and sortie's own parts (`data-sortie-*`) are the host's to write.
 
 pub mod agent;
 pub mod api;
 pub mod delivery;
 pub mod driver;
-pub mod hub;
 pub mod mapping;
 pub mod priming;
 pub mod profile;

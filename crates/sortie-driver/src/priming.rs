@@ -1,44 +1,7 @@
 //! Priming a fresh agent process with the session's earlier context (DESIGN §6.4): pure, the turn
 //! says what it knows and gets the rung and the prompt to send.
 
-use serde::{Deserialize, Serialize};
-
-/// What the worker knows of the session's past, for a fresh agent.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PrimingContext {
-    /// A bounded preamble from the durable transcript (prompts and assistant text).
-    #[serde(default)]
-    pub preamble: Option<String>,
-    /// The session's original task.
-    #[serde(default)]
-    pub task: Option<String>,
-}
-
-/// The rung of the context ladder a turn used.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Rung {
-    /// The agent reloaded its own session from $HOME (`session/load`).
-    SessionLoad,
-    /// The prompt carries a preamble from the transcript.
-    Transcript,
-    /// The prompt carries the original task.
-    Task,
-    /// The agent needed context and none could be given: it starts afresh.
-    None,
-}
-
-impl Rung {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::SessionLoad => "session_load",
-            Self::Transcript => "transcript",
-            Self::Task => "task",
-            Self::None => "none",
-        }
-    }
-}
+pub use sortie_protocol::driver::{PrimingContext, PrimingRung as Rung};
 
 /// Where the agent process of a turn came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -11,24 +11,13 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde::Serialize;
+use sortie_protocol::driver::SETUP_OUTPUT_TAIL_BYTES as OUTPUT_TAIL_BYTES;
+pub use sortie_protocol::driver::SetupOutcome;
 use tokio::io::AsyncReadExt;
 use tokio::process::Command;
 
-/// How much of the script's output (stdout and stderr together) is kept.
-pub const OUTPUT_TAIL_BYTES: usize = 8 * 1024;
 /// After the script exits, how long output from its background children is still collected.
 const OUTPUT_GRACE: Duration = Duration::from_millis(500);
-
-/// What became of a setup script.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct SetupOutcome {
-    /// The script's exit code; `None` when a signal ended it (the timeout's SIGKILL, say).
-    pub exit_code: Option<i32>,
-    pub timed_out: bool,
-    /// The last 8 KiB of stdout and stderr, interleaved as written.
-    pub output_tail: String,
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {

@@ -126,7 +126,7 @@ async fn a_secret_the_agent_committed_and_removed_again_is_still_found_in_the_hi
 
     let report = deliver(&config(&setup.remote), &setup.git, &input(None, Some(&base))).await;
     let error = report.error.expect("refused");
-    assert_eq!(error.code, "SECRET_DETECTED");
+    assert_eq!(error.code.as_str(), "SECRET_DETECTED");
     assert!(
         error.reason.contains("a GitHub token in token.txt") && !error.reason.contains(&key),
         "{}",
@@ -149,7 +149,7 @@ async fn an_unreachable_remote_fails_the_delivery_with_gits_words() {
     let missing = setup.workspace.join("no-such-remote.git");
     let report = deliver(&config(&missing), &setup.git, &input(None, None)).await;
     let error = report.error.expect("failed");
-    assert_eq!(error.code, "DELIVERY_FAILED");
+    assert_eq!(error.code.as_str(), "DELIVERY_FAILED");
     assert!(
         error.reason.contains("read the remote branch") && error.reason.contains("no-such-remote.git"),
         "{}",
@@ -181,7 +181,7 @@ async fn a_gateway_that_does_not_answer_is_tried_again_until_the_wait_runs_out()
     input.waiting = Some(waiting);
     let report = deliver(&config(&remote), &setup.git, &input).await;
     let error = report.error.expect("failed");
-    assert_eq!(error.code, "DELIVERY_FAILED");
+    assert_eq!(error.code.as_str(), "DELIVERY_FAILED");
     // A connection closed unread ends as either, depending on whether git's request was in flight.
     assert!(
         ["Empty reply from server", "Connection reset by peer"]

@@ -1,10 +1,9 @@
 //! Attach (DESIGN §5, §7.1): `GET /v1/sessions/{id}/stream` with a single-use ticket answers the
-//! active turn's UI message stream — the stored prefix first, then the driver's live tail after the
-//! last stored part (`?after=K`), so there is no gap and no duplicate — and `[DONE]` when the turn
-//! ends. No active turn is 204 (useChat's "nothing to resume"); `?turn=N` replays turn N. An idle
+//! active turn's UI message stream — the stored prefix first, then the live tail after the last
+//! stored part from the host's own copy of the turn ([`crate::live`]; never a socket of the sandbox),
+//! so there is no gap and no duplicate — and `[DONE]` when the turn ends. No active turn is 204 (useChat's "nothing to resume"); `?turn=N` replays turn N. An idle
 //! stream gets a heartbeat comment every 15 s. Cookies are ignored; the ticket is the only credential.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,26 +14,21 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use futures::StreamExt;
-use http_body_util::BodyExt;
-use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use sortie_protocol::api::TicketAction;
 use sortie_protocol::chunk::{SSE_DONE, STREAM_HEADERS, write_sse_event};
 use sortie_protocol::{ApiErrorBody, ErrorCode, SessionId, TurnStatus};
 use sortie_store::{Store, StoreError, TurnRow};
 
+use crate::live::LiveTails;
 use crate::tickets;
-
-/// Where the driver of a session listens, while it has one.
-pub trait DriverLocator: Send + Sync + 'static {
-    fn driver_socket(&self, session_id: &SessionId) -> Option<PathBuf>;
-}
 
 #[derive(Clone)]
 pub struct AttachState {
     pub store: Arc<dyn Store>,
     pub ticket_secret: Arc<[u8]>,
-    pub drivers: Arc<dyn DriverLocator>,
+    /// The live copies of running turns.
+    pub tails: Arc<dyn LiveTails>,
     /// Origins a browser may attach from (CORS).
     pub allowed_origins: Arc<Vec<String>>,
     pub heartbeat: Duration,
@@ -293,7 +287,7 @@ async fn turn_stream(state: &AttachState, session: &SessionId, workspace_id: &st
     }
     let ended = turn.status.is_terminal();
     let tail = live_tail(
-        state.drivers.clone(),
+        state.tails.clone(),
         session.clone(),
         turn.n,
         last_stored,
@@ -328,15 +322,15 @@ struct Pace {
 /// At most this much of a client's backlog is joined into one write.
 const COALESCE_BYTES: usize = 64 * 1024;
 
-/// The rest of the stream after the stored prefix: the driver's parts after `after`, heartbeats
-/// while nothing comes, and `[DONE]`. A turn that ended and is stored whole needs no driver.
+/// The rest of the stream after the stored prefix: the live copy's parts after `after`, heartbeats
+/// while nothing comes, and `[DONE]`. A turn that ended and is stored whole needs no live copy.
 ///
-/// A client that leaves its buffer (this channel) full for `slow_client_limit` is dropped: the
-/// driver connection is let go at once, and the body ends with an error after what is buffered, so
-/// the client sees a broken stream (and can attach again), never a clean end without `[DONE]`.
+/// A client that leaves its buffer (this channel) full for `slow_client_limit` is dropped: its
+/// subscription is let go at once, and the body ends with an error after what is buffered, so the
+/// client sees a broken stream (and can attach again), never a clean end without `[DONE]`.
 #[allow(clippy::too_many_arguments)]
 fn live_tail(
-    drivers: Arc<dyn DriverLocator>,
+    tails: Arc<dyn LiveTails>,
     session: SessionId,
     n: u32,
     after: Option<u64>,
@@ -360,18 +354,16 @@ fn live_tail(
         let mut relayed = Relayed::after(after);
         let mut quiet_since = std::time::Instant::now();
         loop {
-            // Asked afresh each time: the turn's sandbox may come up (or go) while the client waits.
-            if let Some(socket) = drivers.driver_socket(&session)
-                && let Ok(Some(mut body)) =
-                    tokio::time::timeout(heartbeat, open_driver_stream(&socket, n, relayed.resume_after())).await
+            // Asked afresh each time: the turn's live copy may come up (or go) while the client waits.
+            if let Ok(Some(mut body)) =
+                tokio::time::timeout(heartbeat, tails.open(&session, n, relayed.resume_after())).await
             {
                 loop {
-                    match tokio::time::timeout(heartbeat, body.frame()).await {
-                        Ok(Some(Ok(frame))) => {
-                            let Ok(data) = frame.into_data() else { continue };
+                    match tokio::time::timeout(heartbeat, body.next()).await {
+                        Ok(Some(Ok(data))) => {
                             relayed.observe(&data);
                             // A client that takes nothing for this long is dropped (it can attach again);
-                            // only its own connection to the driver ever waited for it.
+                            // only its own subscription ever waited for it.
                             match tokio::time::timeout(slow_client_limit, sender.send(data)).await {
                                 Ok(Ok(())) => {}
                                 Ok(Err(_)) => return,
@@ -396,14 +388,15 @@ fn live_tail(
                         Err(_) => {}
                     }
                 }
-                // The driver went away before `[DONE]` (its sandbox died or was replaced). Between two
-                // events the stream can go on from the store or a new driver; inside one it cannot.
+                // The live copy went away before `[DONE]` (its turn was lost, or its worker restarted).
+                // Between two events the stream can go on from the store or a new copy; inside one it
+                // cannot.
                 if !relayed.at_boundary() {
                     mark_dropped.store(true, std::sync::atomic::Ordering::Release);
                     return;
                 }
             }
-            // No driver (yet, or any more): wait with heartbeats; a turn that ends meanwhile ends the
+            // No live copy (yet, or any more): wait with heartbeats; a turn that ends meanwhile ends the
             // stream. A store that does not answer is asked again, never taken for an ended turn.
             let ended = match store.turns(&workspace_id, &session).await {
                 Ok(turns) => turns
@@ -471,7 +464,7 @@ fn live_tail(
     })
 }
 
-/// What of a driver's SSE bytes went to the client: the last whole event's index and whether `[DONE]`
+/// What of a live copy's SSE bytes went to the client: the last whole event's index and whether `[DONE]`
 /// passed, so a broken driver stream can be taken up again exactly after the last whole event. Bytes
 /// are relayed as they come (a write may end inside a line); only line starts are inspected.
 struct Relayed {
@@ -549,23 +542,6 @@ impl Relayed {
             }
         }
     }
-}
-
-/// `GET /turns/{n}/stream?after=K` on the driver's socket; `None` if it has no such turn (yet).
-async fn open_driver_stream(socket: &std::path::Path, n: u32, after: Option<u64>) -> Option<hyper::body::Incoming> {
-    let stream = tokio::net::UnixStream::connect(socket).await.ok()?;
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.ok()?;
-    tokio::spawn(connection);
-    let path = match after {
-        Some(k) => format!("/turns/{n}/stream?after={k}"),
-        None => format!("/turns/{n}/stream"),
-    };
-    let request = axum::http::Request::get(path)
-        .header(header::HOST, "driver")
-        .body(http_body_util::Empty::<Bytes>::new())
-        .ok()?;
-    let response = sender.send_request(request).await.ok()?;
-    response.status().is_success().then(|| response.into_body())
 }
 
 #[cfg(test)]

@@ -1,15 +1,18 @@
-//! Attach against a fake driver socket: a client that never reads is disconnected (its socket reset
-//! by `attach::run`, no `[DONE]` ever reaching it) while a client on the same session gets every part;
-//! mounted in another server, the stalled client still lets the driver go and never sees a clean end.
+//! Attach against a fake live tail: a client that never reads is disconnected (its socket reset by
+//! `attach::run`, no `[DONE]` ever reaching it) while a client on the same session gets every part;
+//! mounted in another server, the stalled client still lets its subscription go and never sees a
+//! clean end.
 
-use std::path::PathBuf;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use futures::StreamExt;
-use sortie_gateway::attach::{AttachState, DriverLocator};
+use sortie_gateway::attach::AttachState;
+use sortie_gateway::live::{LiveTails, TailBody};
 use sortie_protocol::SessionId;
 use sortie_protocol::api::TicketAction;
 use sortie_protocol::chunk::{SSE_DONE, write_sse_event};
@@ -24,11 +27,30 @@ const SECRET: &[u8] = b"attach-slow-client-secret";
 const PARTS: u64 = 24_000;
 const SLOW_CLIENT_LIMIT: Duration = Duration::from_secs(1);
 
-struct OneDriver(PathBuf);
+/// A live tail made by `open`, once `ready` (a turn whose live copy has not come up yet answers none).
+struct FakeTails {
+    ready: std::sync::atomic::AtomicBool,
+    open: Box<dyn Fn() -> TailBody + Send + Sync>,
+}
 
-impl DriverLocator for OneDriver {
-    fn driver_socket(&self, _session_id: &SessionId) -> Option<PathBuf> {
-        Some(self.0.clone())
+impl FakeTails {
+    fn new(ready: bool, open: impl Fn() -> TailBody + Send + Sync + 'static) -> Arc<Self> {
+        Arc::new(Self {
+            ready: std::sync::atomic::AtomicBool::new(ready),
+            open: Box::new(open),
+        })
+    }
+}
+
+impl LiveTails for FakeTails {
+    fn open<'a>(
+        &'a self,
+        _session: &'a SessionId,
+        _n: u32,
+        _after: Option<u64>,
+    ) -> Pin<Box<dyn Future<Output = Option<TailBody>> + Send + 'a>> {
+        let body = self.ready.load(Ordering::SeqCst).then(|| (self.open)());
+        Box::pin(async move { body })
     }
 }
 
@@ -38,14 +60,14 @@ fn now() -> i64 {
         .map_or(0, |d| d.as_secs() as i64)
 }
 
-/// How many turn streams the fake driver has opened, and how many are still open.
+/// How many live tails the fake has opened, and how many are still open.
 #[derive(Default)]
 struct DriverStreams {
     opened: AtomicUsize,
     open: AtomicUsize,
 }
 
-/// Counts a stream as open until the gateway lets go of it.
+/// Counts a tail as open until the gateway lets go of it.
 struct OpenStream(Arc<DriverStreams>);
 
 impl Drop for OpenStream {
@@ -54,32 +76,26 @@ impl Drop for OpenStream {
     }
 }
 
-/// A driver whose turn 1 is [`PARTS`] text deltas, as fast as the reader takes them, then `[DONE]`.
-async fn fake_driver(socket: PathBuf) -> Arc<DriverStreams> {
+/// A live tail of turn 1 that is [`PARTS`] text deltas, as fast as the reader takes them, then `[DONE]`.
+fn fake_tails() -> (Arc<FakeTails>, Arc<DriverStreams>) {
     let streams = Arc::new(DriverStreams::default());
     let counted = streams.clone();
-    let stream = move || {
-        let streams = counted.clone();
-        async move {
-            streams.opened.fetch_add(1, Ordering::SeqCst);
-            streams.open.fetch_add(1, Ordering::SeqCst);
-            let open = OpenStream(streams);
-            let padding = "x".repeat(1000);
-            let parts = futures::stream::iter(0..PARTS).map(move |index| {
-                let _held_while_streaming = &open;
-                let mut event = Vec::new();
-                let json = format!(r#"{{"type":"text-delta","id":"t","delta":"{index} {padding}"}}"#);
-                write_sse_event(&mut event, index, &json);
-                Ok::<_, std::convert::Infallible>(Bytes::from(event))
-            });
-            let done = futures::stream::once(async { Ok(Bytes::from_static(SSE_DONE)) });
-            Body::from_stream(parts.chain(done))
-        }
-    };
-    let app = axum::Router::new().route("/turns/1/stream", axum::routing::get(stream));
-    let listener = tokio::net::UnixListener::bind(socket).expect("bind the driver socket");
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    streams
+    let tails = FakeTails::new(true, move || {
+        counted.opened.fetch_add(1, Ordering::SeqCst);
+        counted.open.fetch_add(1, Ordering::SeqCst);
+        let open = OpenStream(counted.clone());
+        let padding = "x".repeat(1000);
+        let parts = futures::stream::iter(0..PARTS).map(move |index| {
+            let _held_while_streaming = &open;
+            let mut event = Vec::new();
+            let json = format!(r#"{{"type":"text-delta","id":"t","delta":"{index} {padding}"}}"#);
+            write_sse_event(&mut event, index, &json);
+            Ok::<_, std::io::Error>(Bytes::from(event))
+        });
+        let done = futures::stream::once(async { Ok(Bytes::from_static(SSE_DONE)) });
+        Box::pin(parts.chain(done)) as TailBody
+    });
+    (tails, streams)
 }
 
 struct World {
@@ -119,12 +135,11 @@ impl World {
             })
             .await
             .expect("session");
-        let socket = temp.path().join("driver.sock");
-        let driver = fake_driver(socket.clone()).await;
+        let (tails, driver) = fake_tails();
         let state = AttachState {
             store,
             ticket_secret: Arc::from(SECRET),
-            drivers: Arc::new(OneDriver(socket)),
+            tails,
             allowed_origins: Arc::new(Vec::new()),
             heartbeat: Duration::from_secs(15),
             slow_client_limit: SLOW_CLIENT_LIMIT,
@@ -239,15 +254,11 @@ async fn a_client_that_never_reads_is_disconnected_and_the_others_get_every_part
         stalled_at.elapsed()
     );
     read_what_is_left(&mut stalled).await;
-    assert_eq!(
-        world.driver.open.load(Ordering::SeqCst),
-        0,
-        "no driver stream left open"
-    );
+    assert_eq!(world.driver.open.load(Ordering::SeqCst), 0, "no live tail left open");
 }
 
-/// `sortie serve` mounts the attach router in its own server: there the stalled client's driver
-/// stream is still let go, and when the client reads again its stream breaks instead of ending.
+/// `sortie serve` mounts the attach router in its own server: there the stalled client's live tail is
+/// still let go, and when the client reads again its stream breaks instead of ending.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_client_in_another_server_lets_the_driver_go_and_never_sees_a_clean_end() {
     let world = World::start().await;
@@ -262,7 +273,7 @@ async fn a_stalled_client_in_another_server_lets_the_driver_go_and_never_sees_a_
     while world.driver.opened.load(Ordering::SeqCst) == 0 || world.driver.open.load(Ordering::SeqCst) > 0 {
         assert!(
             Instant::now() < deadline,
-            "the driver stream of the stalled client is still open after {:?}",
+            "the live tail of the stalled client is still open after {:?}",
             stalled_at.elapsed()
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -271,31 +282,26 @@ async fn a_stalled_client_in_another_server_lets_the_driver_go_and_never_sees_a_
     read_what_is_left(&mut stalled).await;
 }
 
-/// A driver whose turn 1 sends two parts, waits until `release` is notified, then sends two more and `[DONE]`.
-async fn paced_driver(socket: PathBuf, release: Arc<tokio::sync::Notify>) {
-    let stream = move || {
+/// A live tail of turn 1 that sends two parts, waits until `release` is notified, then sends two more
+/// and `[DONE]`; it answers none until it is made ready.
+fn paced_tails(release: Arc<tokio::sync::Notify>) -> Arc<FakeTails> {
+    FakeTails::new(false, move || {
         let release = release.clone();
-        async move {
-            let event = |index: u64| {
-                let mut event = Vec::new();
-                let json = format!(r#"{{"type":"text-delta","id":"t","delta":"part {index}"}}"#);
-                write_sse_event(&mut event, index, &json);
-                event
-            };
-            let first =
-                futures::stream::iter([0, 1].map(|index| Ok::<_, std::convert::Infallible>(Bytes::from(event(index)))));
-            let rest = futures::stream::once(async move {
-                release.notified().await;
-                let mut tail = [event(2), event(3)].concat();
-                tail.extend_from_slice(SSE_DONE);
-                Ok(Bytes::from(tail))
-            });
-            Body::from_stream(first.chain(rest))
-        }
-    };
-    let app = axum::Router::new().route("/turns/1/stream", axum::routing::get(stream));
-    let listener = tokio::net::UnixListener::bind(socket).expect("bind the paced driver socket");
-    tokio::spawn(async move { axum::serve(listener, app).await });
+        let event = |index: u64| {
+            let mut event = Vec::new();
+            let json = format!(r#"{{"type":"text-delta","id":"t","delta":"part {index}"}}"#);
+            write_sse_event(&mut event, index, &json);
+            event
+        };
+        let first = futures::stream::iter([0, 1].map(|index| Ok::<_, std::io::Error>(Bytes::from(event(index)))));
+        let rest = futures::stream::once(async move {
+            release.notified().await;
+            let mut tail = [event(2), event(3)].concat();
+            tail.extend_from_slice(SSE_DONE);
+            Ok(Bytes::from(tail))
+        });
+        Box::pin(first.chain(rest)) as TailBody
+    })
 }
 
 /// Reads the body until `want` says the text so far is enough, within a deadline.
@@ -318,8 +324,9 @@ async fn read_until(
 async fn heartbeats_keep_an_idle_stream_open_and_only_ever_go_between_events() {
     const HEARTBEAT: &str = ": keep-alive\n\n";
     let mut world = World::start().await;
-    let socket = world._temp.path().join("paced.sock");
-    world.state.drivers = Arc::new(OneDriver(socket.clone()));
+    let release = Arc::new(tokio::sync::Notify::new());
+    let paced = paced_tails(release.clone());
+    world.state.tails = paced.clone();
     world.state.heartbeat = Duration::from_millis(100);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("addr");
@@ -339,7 +346,7 @@ async fn heartbeats_keep_an_idle_stream_open_and_only_ever_go_between_events() {
     let mut body = reply.bytes_stream();
     let mut text = String::new();
 
-    // No driver yet (the turn has not started): heartbeats, nothing else.
+    // No live copy yet (the turn has not started): heartbeats, nothing else.
     read_until(&mut body, &mut text, |t| t.matches(HEARTBEAT).count() >= 2).await;
     assert_eq!(
         text,
@@ -347,9 +354,8 @@ async fn heartbeats_keep_an_idle_stream_open_and_only_ever_go_between_events() {
         "only heartbeats before the turn"
     );
 
-    // The driver comes up, sends two parts and goes quiet: heartbeats again, after whole events only.
-    let release = Arc::new(tokio::sync::Notify::new());
-    paced_driver(socket, release.clone()).await;
+    // The live copy comes up, sends two parts and goes quiet: heartbeats again, after whole events only.
+    paced.ready.store(true, Ordering::SeqCst);
     let before = text.len();
     read_until(&mut body, &mut text, |t| {
         t.contains("part 1") && t[t.find("part 1").unwrap_or(0)..].matches(HEARTBEAT).count() >= 2
@@ -370,6 +376,6 @@ async fn heartbeats_keep_an_idle_stream_open_and_only_ever_go_between_events() {
     assert_eq!(ids(&text), vec![0, 1, 2, 3], "every part once: {text:?}");
     assert!(
         events.iter().filter(|e| **e == ": keep-alive").count() >= 2,
-        "heartbeats while the driver was quiet: {text:?}"
+        "heartbeats while the turn was quiet: {text:?}"
     );
 }

@@ -38,12 +38,16 @@ impl Default for Limits {
 }
 
 /// Where the sandbox's standard streams go.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub enum SandboxStdio {
     /// The host process's own (for `sortie sandbox exec`).
     Inherit,
-    /// Nowhere: the driver speaks over its socket.
+    /// Nowhere: the command speaks over a socket of its own.
     Null,
+    /// Stdin is this listening socket, which the host made and keeps the name of outside the
+    /// sandbox; stdout is nowhere. The driver serves its API on it (`sortie driver
+    /// --listen-on-stdin`), so nothing inside the sandbox holds a name the host connects to.
+    Listener(std::sync::Arc<std::os::unix::net::UnixListener>),
 }
 
 /// What a sandbox is made of. Every host path must be absolute.
@@ -55,8 +59,6 @@ pub struct SandboxSpec {
     pub workspace: PathBuf,
     /// Becomes `/home/agent`, writable, kept after the sandbox ends.
     pub home: PathBuf,
-    /// Becomes `/run/sortie`, writable: the driver creates `driver.sock` here.
-    pub run_dir: PathBuf,
     /// Becomes `/run/sortie-egress`, read-only: holds the host's `egress.sock`.
     pub egress_dir: Option<PathBuf>,
     /// Bound read-only at the same path (the agent's install dir, the `sortie` binary's dir, a mirror).
@@ -73,9 +75,7 @@ pub struct SandboxSpec {
 pub mod inside {
     pub const WORKSPACE: &str = "/workspace";
     pub const HOME: &str = "/home/agent";
-    pub const RUN_DIR: &str = "/run/sortie";
     pub const EGRESS_DIR: &str = "/run/sortie-egress";
-    pub const DRIVER_SOCKET: &str = "/run/sortie/driver.sock";
     pub const EGRESS_SOCKET: &str = "/run/sortie-egress/egress.sock";
     /// The uid and gid of the agent inside.
     pub const UID: u32 = 1000;
@@ -104,6 +104,14 @@ impl SandboxExit {
             (None, None) => "ended".into(),
         }
     }
+}
+
+/// One process of a sandbox, told apart from a later process that gets the same pid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ProcessStamp {
+    pub pid: u32,
+    /// When it started, in clock ticks since boot (`/proc/<pid>/stat` field 22).
+    pub started: u64,
 }
 
 /// What a sandbox used, measured by its cgroups.
@@ -169,6 +177,18 @@ pub trait SandboxRuntime: Send + Sync {
         Err(SandboxError::Unsupported(format!(
             "this runtime cannot adopt sandbox {name:?}"
         )))
+    }
+
+    /// The processes of a running sandbox now (for [`SandboxRuntime::kill_newer`]).
+    async fn processes(&self, _name: &str) -> Result<Vec<ProcessStamp>, SandboxError> {
+        Ok(Vec::new())
+    }
+
+    /// Kills every process of the sandbox that is not one of `keep` (the processes it had when a turn
+    /// began): nothing started during a turn — the agent, a `setsid` child of it — outlives the turn.
+    /// Returns how many were killed.
+    async fn kill_newer(&self, _name: &str, _keep: &[ProcessStamp]) -> Result<usize, SandboxError> {
+        Ok(0)
     }
 
     /// The host uid and gid that must own a sandbox's writable directories, when the runtime maps

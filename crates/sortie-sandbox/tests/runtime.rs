@@ -17,7 +17,7 @@ fn layout() -> Layout {
     let temp = tempfile::tempdir().expect("temp");
     std::fs::set_permissions(temp.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
     let root = temp.path().to_owned();
-    for dir in ["workspace", "home", "run", "state"] {
+    for dir in ["workspace", "home", "state"] {
         std::fs::create_dir_all(root.join(dir)).expect("dir");
     }
     Layout { _temp: temp, root }
@@ -32,7 +32,6 @@ fn spec(layout: &Layout, name: &str, command: &[&str]) -> SandboxSpec {
         name: name.to_owned(),
         workspace: layout.root.join("workspace"),
         home: layout.root.join("home"),
-        run_dir: layout.root.join("run"),
         egress_dir: None,
         read_only: Vec::new(),
         env: Vec::new(),
@@ -177,4 +176,109 @@ async fn failures_say_what_to_do() {
         Err(SandboxError::Exists(_))
     ));
     runtime.destroy("twice").await.expect("destroy");
+}
+
+/// The host-held socket reaches the command as its stdin through everything between (the wrapper,
+/// setpriv, bwrap), and the sandbox has no name for it: the host's path is not inside.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listening_socket_of_the_host_reaches_the_command_as_stdin() {
+    let layout = layout();
+    let runtime = runtime(&layout);
+    let host_dir = layout.root.join("host");
+    std::fs::create_dir_all(&host_dir).expect("host dir");
+    std::fs::set_permissions(&host_dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let socket = host_dir.join("driver.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).expect("bind");
+    let script = format!(
+        "import os, socket\n\
+         seen = os.path.exists({path:?}) or os.path.exists('/run/sortie')\n\
+         s = socket.socket(fileno=0)\n\
+         c, _ = s.accept()\n\
+         c.sendall(b'served from inside; host path visible: %d' % seen)\n\
+         c.close()\n",
+        path = socket.display().to_string()
+    );
+    let mut spec = spec(&layout, "listener", &["python3", "-c", &script]);
+    spec.stdio = SandboxStdio::Listener(std::sync::Arc::new(listener));
+    runtime.create(spec).await.expect("create");
+    runtime.start("listener").await.expect("start");
+    let said = tokio::task::spawn_blocking(move || {
+        use std::io::Read;
+        let mut stream = std::os::unix::net::UnixStream::connect(&socket).expect("connect to the host path");
+        stream.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+        let mut said = String::new();
+        stream.read_to_string(&mut said).expect("read");
+        said
+    })
+    .await
+    .expect("join");
+    assert_eq!(said, "served from inside; host path visible: 0");
+    let exit = tokio::time::timeout(Duration::from_secs(30), runtime.wait("listener"))
+        .await
+        .expect("ends")
+        .expect("wait");
+    assert_eq!(exit.code, Some(0));
+    runtime.destroy("listener").await.expect("destroy");
+}
+
+/// The turn-end sweep: what ran before keeps running, everything started since (a background job, a
+/// `setsid` child that left the process group) is killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_newer_spares_what_ran_before_and_kills_what_came_since() {
+    let layout = layout();
+    let runtime = runtime(&layout);
+    let marker = format!("sweep-{}", std::process::id());
+    let script = format!(
+        "touch /workspace/ready; while [ ! -e /workspace/go ]; do sleep 0.05; done; \
+         sleep 600 & setsid sleep 601 & touch /workspace/started; \
+         while :; do sleep 0.05; done; : {marker}"
+    );
+    runtime
+        .create(spec(&layout, "sweep", &["sh", "-c", &script]))
+        .await
+        .expect("create");
+    runtime.start("sweep").await.expect("start");
+    // `start` returns once the namespaces exist; the command is what "ran before" the turn.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !layout.root.join("workspace/ready").exists() {
+        assert!(Instant::now() < deadline, "the sandbox's command did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let before = runtime.processes("sweep").await.expect("processes");
+    assert!(!before.is_empty(), "the sandbox has processes");
+    std::fs::write(layout.root.join("workspace/go"), "").expect("go");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !layout.root.join("workspace/started").exists() {
+        assert!(Instant::now() < deadline, "the sandbox did not start its children");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let sleeping = |seconds: &str| -> usize {
+        std::fs::read_dir("/proc")
+            .expect("proc")
+            .flatten()
+            .filter(|entry| {
+                let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+                cmdline == format!("sleep\0{seconds}\0").into_bytes()
+            })
+            .count()
+    };
+    // `touch` may run before the children have exec'd their `sleep`.
+    while (sleeping("600"), sleeping("601")) != (1, 1) {
+        assert!(Instant::now() < deadline, "both children run");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let killed = runtime.kill_newer("sweep", &before).await.expect("sweep");
+    assert!(killed >= 2, "killed {killed}");
+    assert_eq!(
+        (sleeping("600"), sleeping("601")),
+        (0, 0),
+        "nothing started since survives"
+    );
+    assert!(processes_with(&marker) >= 1, "the command that ran before still runs");
+    assert!(
+        matches!(runtime.status("sweep").await, Ok(SandboxStatus::Running)),
+        "the sandbox goes on"
+    );
+    runtime.destroy("sweep").await.expect("destroy");
+    assert_eq!(processes_with(&marker), 0);
 }

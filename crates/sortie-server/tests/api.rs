@@ -991,6 +991,7 @@ async fn messages_assemble_stored_parts(h: Harness) {
         .iter()
         .enumerate()
         .map(|(i, c)| NewPart {
+            driver_index: None,
             part_index: i as u32,
             payload: c.to_string(),
         })

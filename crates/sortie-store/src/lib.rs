@@ -122,6 +122,9 @@ pub trait Store: Send + Sync + 'static {
         timings: Option<&std::collections::BTreeMap<String, u64>>,
     ) -> StoreResult<()>;
 
+    /// Records the nonce the worker starts turn `n` with at the driver.
+    async fn set_driver_nonce(&self, session_id: &SessionId, n: u32, nonce: &str) -> StoreResult<()>;
+
     /// Records the session's pull request, once: `false` if it already has one (which is kept).
     async fn set_session_pr(&self, session_id: &SessionId, url: &str, number: u64) -> StoreResult<bool>;
 
@@ -144,6 +147,9 @@ pub trait Store: Send + Sync + 'static {
     async fn append_parts(&self, session_id: &SessionId, turn: u32, parts: &[NewPart]) -> StoreResult<u64>;
     /// Every stored part of a session, in turn and part order.
     async fn parts(&self, session_id: &SessionId) -> StoreResult<Vec<StoredPart>>;
+    /// Where turn `turn`'s stored transcript ends (its last part, the last part from the sandbox's
+    /// stream) and how big it and the session's are.
+    async fn transcript_progress(&self, session_id: &SessionId, turn: u32) -> StoreResult<TranscriptProgress>;
 
     // Usage.
 

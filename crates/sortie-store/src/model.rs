@@ -124,10 +124,12 @@ pub struct TurnRow {
     pub priming: Option<String>,
     pub head_sha: Option<String>,
     pub failure: Option<(FailureCode, String)>,
-    /// Milliseconds by phase (queued, sandbox, clone, setup, agent_ready, first_part, agent_turn, delivery).
+    /// Milliseconds by phase (queued, clone, sandbox, setup, first_part, agent_turn, delivery), measured by the host.
     pub timings: Option<std::collections::BTreeMap<String, u64>>,
     /// The worker that claimed the turn to run it.
     pub claimed_by: Option<String>,
+    /// The nonce the worker started the turn with at the driver.
+    pub driver_nonce: Option<String>,
     pub created_at: i64,
     pub started_at: Option<i64>,
     pub completed_at: Option<i64>,
@@ -161,6 +163,22 @@ impl Default for SessionFilter {
 pub struct NewPart {
     pub part_index: u32,
     pub payload: String,
+    /// The part's index in the sandbox's stream, for a part that came from it; `None` for the host's own.
+    pub driver_index: Option<u32>,
+}
+
+/// How far a turn's stored transcript got, and the session's: where a recorder goes on, and what
+/// the transcript caps count.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TranscriptProgress {
+    /// The highest part index stored for the turn.
+    pub last_index: Option<u32>,
+    /// The highest index in the sandbox's stream of a part stored for the turn.
+    pub driver_cursor: Option<u32>,
+    pub turn_parts: u64,
+    pub turn_bytes: u64,
+    pub session_parts: u64,
+    pub session_bytes: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

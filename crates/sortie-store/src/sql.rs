@@ -159,7 +159,7 @@ macro_rules! turn_select {
     ($tail:literal) => {
         concat!(
             "SELECT session_id, n, prompt, status, mode, stop_requested, priming, head_sha, failure_code, ",
-            "failure_reason, timings, claimed_by, created_at, started_at, completed_at FROM turns ",
+            "failure_reason, timings, claimed_by, driver_nonce, created_at, started_at, completed_at FROM turns ",
             $tail
         )
     };
@@ -264,6 +264,7 @@ fn turn_from_row(row: &AnyRow) -> StoreResult<TurnRow> {
             None => None,
         },
         claimed_by: row.try_get("claimed_by")?,
+        driver_nonce: row.try_get("driver_nonce")?,
         created_at: row.try_get("created_at")?,
         started_at: row.try_get("started_at")?,
         completed_at: row.try_get("completed_at")?,
@@ -914,6 +915,20 @@ impl Store for SqlStore {
         Ok(())
     }
 
+    async fn set_driver_nonce(&self, session_id: &SessionId, n: u32, nonce: &str) -> StoreResult<()> {
+        let updated = sqlx::query("UPDATE turns SET driver_nonce = $3 WHERE session_id = $1 AND n = $2")
+            .bind(session_id.as_str())
+            .bind(i64::from(n))
+            .bind(nonce)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        if updated == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
+    }
+
     async fn set_session_pr(&self, session_id: &SessionId, url: &str, number: u64) -> StoreResult<bool> {
         let number = i64::try_from(number).map_err(internal)?;
         let updated = sqlx::query(
@@ -1041,10 +1056,11 @@ impl Store for SqlStore {
                 .ok_or(StoreError::NotFound)?;
         let end: i64 = reserved.try_get("next_part_seq")?;
         let mut inserted = 0;
+        let mut inserted_bytes = 0_i64;
         for (offset, part) in (0_i64..).zip(parts) {
-            inserted += sqlx::query(
-                "INSERT INTO parts (session_id, turn, part_index, seq, payload, created_at) VALUES ($1, $2, $3, $4, $5, $6) \
-                 ON CONFLICT (session_id, turn, part_index) DO NOTHING",
+            let added = sqlx::query(
+                "INSERT INTO parts (session_id, turn, part_index, seq, payload, created_at, driver_index) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (session_id, turn, part_index) DO NOTHING",
             )
             .bind(session_id.as_str())
             .bind(i64::from(turn))
@@ -1052,12 +1068,57 @@ impl Store for SqlStore {
             .bind(end - count + offset)
             .bind(&part.payload)
             .bind(now)
+            .bind(part.driver_index.map(i64::from))
             .execute(&mut *tx)
             .await?
             .rows_affected();
+            if added > 0 {
+                inserted += added;
+                inserted_bytes += i64::try_from(part.payload.len()).map_err(internal)?;
+            }
+        }
+        if inserted > 0 {
+            sqlx::query("UPDATE sessions SET part_count = part_count + $2, part_bytes = part_bytes + $3 WHERE id = $1")
+                .bind(session_id.as_str())
+                .bind(i64::try_from(inserted).map_err(internal)?)
+                .bind(inserted_bytes)
+                .execute(&mut *tx)
+                .await?;
         }
         tx.commit().await?;
         Ok(inserted)
+    }
+
+    async fn transcript_progress(&self, session_id: &SessionId, turn: u32) -> StoreResult<TranscriptProgress> {
+        // Bytes, not characters, on both backends.
+        let query = match self.backend {
+            Backend::Sqlite => {
+                "SELECT MAX(part_index) AS last_index, MAX(driver_index) AS driver_cursor, COUNT(*) AS parts, \
+                 COALESCE(SUM(LENGTH(CAST(payload AS BLOB))), 0) AS bytes FROM parts WHERE session_id = $1 AND turn = $2"
+            }
+            Backend::Postgres => {
+                "SELECT MAX(part_index) AS last_index, MAX(driver_index) AS driver_cursor, COUNT(*) AS parts, \
+                 COALESCE(SUM(OCTET_LENGTH(payload)), 0)::BIGINT AS bytes FROM parts WHERE session_id = $1 AND turn = $2"
+            }
+        };
+        let row = sqlx::query(query)
+            .bind(session_id.as_str())
+            .bind(i64::from(turn))
+            .fetch_one(&self.pool)
+            .await?;
+        let session = sqlx::query("SELECT part_count, part_bytes FROM sessions WHERE id = $1")
+            .bind(session_id.as_str())
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        Ok(TranscriptProgress {
+            last_index: get_opt_u32(&row, "last_index")?,
+            driver_cursor: get_opt_u32(&row, "driver_cursor")?,
+            turn_parts: get_u64(&row, "parts")?,
+            turn_bytes: get_u64(&row, "bytes")?,
+            session_parts: get_u64(&session, "part_count")?,
+            session_bytes: get_u64(&session, "part_bytes")?,
+        })
     }
 
     async fn parts(&self, session_id: &SessionId) -> StoreResult<Vec<StoredPart>> {

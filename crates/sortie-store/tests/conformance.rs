@@ -1248,7 +1248,13 @@ async fn parts_are_stored_once_in_order(backend: TestBackend) {
     let part = |i: u32| NewPart {
         part_index: i,
         payload: format!(r#"{{"type":"text-delta","id":"t","delta":"{i}"}}"#),
+        driver_index: None,
     };
+    assert_eq!(
+        f.store.transcript_progress(&session.id, 1).await.expect("progress"),
+        TranscriptProgress::default(),
+        "nothing stored yet"
+    );
     assert_eq!(
         f.store
             .append_parts(&session.id, 1, &[part(0), part(1), part(2)])
@@ -1278,6 +1284,37 @@ async fn parts_are_stored_once_in_order(backend: TestBackend) {
     assert_eq!(stored[3].payload, part(3).payload, "payload kept verbatim");
     let missing = f.store.append_parts(&SessionId::generate(), 1, &[part(0)]).await;
     assert_eq!(missing, Err(StoreError::NotFound));
+
+    // Where a recorder goes on: the last part, the last part from the sandbox's stream, the sizes
+    // (bytes, not characters: "é" is two).
+    let from_sandbox = |i: u32, driver: u32| NewPart {
+        part_index: i,
+        payload: format!(r#"{{"type":"text-delta","id":"t","delta":"é{i}"}}"#),
+        driver_index: Some(driver),
+    };
+    let added = [from_sandbox(4, 7), from_sandbox(5, 9), part(6)];
+    f.store.append_parts(&session.id, 1, &added).await.expect("append");
+    let turn_bytes: u64 = [part(0), part(1), part(2), part(3)]
+        .iter()
+        .chain(&added)
+        .map(|p| p.payload.len() as u64)
+        .sum();
+    let progress = f.store.transcript_progress(&session.id, 1).await.expect("progress");
+    assert_eq!(
+        progress,
+        TranscriptProgress {
+            last_index: Some(6),
+            driver_cursor: Some(9),
+            turn_parts: 7,
+            turn_bytes,
+            session_parts: 8,
+            session_bytes: turn_bytes + part(0).payload.len() as u64,
+        }
+    );
+    assert_eq!(
+        f.store.transcript_progress(&SessionId::generate(), 1).await,
+        Err(StoreError::NotFound)
+    );
 }
 
 async fn usage_is_summed_by_session_and_day(backend: TestBackend) {

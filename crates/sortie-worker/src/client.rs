@@ -1,18 +1,25 @@
-//! The worker's side of the driver API (DESIGN §6.2): HTTP/1.1 over the sandbox's `driver.sock`.
+//! The worker's side of the driver API (DESIGN §6.2, bodies in `sortie_protocol::driver`): HTTP/1.1
+//! over the driver's socket, whose name is the host's (in a directory no sandbox can see: DESIGN §9
+//! invariant 8). Every answer is untrusted input: bounded ([`ANSWER_MAX_BYTES`], a deadline) before
+//! it is parsed into its type, and a driver of another API version is refused.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::{Method, Request, StatusCode, header};
 use hyper_util::rt::TokioIo;
-use serde::Deserialize;
-use serde_json::Value;
+use sortie_protocol::driver::{
+    ANSWER_MAX_BYTES, DriverErrorBody, DriverErrorCode, DriverStatus, RunSetup, SetupOutcome, StartTurn, TurnReport,
+    VERSION,
+};
 
 /// How long a plain request to the driver may take.
 const REQUEST_DEADLINE: Duration = Duration::from_secs(10);
+/// How much of a refusal's body is read for its reason.
+const REFUSAL_MAX_BYTES: usize = 16 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DriverError {
@@ -20,68 +27,24 @@ pub enum DriverError {
     Unreachable(PathBuf, String),
     #[error("the driver did not answer within {0:?}")]
     Timeout(Duration),
-    #[error("the driver answered {status}: {body}")]
-    Refused { status: StatusCode, body: String },
+    #[error("the driver refused ({status}, {code:?}): {message}")]
+    Refused {
+        status: StatusCode,
+        code: Option<DriverErrorCode>,
+        message: String,
+    },
     #[error("the driver's answer is not what the worker expects: {0}")]
     Malformed(String),
 }
 
-/// A turn as the driver's `GET /status` reports it.
-#[derive(Clone, Debug, Default, Deserialize)]
-pub struct DriverTurn {
-    pub n: u32,
-    /// `running`, `delivering`, `completed`, `cancelled` or `failed`.
-    #[serde(default)]
-    pub state: String,
-    #[serde(default)]
-    pub failure: Option<DriverFailure>,
-    #[serde(default)]
-    pub delivery: Option<DriverDelivery>,
-    #[serde(default)]
-    pub priming: Option<String>,
-    #[serde(default)]
-    pub timings: Option<serde_json::Map<String, Value>>,
-}
-
-#[derive(Clone, Debug, Default, Deserialize)]
-pub struct DriverFailure {
-    pub code: String,
-    #[serde(default)]
-    pub reason: String,
-}
-
-#[derive(Clone, Debug, Default, Deserialize)]
-pub struct DriverDelivery {
-    #[serde(default)]
-    pub head_sha: Option<String>,
-    #[serde(default)]
-    pub pushed: bool,
-    #[serde(default)]
-    pub changed: bool,
-    #[serde(default)]
-    pub error: Option<DriverFailure>,
-}
-
-#[derive(Clone, Debug, Default, Deserialize)]
-pub struct DriverStatus {
-    #[serde(default)]
-    pub turns: Vec<DriverTurn>,
-}
-
-impl DriverStatus {
-    pub fn turn(&self, n: u32) -> Option<&DriverTurn> {
-        self.turns.iter().find(|t| t.n == n)
+impl DriverError {
+    /// The driver's own code for a refusal, if it gave one.
+    pub fn code(&self) -> Option<DriverErrorCode> {
+        match self {
+            Self::Refused { code, .. } => *code,
+            _ => None,
+        }
     }
-}
-
-/// What `POST /setup` reports.
-#[derive(Clone, Debug, Default, Deserialize)]
-pub struct SetupResult {
-    pub exit_code: Option<i32>,
-    #[serde(default)]
-    pub timed_out: bool,
-    #[serde(default)]
-    pub output_tail: String,
 }
 
 #[derive(Clone, Debug)]
@@ -98,7 +61,7 @@ impl DriverClient {
         &self.socket
     }
 
-    async fn send(&self, method: Method, path: &str, body: Option<&Value>) -> Result<Incoming, DriverError> {
+    async fn send(&self, method: Method, path: &str, body: Option<Vec<u8>>) -> Result<Incoming, DriverError> {
         let unreachable = |e: &dyn std::fmt::Display| DriverError::Unreachable(self.socket.clone(), e.to_string());
         let stream = tokio::net::UnixStream::connect(&self.socket)
             .await
@@ -107,41 +70,45 @@ impl DriverClient {
             .await
             .map_err(|e| unreachable(&e))?;
         tokio::spawn(connection);
-        let bytes = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
         let request = Request::builder()
             .method(method)
             .uri(path)
             .header(header::HOST, "driver")
             .header(header::CONTENT_TYPE, "application/json")
-            .body(Full::new(bytes))
+            .body(Full::new(body.map(Bytes::from).unwrap_or_default()))
             .map_err(|e| DriverError::Malformed(e.to_string()))?;
         let response = sender.send_request(request).await.map_err(|e| unreachable(&e))?;
         let status = response.status();
         if status.is_success() {
             return Ok(response.into_body());
         }
-        let body = response
-            .into_body()
+        let said = Limited::new(response.into_body(), REFUSAL_MAX_BYTES)
             .collect()
             .await
-            .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+            .map(|b| b.to_bytes())
             .unwrap_or_default();
-        Err(DriverError::Refused { status, body })
+        let (code, message) = match serde_json::from_slice::<DriverErrorBody>(&said) {
+            Ok(body) => (Some(body.error.code), body.error.message),
+            Err(_) => (None, String::from_utf8_lossy(&said).chars().take(500).collect()),
+        };
+        Err(DriverError::Refused { status, code, message })
     }
 
     async fn json<T: serde::de::DeserializeOwned>(
         &self,
         method: Method,
         path: &str,
-        body: Option<&Value>,
+        body: Option<Vec<u8>>,
         deadline: Duration,
     ) -> Result<T, DriverError> {
         let exchange = async {
             let answer = self.send(method, path, body).await?;
-            let bytes = answer
+            let bytes = Limited::new(answer, ANSWER_MAX_BYTES)
                 .collect()
                 .await
-                .map_err(|e| DriverError::Unreachable(self.socket.clone(), e.to_string()))?
+                .map_err(|e| {
+                    DriverError::Malformed(format!("the answer broke off or passed {ANSWER_MAX_BYTES} bytes: {e}"))
+                })?
                 .to_bytes();
             serde_json::from_slice(&bytes).map_err(|e| DriverError::Malformed(e.to_string()))
         };
@@ -150,38 +117,57 @@ impl DriverClient {
             .map_err(|_| DriverError::Timeout(deadline))?
     }
 
-    pub async fn status(&self) -> Result<DriverStatus, DriverError> {
-        self.json(Method::GET, "/status", None, REQUEST_DEADLINE).await
+    fn encode(body: &impl serde::Serialize) -> Result<Vec<u8>, DriverError> {
+        serde_json::to_vec(body).map_err(|e| DriverError::Malformed(e.to_string()))
     }
 
-    /// `POST /turns`; idempotent on `n`.
-    pub async fn start_turn(&self, body: &Value) -> Result<(), DriverError> {
-        self.json::<Value>(Method::POST, "/turns", Some(body), REQUEST_DEADLINE)
+    /// `GET /status`; a driver of another API version is refused.
+    pub async fn status(&self) -> Result<DriverStatus, DriverError> {
+        let status: DriverStatus = self.json(Method::GET, "/status", None, REQUEST_DEADLINE).await?;
+        if status.version != VERSION {
+            return Err(DriverError::Malformed(format!(
+                "the driver speaks API version {}, this worker {VERSION}",
+                status.version
+            )));
+        }
+        Ok(status)
+    }
+
+    /// `POST /turns`; idempotent on the turn's number and nonce.
+    pub async fn start_turn(&self, turn: &StartTurn) -> Result<TurnReport, DriverError> {
+        self.json(Method::POST, "/turns", Some(Self::encode(turn)?), REQUEST_DEADLINE)
             .await
-            .map(|_| ())
+    }
+
+    /// `GET /turns/{n}`.
+    pub async fn report(&self, n: u32) -> Result<TurnReport, DriverError> {
+        self.json(Method::GET, &format!("/turns/{n}"), None, REQUEST_DEADLINE)
+            .await
     }
 
     pub async fn cancel(&self, n: u32) -> Result<(), DriverError> {
-        self.json::<Value>(Method::POST, &format!("/turns/{n}/cancel"), None, REQUEST_DEADLINE)
-            .await
-            .map(|_| ())
-    }
-
-    /// `POST /parts`: a `data-sortie-*` part of sortie's own into the running turn's stream.
-    pub async fn post_part(&self, part: &Value) -> Result<(), DriverError> {
-        self.json::<Value>(Method::POST, "/parts", Some(part), REQUEST_DEADLINE)
+        self.json::<serde_json::Value>(Method::POST, &format!("/turns/{n}/cancel"), None, REQUEST_DEADLINE)
             .await
             .map(|_| ())
     }
 
     /// Runs the setup script inside the sandbox; the driver enforces `timeout`, this waits a little longer.
-    pub async fn setup(&self, script: &str, timeout: Duration) -> Result<SetupResult, DriverError> {
-        let body = serde_json::json!({"script": script, "timeout_secs": timeout.as_secs().max(1)});
-        self.json(Method::POST, "/setup", Some(&body), timeout + REQUEST_DEADLINE)
-            .await
+    pub async fn setup(&self, script: &str, timeout: Duration) -> Result<SetupOutcome, DriverError> {
+        let body = RunSetup {
+            script: script.to_owned(),
+            timeout_secs: Some(timeout.as_secs().max(1)),
+        };
+        self.json(
+            Method::POST,
+            "/setup",
+            Some(Self::encode(&body)?),
+            timeout + REQUEST_DEADLINE,
+        )
+        .await
     }
 
-    /// `GET /turns/{n}/stream?after=K`: the turn's parts as SSE, ending with `[DONE]`.
+    /// `GET /turns/{n}/stream?after=K`: the turn's parts as SSE, ending with `[DONE]`. Unbounded in
+    /// time; the reader bounds its lines ([`crate::recorder`]).
     pub async fn stream(&self, n: u32, after: Option<u64>) -> Result<Incoming, DriverError> {
         let path = match after {
             Some(k) => format!("/turns/{n}/stream?after={k}"),

@@ -14,16 +14,17 @@ pub mod prepare;
 pub mod priming;
 pub mod pull_request;
 pub mod recorder;
+pub mod transcript;
 mod turn;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sortie_gateway::attach::DriverLocator;
 use sortie_gateway::egress::policy::Cidr;
 use sortie_gateway::egress::proxy::Resolver;
+use sortie_gateway::live::{Feeds, LiveTails, SocketTails};
 use sortie_protocol::{SessionId, SessionPhase};
 use sortie_sandbox::{Limits, SandboxRuntime};
 use sortie_store::{Store, TurnOutcome};
@@ -115,39 +116,16 @@ impl WorkerConfig {
     }
 }
 
-/// Where each live session's driver listens; the gateway's attach follows it.
-#[derive(Clone, Default)]
-pub struct Drivers(Arc<RwLock<HashMap<SessionId, PathBuf>>>);
-
-impl Drivers {
-    fn set(&self, session_id: &SessionId, socket: Option<PathBuf>) {
-        let mut map = self.0.write().unwrap_or_else(|p| p.into_inner());
-        match socket {
-            Some(socket) => map.insert(session_id.clone(), socket),
-            None => map.remove(session_id),
-        };
-    }
+/// The worker's feed socket under `work_dir`: the live tails of its running turns, for a gateway in
+/// another process on this host. Its directory is the host's alone (0700).
+pub fn feed_socket(work_dir: &Path) -> PathBuf {
+    work_dir.join("host").join("feeds.sock")
 }
 
-impl DriverLocator for Drivers {
-    fn driver_socket(&self, session_id: &SessionId) -> Option<PathBuf> {
-        self.0
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(session_id)
-            .cloned()
-    }
-}
-
-/// The drivers of a worker running in another process on this host, found under its work dir: a
-/// gateway started alone (`--roles gateway`) beside a worker serves live tails through them.
-pub struct WorkDirDrivers(pub PathBuf);
-
-impl DriverLocator for WorkDirDrivers {
-    fn driver_socket(&self, session_id: &SessionId) -> Option<PathBuf> {
-        let socket = prepare::SessionDirs::new(&self.0, session_id).driver_socket();
-        socket.exists().then_some(socket)
-    }
+/// The live tails of a worker running in another process on this host, through its feed socket: a
+/// gateway started alone (`--roles gateway`) beside a worker serves live tails through it.
+pub fn work_dir_tails(work_dir: &Path) -> Arc<dyn LiveTails> {
+    Arc::new(SocketTails(feed_socket(work_dir)))
 }
 
 /// What the worker's tasks tell its loop.
@@ -164,7 +142,8 @@ pub(crate) struct Context {
     pub config: WorkerConfig,
     pub store: Arc<dyn Store>,
     pub runtime: Arc<dyn SandboxRuntime>,
-    pub drivers: Drivers,
+    /// The host's live copy of every running turn (what attach serves).
+    pub feeds: Arc<Feeds>,
     /// One mirror fetch at a time per repository.
     pub mirror_locks: tokio::sync::Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -216,16 +195,16 @@ impl Worker {
                 config,
                 store,
                 runtime,
-                drivers: Drivers::default(),
+                feeds: Feeds::new(),
                 mirror_locks: tokio::sync::Mutex::new(HashMap::new()),
             }),
             adopted: std::sync::Mutex::new(Vec::new()),
         }
     }
 
-    /// For the gateway's attach: where each live session's driver listens.
-    pub fn drivers(&self) -> Arc<dyn DriverLocator> {
-        Arc::new(self.context.drivers.clone())
+    /// For the gateway's attach: the live copies of this worker's running turns.
+    pub fn live_tails(&self) -> Arc<dyn LiveTails> {
+        self.context.feeds.clone()
     }
 
     /// Settles what this worker held before it last stopped; call it once before [`Worker::run`]
@@ -238,6 +217,7 @@ impl Worker {
     /// Runs until `shutdown` completes, then destroys the sandboxes it holds.
     pub async fn run(self, shutdown: impl std::future::Future<Output = ()> + Send) {
         let context = self.context;
+        let feed_server = serve_feeds(&context);
         let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel::<Event>();
         let mut slots: HashMap<SessionId, Slot> = HashMap::new();
         let adopted = std::mem::take(&mut *self.adopted.lock().unwrap_or_else(|p| p.into_inner()));
@@ -269,8 +249,11 @@ impl Worker {
             tokio::select! {
                 () = &mut shutdown => break,
                 _ = tick.tick() => on_tick(&context, &mut slots, &events_tx).await,
-                Some(event) = events.recv() => on_event(&context, &mut slots, event),
+                Some(event) = events.recv() => on_event(&mut slots, event),
             }
+        }
+        if let Some(server) = feed_server {
+            server.abort();
         }
         // The sandboxes of turns still running outlive this process (their keepers wait the orphan grace)
         // for the next start to adopt; warm ones are cheap to make again and go now.
@@ -282,7 +265,38 @@ impl Worker {
     }
 }
 
-fn on_event(context: &Arc<Context>, slots: &mut HashMap<SessionId, Slot>, event: Event) {
+/// Serves the live copies of this worker's turns on its feed socket, for a gateway in another process;
+/// `None` (logged) when the socket cannot be made: attach in this process does not need it.
+fn serve_feeds(context: &Arc<Context>) -> Option<tokio::task::JoinHandle<()>> {
+    use std::os::unix::fs::PermissionsExt;
+    let socket = feed_socket(&context.config.work_dir);
+    let made = (|| -> std::io::Result<tokio::net::UnixListener> {
+        let dir = socket.parent().ok_or_else(|| std::io::Error::other("no directory"))?;
+        std::fs::create_dir_all(dir)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+        match std::fs::remove_file(&socket) {
+            Err(error) if error.kind() != std::io::ErrorKind::NotFound => return Err(error),
+            _ => {}
+        }
+        tokio::net::UnixListener::bind(&socket)
+    })();
+    match made {
+        Ok(listener) => {
+            let router = sortie_gateway::live::feed_router(context.feeds.clone());
+            Some(tokio::spawn(async move {
+                if let Err(error) = axum::serve(listener, router).await {
+                    tracing::warn!(%error, "the feed socket stopped");
+                }
+            }))
+        }
+        Err(error) => {
+            tracing::warn!(%error, socket = %socket.display(), "no feed socket: a gateway in another process gets no live tails");
+            None
+        }
+    }
+}
+
+fn on_event(slots: &mut HashMap<SessionId, Slot>, event: Event) {
     match event {
         Event::TurnEnded { session_id, keep } => match keep {
             Some(sandbox) => {
@@ -294,7 +308,6 @@ fn on_event(context: &Arc<Context>, slots: &mut HashMap<SessionId, Slot>, event:
             }
             None => {
                 slots.remove(&session_id);
-                context.drivers.set(&session_id, None);
             }
         },
     }
@@ -516,8 +529,10 @@ async fn reconcile(context: &Arc<Context>) -> Vec<Adopted> {
             }
             let dirs = prepare::SessionDirs::new(&context.config.work_dir, &session.id);
             if let Some(n) = session.current_turn {
-                recorder::harvest_log(&context.store, &dirs.home, &session.id, n).await;
-                let _ = context
+                let reason = "sortie stopped while this turn ran and its sandbox did not outlive it (or its driver no \
+                              longer answered); the transcript up to that point is kept. Steer the session to continue.";
+                turn::close_lost_transcript(context, &session.id, n, &dirs.home, reason).await;
+                let lost = context
                     .store
                     .finish_turn(
                         &session.id,
@@ -525,16 +540,13 @@ async fn reconcile(context: &Arc<Context>) -> Vec<Adopted> {
                         TurnOutcome {
                             status: sortie_protocol::TurnStatus::Lost,
                             head_sha: None,
-                            failure: Some((
-                                sortie_protocol::FailureCode::SandboxLost,
-                                "sortie stopped while this turn ran and its sandbox did not outlive it (or its \
-                                 driver no longer answered); the transcript up to that point is kept. Steer the \
-                                 session to continue."
-                                    .into(),
-                            )),
+                            failure: Some((sortie_protocol::FailureCode::SandboxLost, reason.into())),
                         },
                     )
                     .await;
+                if let Err(error) = lost {
+                    tracing::warn!(%error, session = %session.id, turn = n, "cannot record the lost turn");
+                }
             }
             let mut from = session.phase;
             if from == SessionPhase::Running

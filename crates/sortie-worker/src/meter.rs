@@ -1,15 +1,33 @@
 //! The worker's side of the model proxy (DESIGN §7.4): each sandbox's proxy gets the workspace's
 //! decrypted key per request, and reports to a [`TurnMeter`] what it read: token usage into the
-//! ledger (and a `data-acp-usage` part with id `tokens`: the turn's totals so far), a vendor's 401/403 or a missing key, which fails the
-//! running turn at once with `VENDOR_AUTH_REJECTED`.
+//! ledger (and a `data-sortie-usage` part with id `tokens`: the turn's totals so far — the only usage
+//! sortie shows, read by the host, never reported by the sandbox), a vendor's 401/403 or a missing
+//! key, which fails the running turn at once with `VENDOR_AUTH_REJECTED`.
 
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use sortie_gateway::model::{KeySource, ModelApi, Usage, UsageSink};
 use sortie_protocol::SessionId;
+use sortie_protocol::sortie_data::{SortieData, UsageData};
 use sortie_store::{KeyRing, Store, TokenUsage};
+
+use crate::transcript::Transcript;
+
+/// The transcript of the turn a sandbox runs, while one runs: where sortie's own parts of the moment
+/// (token usage, egress denials) go.
+#[derive(Default)]
+pub struct CurrentTurn(Mutex<Option<Transcript>>);
+
+impl CurrentTurn {
+    pub fn set(&self, transcript: Option<Transcript>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = transcript;
+    }
+
+    pub fn get(&self) -> Option<Transcript> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
 
 /// The workspace's key for an API, decrypted per request (a key set or changed mid-session is used at once).
 pub struct WorkspaceKeys {
@@ -59,18 +77,18 @@ pub struct Rejection {
 pub struct TurnMeter {
     store: Arc<dyn Store>,
     session_id: SessionId,
-    driver_socket: PathBuf,
+    current: Arc<CurrentTurn>,
     rejection: Mutex<Option<Rejection>>,
     /// Tokens read so far in each turn: (turn, input, output), of the turn last reported.
     turn_totals: Arc<Mutex<(u32, u64, u64)>>,
 }
 
 impl TurnMeter {
-    pub fn new(store: Arc<dyn Store>, session_id: SessionId, driver_socket: PathBuf) -> Arc<Self> {
+    pub fn new(store: Arc<dyn Store>, session_id: SessionId, current: Arc<CurrentTurn>) -> Arc<Self> {
         Arc::new(Self {
             store,
             session_id,
-            driver_socket,
+            current,
             rejection: Mutex::new(None),
             turn_totals: Arc::new(Mutex::new((0, 0, 0))),
         })
@@ -93,16 +111,19 @@ impl UsageSink for TurnMeter {
     fn usage(&self, api: ModelApi, usage: &Usage) {
         let store = self.store.clone();
         let session_id = self.session_id.clone();
-        let socket = self.driver_socket.clone();
+        let current = self.current.get();
         let usage = usage.clone();
         let turn_totals = self.turn_totals.clone();
         tokio::spawn(async move {
-            let turn = store
-                .session_by_id(&session_id)
-                .await
-                .ok()
-                .and_then(|s| s.current_turn)
-                .unwrap_or(1);
+            let turn = match &current {
+                Some(transcript) => transcript.n,
+                None => store
+                    .session_by_id(&session_id)
+                    .await
+                    .ok()
+                    .and_then(|s| s.current_turn)
+                    .unwrap_or(1),
+            };
             let recorded = store
                 .record_token_usage(&TokenUsage {
                     session_id: session_id.clone(),
@@ -126,18 +147,15 @@ impl UsageSink for TurnMeter {
                 (totals.1, totals.2)
             };
             // One part per turn, replaced in place (id `tokens`): the turn's token totals so far. The
-            // ACP agent's own context-window report is `data-acp-usage` with id `usage`.
-            let part = serde_json::json!({
-                "name": "acp-usage",
-                "id": "tokens",
-                "data": {
-                    "api": api.as_str(),
-                    "model": usage.model,
-                    "inputTokens": input_tokens,
-                    "outputTokens": output_tokens,
-                },
-            });
-            let _ = crate::client::DriverClient::new(socket).post_part(&part).await;
+            // ACP agent's own context-window report is `data-acp-usage`, its claim, not sortie's.
+            if let Some(transcript) = current {
+                transcript.host(SortieData::Usage(UsageData {
+                    api: api.as_str().to_owned(),
+                    model: usage.model,
+                    input_tokens,
+                    output_tokens,
+                }));
+            }
         });
     }
 

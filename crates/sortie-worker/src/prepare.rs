@@ -28,8 +28,8 @@ pub struct SessionDirs {
     pub workspace: PathBuf,
     /// Becomes `/home/agent`; kept across hibernation.
     pub home: PathBuf,
-    /// Becomes `/run/sortie`: the driver's socket.
-    pub run: PathBuf,
+    /// The host's own (0700, never bound into a sandbox): the driver's socket.
+    pub host: PathBuf,
     /// Becomes `/run/sortie-egress`: the gateway's `egress.sock` for this sandbox.
     pub egress: PathBuf,
     /// The digests of the workspace's secret values, bound read-only at the same path (the
@@ -43,7 +43,7 @@ impl SessionDirs {
         Self {
             workspace: root.join("workspace"),
             home: root.join("home"),
-            run: root.join("run"),
+            host: root.join("host"),
             egress: root.join("egress"),
             known_secrets: root.join("known-secrets"),
             root,
@@ -51,7 +51,7 @@ impl SessionDirs {
     }
 
     pub fn driver_socket(&self) -> PathBuf {
-        self.run.join("driver.sock")
+        self.host.join("driver.sock")
     }
 
     pub fn egress_socket(&self) -> PathBuf {

@@ -69,6 +69,7 @@ mod tests {
             failure: None,
             timings: None,
             claimed_by: None,
+            driver_nonce: None,
             created_at: 0,
             started_at: None,
             completed_at: None,

@@ -6,30 +6,26 @@
 //!
 //! `cargo bench -p sortie --bench gateway`
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use sortie_gateway::attach::{AttachState, DriverLocator};
+use sortie_gateway::attach::AttachState;
 use sortie_gateway::git::http::{Upstream, Upstreams};
+use sortie_gateway::live::Feeds;
 use sortie_protocol::SessionId;
 use sortie_protocol::api::TicketAction;
 use sortie_protocol::ticket::{TICKET_VERSION, TicketClaims, mint};
 use sortie_store::testing::TestDatabase;
 use sortie_store::{NewSession, RepoAccess, SqlStore, Store};
+use sortie_worker::client::DriverClient;
+use sortie_worker::recorder::follow;
+use sortie_worker::transcript::{Ending, Transcript};
 
 const SORTIE: &str = env!("CARGO_BIN_EXE_sortie");
 const SECRET: &[u8] = b"bench-secret";
-
-struct Drivers(HashMap<SessionId, PathBuf>);
-impl DriverLocator for Drivers {
-    fn driver_socket(&self, session_id: &SessionId) -> Option<PathBuf> {
-        self.0.get(session_id).cloned()
-    }
-}
 
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -74,6 +70,8 @@ struct World {
     session: SessionId,
     driver: std::process::Child,
     driver_client: reqwest::Client,
+    driver_socket: PathBuf,
+    feeds: Arc<Feeds>,
     gateway: String,
     client: reqwest::Client,
     _temp: tempfile::TempDir,
@@ -140,10 +138,11 @@ impl World {
             assert!(Instant::now() < deadline);
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        let feeds = Feeds::new();
         let state = AttachState {
             store: store.clone(),
             ticket_secret: Arc::from(SECRET),
-            drivers: Arc::new(Drivers([(session.clone(), socket)].into_iter().collect())),
+            tails: feeds.clone(),
             allowed_origins: Arc::new(Vec::new()),
             heartbeat: Duration::from_secs(15),
             slow_client_limit: sortie_gateway::attach::SLOW_CLIENT_LIMIT,
@@ -160,6 +159,8 @@ impl World {
             session,
             driver,
             driver_client,
+            driver_socket: socket,
+            feeds,
             gateway,
             client: {
                 let _ = rustls::crypto::ring::default_provider().install_default();
@@ -183,21 +184,32 @@ impl World {
         mint(SECRET, &claims)
     }
 
-    /// Runs turn 1: claimed in the store (as a worker would) and started on the driver.
+    /// Runs turn 1: claimed in the store, started on the driver and recorded into the host's
+    /// transcript, which attach serves (as the worker does).
     async fn turn(&self, script: &str) {
         self.store
             .claim_turn(&self.session, true, "bench")
             .await
             .expect("claim");
+        let transcript = Transcript::open(self.store.clone(), self.feeds.clone(), &self.session, 1)
+            .await
+            .expect("transcript");
         let prompt = format!("#!scripted\n{script}");
         let reply = self
             .driver_client
             .post("http://driver/turns")
-            .json(&json!({"n": 1, "prompt": prompt}))
+            .json(&json!({"n": 1, "nonce": "bench", "prompt": prompt}))
             .send()
             .await
             .expect("turn");
         assert_eq!(reply.status().as_u16(), 202);
+        let driver = DriverClient::new(&self.driver_socket);
+        tokio::spawn(async move {
+            while !follow(&driver, 1, &transcript).await.complete {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            transcript.finish(Ending::default()).await;
+        });
     }
 
     fn stop(mut self) {

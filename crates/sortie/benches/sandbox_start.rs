@@ -80,8 +80,7 @@ fn main() {
             let command = [
                 SORTIE,
                 "driver",
-                "--socket",
-                inside::DRIVER_SOCKET,
+                "--listen-on-stdin",
                 "--workspace",
                 inside::WORKSPACE,
                 "--home",
@@ -93,13 +92,14 @@ fn main() {
                 name: format!("bench-{i}"),
                 workspace,
                 home,
-                run_dir: run_dir.clone(),
                 egress_dir: None,
                 read_only: vec![bin_dir.clone()],
                 env: Vec::new(),
                 command: command.iter().map(|s| (*s).to_owned()).collect(),
                 limits: Limits::default(),
-                stdio: SandboxStdio::Null,
+                stdio: SandboxStdio::Listener(std::sync::Arc::new(
+                    std::os::unix::net::UnixListener::bind(run_dir.join("driver.sock")).expect("bind"),
+                )),
             };
             let started = Instant::now();
             runtime.create(spec).await.expect("create");

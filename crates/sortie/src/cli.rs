@@ -115,8 +115,12 @@ pub struct StoreArgs {
 #[derive(Debug, Args)]
 pub struct DriverArgs {
     /// The Unix socket to serve the driver API on (a stale file there is replaced).
-    #[arg(long)]
-    pub socket: PathBuf,
+    #[arg(long, required_unless_present = "listen_on_stdin")]
+    pub socket: Option<PathBuf>,
+    /// Serve the driver API on the listening Unix socket passed as stdin (how the worker starts the
+    /// driver in a sandbox: the socket's name is the host's, out of the sandbox's reach).
+    #[arg(long, conflicts_with = "socket")]
+    pub listen_on_stdin: bool,
     /// The agent's working directory: the session's checkout.
     #[arg(long)]
     pub workspace: PathBuf,

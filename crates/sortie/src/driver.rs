@@ -1,5 +1,7 @@
 //! `sortie driver`: runs one agent behind the driver API on a Unix socket, outside any sandbox too,
-//! so that it can be tested and used alone.
+//! so that it can be tested and used alone. In a sandbox it serves on the listening socket the worker
+//! passes as its stdin, and makes itself undumpable first: the agent (same uid) can then neither read
+//! its memory nor take its descriptors.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -15,6 +17,9 @@ use sortie_driver::secrets::KnownSecrets;
 use crate::cli::DriverArgs;
 
 pub async fn run(args: DriverArgs) -> anyhow::Result<ExitCode> {
+    // Before anything else: from here on, a process of the same uid (the agent) cannot ptrace this
+    // one, read its memory or environment, or take a descriptor from it.
+    nix::sys::prctl::set_dumpable(false).context("cannot make the driver undumpable")?;
     let profiles = profile::load(args.profiles.as_deref())?;
     let profile = profile::find(&profiles, &args.agent)?.rendered(&profile::Render {
         model_proxy: args.model_proxy.clone(),
@@ -97,16 +102,41 @@ pub async fn run(args: DriverArgs) -> anyhow::Result<ExitCode> {
         delivery,
     };
 
-    if args.socket.exists() {
-        std::fs::remove_file(&args.socket).with_context(|| format!("cannot replace {}", args.socket.display()))?;
-    }
-    let listener = tokio::net::UnixListener::bind(&args.socket)
-        .with_context(|| format!("cannot listen on {}", args.socket.display()))?;
-    println!("sortie driver listening on {}", args.socket.display());
+    let listener = match &args.socket {
+        Some(socket) => {
+            if socket.exists() {
+                std::fs::remove_file(socket).with_context(|| format!("cannot replace {}", socket.display()))?;
+            }
+            let listener = tokio::net::UnixListener::bind(socket)
+                .with_context(|| format!("cannot listen on {}", socket.display()))?;
+            println!("sortie driver listening on {}", socket.display());
+            listener
+        }
+        None => listener_from_stdin()?,
+    };
     let driver = Driver::new(config);
     sortie_driver::api::run(listener, driver.clone(), crate::serve::shutdown_signal())
         .await
         .context("the driver API failed")?;
     driver.shutdown().await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The listening socket the worker passed as stdin, taken over (its copy is close-on-exec) and stdin
+/// pointed at /dev/null, so no child of the driver ever inherits the driver's socket.
+fn listener_from_stdin() -> anyhow::Result<tokio::net::UnixListener> {
+    use std::os::fd::AsFd;
+    let owned = std::io::stdin()
+        .as_fd()
+        .try_clone_to_owned()
+        .context("cannot take the driver socket from stdin")?;
+    let listener = std::os::unix::net::UnixListener::from(owned);
+    // Not a listening Unix socket: a clear error instead of a driver that never answers.
+    listener
+        .local_addr()
+        .context("stdin is not the driver's listening socket")?;
+    listener.set_nonblocking(true)?;
+    let null = std::fs::File::open("/dev/null").context("cannot open /dev/null")?;
+    nix::unistd::dup2_stdin(&null).context("cannot point stdin at /dev/null")?;
+    tokio::net::UnixListener::from_std(listener).context("cannot serve the driver socket")
 }

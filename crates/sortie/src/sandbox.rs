@@ -103,8 +103,7 @@ async fn exec_in(scratch: &std::path::Path, args: SandboxExecArgs) -> anyhow::Re
         None => (scratch.join("workspace"), None),
     };
     let home = scratch.join("home");
-    let run_dir = scratch.join("run");
-    for dir in [&workspace, &home, &run_dir] {
+    for dir in [&workspace, &home] {
         std::fs::create_dir_all(dir)?;
     }
     let mut command = args.command.clone();
@@ -166,7 +165,6 @@ async fn exec_in(scratch: &std::path::Path, args: SandboxExecArgs) -> anyhow::Re
         name: name.clone(),
         workspace: workspace.clone(),
         home,
-        run_dir,
         egress_dir,
         read_only,
         env,

@@ -84,12 +84,10 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
     } else {
         None
     };
-    let drivers: Arc<dyn sortie_gateway::attach::DriverLocator> = match &worker {
-        Some(worker) => worker.drivers(),
-        // A gateway without the worker role follows the drivers of a worker on this host, if any.
-        None => Arc::new(sortie_worker::WorkDirDrivers(
-            args.worker.work_dir.clone().unwrap_or_else(|| data_dir.join("work")),
-        )),
+    let tails: Arc<dyn sortie_gateway::live::LiveTails> = match &worker {
+        Some(worker) => worker.live_tails(),
+        // A gateway without the worker role serves the live tails of a worker on this host, if any.
+        None => sortie_worker::work_dir_tails(&args.worker.work_dir.clone().unwrap_or_else(|| data_dir.join("work"))),
     };
 
     let cors_origins = args
@@ -127,7 +125,7 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
             sortie_gateway::attach::router(sortie_gateway::attach::AttachState {
                 store: store.clone(),
                 ticket_secret: Arc::from(ticket_secret.expose()),
-                drivers,
+                tails,
                 allowed_origins: Arc::new(cors_origins),
                 heartbeat: std::time::Duration::from_secs(15),
                 slow_client_limit: sortie_gateway::attach::SLOW_CLIENT_LIMIT,

@@ -1,5 +1,7 @@
 //! Attach through the gateway: tickets at the door, the active turn from its `start` to `[DONE]` for
-//! clients joining at any moment, many clients at once, and a stream the real AI SDK accepts.
+//! clients joining at any moment, many clients at once, and a stream the real AI SDK accepts. The
+//! test plays the worker with its own parts: a real `sortie driver` runs the turns, and the worker's
+//! recorder and transcript make the host's copy that attach serves.
 
 mod support;
 
@@ -10,22 +12,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use sortie_gateway::attach::{AttachState, DriverLocator};
+use sortie_gateway::attach::AttachState;
+use sortie_gateway::live::Feeds;
 use sortie_protocol::api::TicketAction;
 use sortie_protocol::ticket::{TICKET_VERSION, TicketClaims, mint};
 use sortie_protocol::{SessionId, SessionPhase, TurnStatus};
 use sortie_store::testing::TestDatabase;
 use sortie_store::{NewSession, RepoAccess, SqlStore, Store, TurnOutcome};
+use sortie_worker::client::DriverClient;
+use sortie_worker::recorder::follow;
+use sortie_worker::transcript::{Ending, Transcript};
 
 const SECRET: &[u8] = b"attach-test-secret";
-
-struct Drivers(HashMap<SessionId, PathBuf>);
-
-impl DriverLocator for Drivers {
-    fn driver_socket(&self, session_id: &SessionId) -> Option<PathBuf> {
-        self.0.get(session_id).cloned()
-    }
-}
 
 fn build_scripted_agent() {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
@@ -49,6 +47,10 @@ struct World {
     _database: TestDatabase,
     driver: std::process::Child,
     driver_client: reqwest::Client,
+    driver_socket: PathBuf,
+    feeds: Arc<Feeds>,
+    /// The recorder of each turn the test started, until it ended.
+    recorders: std::sync::Mutex<HashMap<u32, tokio::task::JoinHandle<()>>>,
     store: Arc<SqlStore>,
     workspace_id: String,
     session: SessionId,
@@ -117,10 +119,11 @@ impl World {
             "the driver did not start"
         );
 
+        let feeds = Feeds::new();
         let state = AttachState {
             store: store.clone(),
             ticket_secret: Arc::from(SECRET),
-            drivers: Arc::new(Drivers([(session.clone(), socket.clone())].into_iter().collect())),
+            tails: feeds.clone(),
             allowed_origins: Arc::new(vec!["http://dashboard.local".into()]),
             heartbeat: Duration::from_secs(15),
             slow_client_limit: sortie_gateway::attach::SLOW_CLIENT_LIMIT,
@@ -128,12 +131,18 @@ impl World {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let base = format!("http://{}", listener.local_addr().expect("addr"));
         tokio::spawn(sortie_gateway::attach::run(listener, state, std::future::pending()));
-        let driver_client = support::http_builder().unix_socket(socket).build().expect("client");
+        let driver_client = support::http_builder()
+            .unix_socket(socket.clone())
+            .build()
+            .expect("client");
         World {
             _temp: temp,
             _database: database,
             driver,
             driver_client,
+            driver_socket: socket,
+            feeds,
+            recorders: std::sync::Mutex::new(HashMap::new()),
             store,
             workspace_id: workspace.id,
             session,
@@ -196,20 +205,39 @@ impl World {
             .expect("claim")
             .expect("a turn");
         assert_eq!(claimed.n, n);
+        self.start_on_driver(n, &format!("#!scripted\n{script}")).await;
+    }
+
+    /// Starts turn `n` on the driver and records it into the host's transcript, as the worker does.
+    async fn start_on_driver(&self, n: u32, prompt: &str) {
+        let transcript = Transcript::open(self.store.clone(), self.feeds.clone(), &self.session, n)
+            .await
+            .expect("transcript");
         let reply = self
             .driver_client
             .post("http://driver/turns")
-            .json(&json!({"n": n, "prompt": format!("#!scripted\n{script}")}))
+            .json(&json!({"n": n, "nonce": format!("nonce-{n}"), "prompt": prompt}))
             .send()
             .await
             .expect("turn");
         assert_eq!(reply.status().as_u16(), 202);
+        let driver = DriverClient::new(&self.driver_socket);
+        let recorder = tokio::spawn(async move {
+            while !follow(&driver, n, &transcript).await.complete {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            transcript.finish(Ending::default()).await;
+        });
+        self.recorders
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(n, recorder);
     }
 
     /// Waits for turn `n` on the driver, then completes it in the store and rests the session (as
     /// the worker will).
     async fn complete_turn(&self, n: u32) {
-        self.driver_parts(n).await;
+        self.host_parts(n).await;
         let done = TurnOutcome {
             status: TurnStatus::Completed,
             head_sha: None,
@@ -229,44 +257,29 @@ impl World {
         }
     }
 
-    /// How many parts the driver has published in turn `n` so far (0 before it started).
+    /// How many parts the host's copy of turn `n` has so far (0 before it started).
     async fn parts_so_far(&self, n: u32) -> u64 {
-        let status: Value = self
-            .driver_client
-            .get("http://driver/status")
-            .send()
-            .await
-            .expect("status")
-            .json()
-            .await
-            .expect("json");
-        status["turns"]
-            .as_array()
-            .and_then(|t| t.iter().find(|t| t["n"] == n))
-            .and_then(|turn| turn["parts"].as_u64())
-            .unwrap_or(0)
+        match self.feeds.get(&self.session, n) {
+            Some(hub) => hub.len(),
+            None => self.stored_parts(n).await,
+        }
     }
 
-    async fn driver_parts(&self, n: u32) -> u64 {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let status: Value = self
-                .driver_client
-                .get("http://driver/status")
-                .send()
+    async fn stored_parts(&self, n: u32) -> u64 {
+        let parts = self.store.parts(&self.session).await.expect("parts");
+        parts.iter().filter(|p| p.turn == n).count() as u64
+    }
+
+    /// Waits until the host's transcript of turn `n` is closed; answers how many parts it has.
+    async fn host_parts(&self, n: u32) -> u64 {
+        let recorder = self.recorders.lock().unwrap_or_else(|p| p.into_inner()).remove(&n);
+        if let Some(recorder) = recorder {
+            tokio::time::timeout(Duration::from_secs(60), recorder)
                 .await
-                .expect("status")
-                .json()
-                .await
-                .expect("json");
-            if let Some(turn) = status["turns"].as_array().and_then(|t| t.iter().find(|t| t["n"] == n))
-                && turn["state"] != "running"
-            {
-                return turn["parts"].as_u64().expect("parts");
-            }
-            assert!(Instant::now() < deadline, "turn {n} did not end");
-            tokio::time::sleep(Duration::from_millis(50)).await;
+                .expect("turn {n} did not end")
+                .expect("recorder");
         }
+        self.stored_parts(n).await
     }
 }
 
@@ -305,7 +318,7 @@ async fn clients_joining_at_any_moment_get_the_whole_turn_exactly_once() {
             (trial, delay, published, status, body)
         }));
     }
-    let total = world.driver_parts(1).await;
+    let total = world.host_parts(1).await;
     assert!(total > 10_000, "{total}");
     let mut joined_midway = 0;
     for reader in readers {
@@ -371,7 +384,7 @@ async fn a_thousand_clients_attach_to_one_turn() {
             async move { world.attach(&format!("client-{client}")).await },
         ));
     }
-    let total = world.driver_parts(1).await;
+    let total = world.host_parts(1).await;
     for reader in readers {
         let (status, body) = reader.await.expect("join");
         assert_eq!(status, 200);
@@ -509,14 +522,7 @@ async fn a_chat_submit_becomes_a_steer_answered_with_its_stream() {
         .await
         .expect("claim")
         .expect("turn 2");
-    let reply = world
-        .driver_client
-        .post("http://driver/turns")
-        .json(&json!({"n": 2, "prompt": prompt}))
-        .send()
-        .await
-        .expect("turn");
-    assert_eq!(reply.status().as_u16(), 202);
+    world.start_on_driver(2, &prompt).await;
     let (status, text) = tokio::time::timeout(Duration::from_secs(30), submit)
         .await
         .expect("in time")
@@ -550,7 +556,7 @@ async fn a_client_that_never_reads_slows_no_one() {
         .await
         .expect("the reader was not held up");
     assert_eq!(status, 200);
-    let total = world.driver_parts(1).await;
+    let total = world.host_parts(1).await;
     assert_eq!(ids(&body).len() as u64, total);
     assert!(
         started.elapsed() < Duration::from_secs(30),

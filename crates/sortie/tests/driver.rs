@@ -126,7 +126,11 @@ impl DriverProcess {
         driver
     }
 
-    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+    /// POSTs `body` to `path`; a turn without a nonce gets the nonce the tests use for its number.
+    async fn post(&self, path: &str, mut body: Value) -> (u16, Value) {
+        if path == "/turns" && body.get("nonce").is_none() && body.is_object() {
+            body["nonce"] = json!(format!("nonce-{}", body["n"]));
+        }
         let reply = self
             .client
             .post(format!("http://driver{path}"))
@@ -158,18 +162,29 @@ impl DriverProcess {
         assert_eq!(status, 202, "{answer}");
     }
 
-    /// Polls `/status` until turn `n` is neither running nor delivering; returns its report.
+    /// Turn `n`'s report (`GET /turns/{n}`); `Null` when the driver has no such turn.
+    async fn report(&self, n: u32) -> Value {
+        let reply = self
+            .client
+            .get(format!("http://driver/turns/{n}"))
+            .send()
+            .await
+            .expect("report");
+        if reply.status().as_u16() == 404 {
+            return Value::Null;
+        }
+        reply.json().await.expect("json")
+    }
+
+    /// Polls turn `n`'s report until it is neither running nor delivering; returns it.
     async fn wait_turn(&self, n: u32, within: Duration) -> Value {
         let deadline = Instant::now() + within;
         loop {
-            let status = self.status().await;
-            if let Some(turn) = status["turns"].as_array().and_then(|t| t.iter().find(|t| t["n"] == n))
-                && turn["state"] != "running"
-                && turn["state"] != "delivering"
-            {
-                return turn.clone();
+            let turn = self.report(n).await;
+            if !turn.is_null() && turn["state"] != "running" && turn["state"] != "delivering" {
+                return turn;
             }
-            assert!(Instant::now() < deadline, "turn {n} still running: {status}");
+            assert!(Instant::now() < deadline, "turn {n} still running: {turn}");
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
     }
@@ -363,7 +378,20 @@ async fn turns_are_idempotent_and_resume_exactly_after_k() {
             json!({"n": 1, "prompt": "#!scripted\nrun: echo twice >> count.txt"}),
         )
         .await;
-    assert_eq!(status, 202, "the same n answers the same turn: {again}");
+    assert_eq!(status, 202, "the same n and nonce answer the same turn: {again}");
+    let (status, foreign) = driver
+        .post(
+            "/turns",
+            json!({"n": 1, "nonce": "someone-else", "prompt": "#!scripted\nrun: echo forged >> count.txt"}),
+        )
+        .await;
+    assert_eq!(
+        (status, foreign["error"]["code"].clone()),
+        (409, json!("TURN_NOT_OURS")),
+        "the same n under another nonce is not the host's turn"
+    );
+    let (status, _) = driver.post("/turns", json!({"n": 4, "nonce": "", "prompt": "x"})).await;
+    assert_eq!(status, 400, "a turn needs a nonce");
     let (status, busy) = driver.post("/turns", json!({"n": 2, "prompt": "hello"})).await;
     assert_eq!((status, busy["error"]["code"].clone()), (409, json!("TURN_RUNNING")));
     driver.wait_turn(1, Duration::from_secs(20)).await;
@@ -732,7 +760,6 @@ async fn each_turn_is_delivered_as_one_commit_on_its_branch() {
             json!({
                 "prompt": "#!scripted\nwrite: hello.txt\nhello\n>>>\nsay: wrote it",
                 "baseline": null,
-                "host_timings": {"queued": 3, "sandbox": 40},
             }),
         )
         .await;
@@ -742,7 +769,7 @@ async fn each_turn_is_delivered_as_one_commit_on_its_branch() {
     let first = delivery["head_sha"].as_str().expect("head_sha").to_owned();
     assert_eq!(
         delivery,
-        &json!({"head_sha": first, "pushed": true, "changed": true, "files": 1, "insertions": 1, "deletions": 0, "error": null}),
+        &json!({"head_sha": first, "pushed": true, "changed": true, "files": 1, "insertions": 1, "deletions": 0}),
     );
     assert_eq!(repo.remote_head().as_deref(), Some(first.as_str()));
     assert_eq!(
@@ -761,27 +788,15 @@ async fn each_turn_is_delivered_as_one_commit_on_its_branch() {
             && message.ends_with("\n\nSortie-Session: ses_test"),
         "{message}"
     );
-    let timings = &turn["timings"];
-    assert_eq!((&timings["queued"], &timings["sandbox"]), (&json!(3), &json!(40)));
-    for measured in ["agent_ready", "first_part", "agent_turn", "delivery"] {
-        assert!(timings[measured].is_u64(), "{measured} in {timings}");
-    }
 
+    // The driver's stream is the agent's: sortie's own parts (phase, delivery) are the host's to write.
     let stream = driver.stream(1, None).await;
-    let phases: Vec<Value> = data_of(&stream, "data-sortie-phase")
-        .iter()
-        .map(|data| data["phase"].clone())
-        .collect();
-    assert_eq!(phases, vec![json!("running"), json!("delivering"), json!("done")]);
     let types: Vec<Value> = chunks(&stream).iter().map(|chunk| chunk["type"].clone()).collect();
-    let delivery_at = types
-        .iter()
-        .position(|t| t == "data-sortie-delivery")
-        .expect("delivery part");
-    assert_eq!(
-        types.len() - delivery_at,
-        4,
-        "delivery, phase done, finish-step, finish: {types:?}"
+    assert!(
+        !types
+            .iter()
+            .any(|t| t.as_str().is_some_and(|t| t.starts_with("data-sortie-"))),
+        "{types:?}"
     );
     let validated = driver.node("validate.mjs", 1, &["--print"]);
     assert!(
@@ -789,19 +804,6 @@ async fn each_turn_is_delivered_as_one_commit_on_its_branch() {
         "{}",
         String::from_utf8_lossy(&validated.stderr)
     );
-    let message: Value = serde_json::from_slice(&validated.stdout).expect("message");
-    let parts = message["parts"].as_array().expect("parts");
-    let part = |kind: &str| parts.iter().filter(|p| p["type"] == kind).cloned().collect::<Vec<_>>();
-    let delivered = part("data-sortie-delivery");
-    assert_eq!(delivered.len(), 1);
-    assert_eq!(
-        delivered[0]["data"],
-        json!({"branch": BRANCH, "headSha": first, "pushed": true, "changed": true, "diffStat": {"files": 1, "insertions": 1, "deletions": 0}})
-    );
-    let phase = part("data-sortie-phase");
-    assert_eq!(phase.len(), 1, "one phase part, replaced in place: {phase:?}");
-    assert_eq!(phase[0]["data"]["phase"], "done");
-    assert!(phase[0]["data"]["delivery"].is_u64() && phase[0]["data"]["queued"] == 3);
 
     // The next turn builds on the delivered commit.
     driver
@@ -832,7 +834,7 @@ async fn each_turn_is_delivered_as_one_commit_on_its_branch() {
     );
     assert_eq!(
         turn["delivery"],
-        json!({"head_sha": second, "pushed": false, "changed": false, "files": 0, "insertions": 0, "deletions": 0, "error": null})
+        json!({"head_sha": second, "pushed": false, "changed": false, "files": 0, "insertions": 0, "deletions": 0})
     );
     assert_eq!(repo.remote_head().as_deref(), Some(second.as_str()));
 }
@@ -895,13 +897,12 @@ async fn failing_turn_with(driver: &DriverProcess, n: u32, body: Value, code: &s
         "{reason:?} should mention {reason_part:?}"
     );
     let stream = driver.stream(n, None).await;
-    let delivered = data_of(&stream, "data-sortie-delivery");
-    assert_eq!(delivered.len(), 1, "{stream}");
-    // The delivery's own failure is in its part; an earlier failure of the turn is not the delivery's.
+    // The delivery's own failure is in its report; an earlier failure of the turn is not the delivery's.
     let delivery_failed = ["SECRET_DETECTED", "PUSH_CONFLICT", "DELIVERY_FAILED"].contains(&code);
     assert_eq!(
-        delivered[0]["error"]["code"],
-        if delivery_failed { json!(code) } else { Value::Null }
+        turn["delivery"]["error"]["code"],
+        if delivery_failed { json!(code) } else { Value::Null },
+        "{turn}"
     );
     assert!(
         stream.contains(r#""type":"error""#) && stream.contains(r#""finishReason":"error""#),
@@ -1097,9 +1098,9 @@ async fn a_fresh_driver_on_the_same_home_loads_the_agents_session() {
         "{turn}"
     );
     let stream = second.stream(2, None).await;
-    assert_eq!(
-        data_of(&stream, "data-sortie-priming"),
-        vec![json!({"rung": "session_load"})]
+    assert!(
+        data_of(&stream, "data-sortie-priming").is_empty(),
+        "the host writes priming parts"
     );
     assert_eq!(
         text_of(&stream),
@@ -1112,11 +1113,11 @@ async fn a_fresh_driver_on_the_same_home_loads_the_agents_session() {
         "the same session"
     );
 
-    // A warm agent needs no priming.
-    second.start_turn(3, "say: warm").await;
+    // Every turn's agent is a fresh process (none outlives its turn): it loads its session again.
+    second.start_turn(3, "say: again").await;
     let turn = second.wait_turn(3, Duration::from_secs(30)).await;
-    assert_eq!(turn["priming"], Value::Null, "{turn}");
-    assert!(data_of(&second.stream(3, None).await, "data-sortie-priming").is_empty());
+    assert_eq!(turn["priming"], json!("session_load"), "{turn}");
+    assert_eq!(text_of(&second.stream(3, None).await), "again");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1139,10 +1140,6 @@ async fn without_a_loadable_session_the_transcript_or_the_task_primes_the_agent(
         "{turn}"
     );
     let stream = driver.stream(2, None).await;
-    assert_eq!(
-        data_of(&stream, "data-sortie-priming"),
-        vec![json!({"rung": "transcript"})]
-    );
     let text = text_of(&stream);
     assert!(
         text.starts_with("scripted agent received: <sortie-context>\n") && text.contains("user: build a thing"),
@@ -1169,10 +1166,7 @@ async fn without_a_loadable_session_the_transcript_or_the_task_primes_the_agent(
         "{turn}"
     );
     let stream = driver.stream(1, None).await;
-    let priming = data_of(&stream, "data-sortie-priming");
-    assert_eq!(priming.len(), 1);
-    assert_eq!(priming[0]["rung"], "task");
-    assert!(priming[0]["load_error"].is_string(), "{priming:?}");
+    assert!(turn["load_error"].is_string(), "the failed load is said: {turn}");
     assert_eq!(
         text_of(&stream),
         "scripted agent received: Original task:\nbuild a thing\n\nNow: what next?"

@@ -23,14 +23,13 @@ fn runtime(root: &Path, grace: Option<Duration>) -> LocalRuntime {
 
 fn spec(root: &Path, name: &str, marker: &str) -> SandboxSpec {
     let dir = root.join(name);
-    for sub in ["workspace", "home", "run"] {
+    for sub in ["workspace", "home"] {
         std::fs::create_dir_all(dir.join(sub)).expect("dir");
     }
     SandboxSpec {
         name: name.to_owned(),
         workspace: dir.join("workspace"),
         home: dir.join("home"),
-        run_dir: dir.join("run"),
         egress_dir: None,
         read_only: Vec::new(),
         env: Vec::new(),

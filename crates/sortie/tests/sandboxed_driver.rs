@@ -1,5 +1,6 @@
 //! The driver where it belongs: `sortie driver` with the scripted agent inside a real sandbox, its
-//! API reached from the host through `driver.sock`, its agent's traffic through the egress relay.
+//! API reached from the host through a socket the host made and handed over (its name is in a
+//! directory of the host's, not in the sandbox), its agent's traffic through the egress relay.
 
 mod support;
 
@@ -12,13 +13,15 @@ use serde_json::{Value, json};
 use sortie_sandbox::local::{LocalConfig, LocalRuntime};
 use sortie_sandbox::{Limits, SandboxRuntime, SandboxSpec, SandboxStdio, Usage, inside};
 
+// `/proc/2` is the driver: bwrap's reaper is pid 1 in the sandbox, its command pid 2.
+
 /// A sandbox layout with copies of `sortie` and the scripted agent the sandbox uid can reach.
 struct Layout {
     _temp: tempfile::TempDir,
     runtime: LocalRuntime,
     workspace: PathBuf,
     home: PathBuf,
-    run_dir: PathBuf,
+    host_dir: PathBuf,
     egress_dir: PathBuf,
     bin_dir: PathBuf,
 }
@@ -40,10 +43,10 @@ impl Layout {
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
             path
         };
-        let (workspace, home, run_dir, egress_dir, state, bin_dir) = (
+        let (workspace, home, host_dir, egress_dir, state, bin_dir) = (
             dir("workspace"),
             dir("home"),
-            dir("run"),
+            dir("host"),
             dir("egress"),
             dir("state"),
             dir("bin"),
@@ -52,13 +55,15 @@ impl Layout {
         for binary in ["sortie", "sortie-scripted-agent"] {
             std::fs::copy(from.join(binary), bin_dir.join(binary)).expect("copy binary");
         }
+        // The host's own directory: no one but the host opens it.
+        std::fs::set_permissions(&host_dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
         let runtime = LocalRuntime::new(LocalConfig::new(state)).expect("runtime");
         Layout {
             _temp: temp,
             runtime,
             workspace,
             home,
-            run_dir,
+            host_dir,
             egress_dir,
             bin_dir,
         }
@@ -69,7 +74,7 @@ impl Layout {
     }
 
     fn driver_socket(&self) -> PathBuf {
-        self.run_dir.join("driver.sock")
+        self.host_dir.join("driver.sock")
     }
 
     /// Starts `sortie driver` inside a sandbox and waits until it answers; returns a client for it.
@@ -78,8 +83,7 @@ impl Layout {
         let command = [
             sortie.as_str(),
             "driver",
-            "--socket",
-            inside::DRIVER_SOCKET,
+            "--listen-on-stdin",
             "--workspace",
             inside::WORKSPACE,
             "--home",
@@ -95,13 +99,14 @@ impl Layout {
             name: name.to_owned(),
             workspace: self.workspace.clone(),
             home: self.home.clone(),
-            run_dir: self.run_dir.clone(),
             egress_dir: Some(self.egress_dir.clone()),
             read_only: vec![self.bin_dir.clone()],
             env: Vec::new(),
             command: command.iter().map(|s| (*s).to_owned()).collect(),
             limits: Limits::default(),
-            stdio: SandboxStdio::Null,
+            stdio: SandboxStdio::Listener(Arc::new(
+                std::os::unix::net::UnixListener::bind(self.driver_socket()).expect("bind the driver socket"),
+            )),
         };
         self.runtime.create(spec).await.expect("create");
         self.runtime.start(name).await.expect("start");
@@ -132,7 +137,7 @@ impl Layout {
 async fn turn(client: &reqwest::Client, script: &str) -> String {
     let started = client
         .post("http://driver/turns")
-        .json(&json!({"n": 1, "prompt": script}))
+        .json(&json!({"n": 1, "nonce": "host-nonce", "prompt": script}))
         .send()
         .await
         .expect("turn");
@@ -206,49 +211,42 @@ async fn a_turn_runs_inside_the_sandbox_and_reaches_out_only_through_the_relay()
             .any(|t| t.contains("GET http://updates.example.org/check HTTP/1.1")),
         "{outputs:?}"
     );
+    // Nothing inside names the driver's socket, and the agent cannot take it from the driver: the
+    // driver is not dumpable, so its descriptors, memory and environment are closed to the agent.
+    let probe = "#!scripted\nrun: ls /run; ls -l /proc/2/fd; cat /proc/2/environ; head -c 4 /proc/2/mem; echo probed";
+    let turn2 = client
+        .post("http://driver/turns")
+        .json(&json!({"n": 2, "nonce": "host-nonce-2", "prompt": probe}))
+        .send()
+        .await
+        .expect("turn 2");
+    assert_eq!(turn2.status().as_u16(), 202);
+    let stream = client
+        .get("http://driver/turns/2/stream")
+        .send()
+        .await
+        .expect("stream")
+        .text()
+        .await
+        .expect("body");
+    let said: String = chunks(&stream)
+        .into_iter()
+        .filter(|c| c["type"] == "tool-output-available" || c["type"] == "tool-output-error")
+        .map(|c| c.to_string())
+        .collect();
+    assert!(said.contains("probed"), "{said}");
+    assert!(
+        !said.contains("driver.sock"),
+        "no name of the driver's socket inside: {said}"
+    );
+    assert!(
+        said.contains("Permission denied"),
+        "the driver's /proc entries are closed to the agent: {said}"
+    );
+    assert!(
+        !said.contains("socket:["),
+        "the agent listed the driver's descriptors: {said}"
+    );
     let usage = layout.stop(&name).await;
     assert!(usage.cpu_seconds > 0.0, "{usage:?}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_blocked_connection_shows_up_in_the_stream_at_once() {
-    use sortie_gateway::egress::proxy::{EgressProxy, FixedAllowlist, SystemResolver, report_to_driver};
-    let layout = Layout::new();
-    // The real egress proxy with an empty allowlist; its denials go into the turn's stream.
-    let hook = report_to_driver(layout.driver_socket());
-    let proxy = EgressProxy::new(
-        FixedAllowlist::new(Vec::new()),
-        Vec::new(),
-        Arc::new(SystemResolver),
-        None,
-        Some(hook),
-    );
-    let listener = tokio::net::UnixListener::bind(layout.egress_socket()).expect("egress");
-    layout.runtime.grant_socket(&layout.egress_socket()).expect("grant");
-    tokio::spawn(proxy.serve(listener));
-    let name = format!("blocked-{}", std::process::id());
-    let client = layout.start_driver(&name, "ses_blocked").await;
-    let script = "#!scripted\nrun: python3 -c \"import urllib.request; urllib.request.urlopen('http://blocked.example.org/')\"\nsay: done";
-    let stream = turn(&client, script).await;
-    let denied: Vec<Value> = chunks(&stream)
-        .into_iter()
-        .filter(|c| c["type"] == "data-sortie-egress-denied")
-        .collect();
-    assert_eq!(denied.len(), 1, "{stream}");
-    assert_eq!(
-        (denied[0]["data"]["host"].clone(), denied[0]["data"]["port"].clone()),
-        (json!("blocked.example.org"), json!(80))
-    );
-    assert!(
-        denied[0]["data"]["reason"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("allowlist"),
-        "{stream}"
-    );
-    assert!(
-        stream.contains("HTTP Error 403"),
-        "the agent saw the refusal too: {stream}"
-    );
-    layout.stop(&name).await;
 }

@@ -95,7 +95,6 @@ pub fn arguments(spec: &SandboxSpec, etc_dir: &Path, status_fd: u32, exists: imp
     };
     bind(&mut args, "--bind", &spec.workspace, inside::WORKSPACE);
     bind(&mut args, "--bind", &spec.home, inside::HOME);
-    bind(&mut args, "--bind", &spec.run_dir, inside::RUN_DIR);
     if let Some(egress) = &spec.egress_dir {
         bind(&mut args, "--ro-bind", egress, inside::EGRESS_DIR);
     }
@@ -133,7 +132,6 @@ mod tests {
             name: "s1".into(),
             workspace: PathBuf::from("/srv/ws"),
             home: PathBuf::from("/srv/home"),
-            run_dir: PathBuf::from("/srv/run"),
             egress_dir: Some(PathBuf::from("/srv/egress")),
             read_only: vec![PathBuf::from("/opt/agent")],
             env: vec![("HTTPS_PROXY".into(), "http://127.0.0.1:3128".into())],
@@ -157,7 +155,6 @@ mod tests {
             &["--cap-drop", "ALL"],
             &["--bind", "/srv/ws", "/workspace"],
             &["--bind", "/srv/home", "/home/agent"],
-            &["--bind", "/srv/run", "/run/sortie"],
             &["--ro-bind", "/srv/egress", "/run/sortie-egress"],
             &["--ro-bind", "/opt/agent", "/opt/agent"],
             &["--ro-bind", "/state/etc/passwd", "/etc/passwd"],
@@ -173,7 +170,7 @@ mod tests {
         assert_eq!(remount + 5, args.len(), "the command ends the line");
         assert!(position(&args, &["--setenv", "HTTPS_PROXY", "http://127.0.0.1:3128"]).is_some());
         // Nothing else of the host: no /home, /root, /run or data dir bound.
-        for forbidden in ["/root", "/var", "/run/docker.sock", "/etc/ssl/private"] {
+        for forbidden in ["/root", "/var", "/run/docker.sock", "/etc/ssl/private", "/run/sortie"] {
             assert!(!args.iter().any(|a| a == forbidden), "{forbidden} must not be bound");
         }
     }

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use tokio::sync::watch;
 
-use crate::{SandboxError, SandboxExit, SandboxRuntime, SandboxSpec, SandboxStatus, SandboxStdio, Usage};
+use crate::{ProcessStamp, SandboxError, SandboxExit, SandboxRuntime, SandboxSpec, SandboxStatus, SandboxStdio, Usage};
 use cgroup::{Cgroup, CgroupVersion};
 
 /// The host uid (and gid) sandboxes run as when sortie runs as root. It needs no passwd entry.
@@ -189,6 +189,13 @@ impl LocalRuntime {
         Ok(())
     }
 
+    fn cgroup_of(&self, name: &str) -> Result<Arc<Cgroup>, SandboxError> {
+        self.lock()
+            .get(name)
+            .map(|entry| entry.cgroup.clone())
+            .ok_or_else(|| SandboxError::Unknown(name.to_owned()))
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
         self.sandboxes.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
@@ -227,7 +234,7 @@ impl LocalRuntime {
         if spec.command.is_empty() {
             return Err(SandboxError::Spec("no command to run".into()));
         }
-        let mut paths: Vec<&Path> = vec![&spec.workspace, &spec.home, &spec.run_dir];
+        let mut paths: Vec<&Path> = vec![&spec.workspace, &spec.home];
         paths.extend(spec.egress_dir.as_deref());
         paths.extend(spec.read_only.iter().map(PathBuf::as_path));
         for path in paths {
@@ -253,7 +260,7 @@ impl LocalRuntime {
         if !self.as_root {
             return Ok(());
         }
-        for dir in [&spec.workspace, &spec.home, &spec.run_dir] {
+        for dir in [&spec.workspace, &spec.home] {
             chown_tree(dir, self.config.sandbox_uid, self.config.sandbox_gid).map_err(SandboxError::io(format!(
                 "cannot hand {} to the sandbox uid",
                 dir.display()
@@ -261,6 +268,26 @@ impl LocalRuntime {
         }
         Ok(())
     }
+}
+
+/// When each of `pids` started; a pid that is gone is left out.
+fn stamps(pids: &[i32]) -> Vec<ProcessStamp> {
+    pids.iter()
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            Some(ProcessStamp {
+                pid: u32::try_from(*pid).ok()?,
+                started: start_time(&stat)?,
+            })
+        })
+        .collect()
+}
+
+/// Field 22 (`starttime`) of a `/proc/<pid>/stat` line; the command name (field 2) may hold spaces
+/// and parentheses, so fields are counted from the last `)`.
+fn start_time(stat: &str) -> Option<u64> {
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    after_name.split_whitespace().nth(19)?.parse().ok()
 }
 
 /// `chown -R` without following symlinks (a link inside must not make us chown a host file).
@@ -411,7 +438,7 @@ impl SandboxRuntime for LocalRuntime {
             .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
             .env("SORTIE_CGROUP_PROCS", procs.join(" "))
             .env("SORTIE_STATUS_FILE", &status_file);
-        match spec.stdio {
+        match &spec.stdio {
             SandboxStdio::Inherit => {
                 command
                     .stdin(Stdio::inherit())
@@ -422,6 +449,17 @@ impl SandboxRuntime for LocalRuntime {
                 let log = std::fs::File::create(&stderr_file)
                     .map_err(SandboxError::io("cannot create the sandbox's stderr log"))?;
                 command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
+            }
+            SandboxStdio::Listener(listener) => {
+                let log = std::fs::File::create(&stderr_file)
+                    .map_err(SandboxError::io("cannot create the sandbox's stderr log"))?;
+                // The keeper, the wrapper, setpriv and bwrap each pass stdin on to the command.
+                let listener = std::os::fd::OwnedFd::from(
+                    listener
+                        .try_clone()
+                        .map_err(SandboxError::io("cannot hand the driver socket to the sandbox"))?,
+                );
+                command.stdin(Stdio::from(listener)).stdout(Stdio::null()).stderr(log);
             }
         }
 
@@ -535,6 +573,45 @@ impl SandboxRuntime for LocalRuntime {
         Ok(())
     }
 
+    async fn processes(&self, name: &str) -> Result<Vec<ProcessStamp>, SandboxError> {
+        let cgroup = self.cgroup_of(name)?;
+        Ok(tokio::task::spawn_blocking(move || stamps(&cgroup.pids()))
+            .await
+            .unwrap_or_default())
+    }
+
+    async fn kill_newer(&self, name: &str, keep: &[ProcessStamp]) -> Result<usize, SandboxError> {
+        let cgroup = self.cgroup_of(name)?;
+        let keep: std::collections::HashSet<ProcessStamp> = keep.iter().copied().collect();
+        tokio::task::spawn_blocking(move || {
+            let mut killed = 0;
+            // A process may fork while its siblings are killed: sweep until nothing new is left.
+            for _ in 0..50 {
+                let newer: Vec<ProcessStamp> = stamps(&cgroup.pids())
+                    .into_iter()
+                    .filter(|stamp| !keep.contains(stamp))
+                    .collect();
+                if newer.is_empty() {
+                    return Ok(killed);
+                }
+                for stamp in newer {
+                    if let Ok(pid) = i32::try_from(stamp.pid)
+                        && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)
+                            .is_ok()
+                    {
+                        killed += 1;
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(SandboxError::Start(
+                "processes of the sandbox kept appearing while they were killed".into(),
+            ))
+        })
+        .await
+        .map_err(|_| SandboxError::Start("the sweep of the sandbox's processes failed".into()))?
+    }
+
     async fn status(&self, name: &str) -> Result<SandboxStatus, SandboxError> {
         let sandboxes = self.lock();
         let entry = sandboxes
@@ -635,6 +712,14 @@ impl SandboxRuntime for LocalRuntime {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_start_time_is_read_after_the_command_name() {
+        let stat = "4242 (a) b (c)) S 1 4242 4242 0 -1 4194560 150 0 0 0 1 2 0 0 20 0 1 0 987654 123 0";
+        assert_eq!(start_time(stat), Some(987_654));
+        assert_eq!(start_time("4242 (x"), None);
+        assert_eq!(start_time("4242 (x) S 1"), None);
+    }
 
     #[test]
     fn the_child_pid_is_read_from_bwraps_status() {

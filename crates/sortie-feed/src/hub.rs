@@ -1,5 +1,5 @@
-//! The turn hub: every part of a turn in memory for any number of subscribers, and in the turn's
-//! append-only log `turns/{n}.jsonl`.
+//! The turn hub: every part of a turn in memory for any number of subscribers, and (optionally) in
+//! the turn's append-only log `turns/{n}.jsonl`.
 //!
 //! Publishing never waits for a subscriber: parts go into a shared list and a `watch` channel says
 //! "there is more"; each subscriber reads from its own position at its own pace. Memory is bounded:
@@ -85,9 +85,15 @@ impl TurnHub {
 
     /// A hub without a log (when the log cannot be created): everything stays in memory.
     pub fn in_memory(n: u32) -> Arc<Self> {
+        Self::in_memory_from(n, 0)
+    }
+
+    /// A hub without a log whose first part gets index `first_index`: the parts before it are kept
+    /// elsewhere (the host's store), and a subscriber asking for them gets nothing older than it.
+    pub fn in_memory_from(n: u32, first_index: u64) -> Arc<Self> {
         let inner = Inner {
             parts: Vec::new(),
-            first_index: 0,
+            first_index,
             bytes: 0,
             done: false,
             log: None,
@@ -98,7 +104,7 @@ impl TurnHub {
             log_path: None,
             memory_limit: usize::MAX,
             inner: Mutex::new(inner),
-            published: watch::channel(0).0,
+            published: watch::channel(first_index).0,
         })
     }
 
@@ -116,22 +122,31 @@ impl TurnHub {
         if chunks.is_empty() {
             return;
         }
-        let count = {
+        let encoded: Vec<Arc<str>> = chunks.iter().map(|chunk| Arc::from(chunk.to_json())).collect();
+        self.publish_encoded(encoded);
+    }
+
+    /// Appends chunks already encoded as JSON as the next parts; returns the index of the first one
+    /// (`None` once the turn is done: nothing is added).
+    pub fn publish_encoded(&self, encoded: impl IntoIterator<Item = Arc<str>>) -> Option<u64> {
+        let (first, count) = {
             let mut inner = self.lock();
             if inner.done {
-                return;
+                return None;
             }
             let first = inner.first_index + inner.parts.len() as u64;
-            for (index, chunk) in (first..).zip(chunks) {
-                let json: Arc<str> = Arc::from(chunk.to_json());
+            for (index, json) in (first..).zip(encoded) {
                 write_log_line(&mut inner, |w| writeln!(w, r#"{{"index":{index},"chunk":{json}}}"#));
                 inner.bytes += json.len();
                 inner.parts.push(json);
             }
             self.evict(&mut inner);
-            inner.first_index + inner.parts.len() as u64
+            (first, inner.first_index + inner.parts.len() as u64)
         };
-        self.published.send_replace(count);
+        if count > first {
+            self.published.send_replace(count);
+        }
+        Some(first)
     }
 
     /// Keeps an update the mapper did not understand, raw, in the log (not a part).
@@ -292,13 +307,57 @@ impl Subscription {
 /// Reads parts from a turn log: those with index > `after` and < `before`, in order. Raw lines and a
 /// torn last line (the driver died mid-write) are skipped.
 pub fn read_log(path: &Path, after: Option<u64>, before: Option<u64>) -> std::io::Result<Vec<Part>> {
-    let file = File::open(path)?;
     let mut parts = Vec::new();
+    read_log_from(File::open(path)?, after, before, &LogBounds::UNBOUNDED, |part| {
+        parts.push(part);
+        std::ops::ControlFlow::Continue(())
+    })?;
+    Ok(parts)
+}
+
+/// How much of a log a reader takes: a line longer than `line_max` is skipped (not held), and reading
+/// stops once `total_max` bytes of lines were read. A log written by someone the reader does not
+/// trust (a sandbox) is read with both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LogBounds {
+    pub line_max: usize,
+    pub total_max: u64,
+}
+
+impl LogBounds {
+    pub const UNBOUNDED: Self = Self {
+        line_max: usize::MAX,
+        total_max: u64::MAX,
+    };
+}
+
+/// Streams the parts of a log (as [`read_log`]) to `each`, which may stop the reading early; never
+/// holds more than one line (of at most `bounds.line_max` bytes) at a time. Returns how many bytes
+/// were read.
+pub fn read_log_from(
+    log: impl std::io::Read,
+    after: Option<u64>,
+    before: Option<u64>,
+    bounds: &LogBounds,
+    mut each: impl FnMut(Part) -> std::ops::ControlFlow<()>,
+) -> std::io::Result<u64> {
     let first = after.map_or(0, |k| k + 1);
-    // Bytes, not `lines()`: a line torn inside a multi-byte character is skipped, not an error
-    // that would lose the whole log.
-    for line in BufReader::new(file).split(b'\n') {
-        let line = line?;
+    let mut reader = BufReader::with_capacity(64 * 1024, log.take(bounds.total_max));
+    let mut line = Vec::new();
+    let mut read_total = 0_u64;
+    loop {
+        line.clear();
+        let (read, complete) = read_line_bounded(&mut reader, &mut line, bounds.line_max)?;
+        if read == 0 {
+            break;
+        }
+        read_total += read as u64;
+        // A line past the bound is skipped whole, and a torn last line is not a part.
+        if !complete {
+            continue;
+        }
+        // Bytes, not `lines()`: a line torn inside a multi-byte character is skipped, not an error
+        // that would lose the whole log.
         let Ok(record) = serde_json::from_slice::<Value>(&line) else {
             continue;
         };
@@ -311,9 +370,42 @@ pub fn read_log(path: &Path, after: Option<u64>, before: Option<u64>) -> std::io
         if before.is_some_and(|b| index >= b) {
             break;
         }
-        parts.push((index, Arc::from(chunk.to_string())));
+        if each((index, Arc::from(chunk.to_string()))).is_break() {
+            break;
+        }
     }
-    Ok(parts)
+    Ok(read_total)
+}
+
+/// Reads one line into `line`, keeping at most `max` bytes of it (the rest is consumed and dropped).
+/// Returns the bytes consumed and whether the line was whole (ended by `\n` within the bound).
+fn read_line_bounded(reader: &mut impl BufRead, line: &mut Vec<u8>, max: usize) -> std::io::Result<(usize, bool)> {
+    let mut consumed = 0;
+    let mut overflowed = false;
+    loop {
+        let available = reader.fill_buf()?;
+        if available.is_empty() {
+            return Ok((consumed, false));
+        }
+        let (take, ends) = match available.iter().position(|b| *b == b'\n') {
+            Some(end) => (end + 1, true),
+            None => (available.len(), false),
+        };
+        if !overflowed && line.len() + take <= max.saturating_add(1) {
+            line.extend_from_slice(&available[..take]);
+        } else {
+            overflowed = true;
+            line.clear();
+        }
+        reader.consume(take);
+        consumed += take;
+        if ends {
+            if line.last() == Some(&b'\n') {
+                line.pop();
+            }
+            return Ok((consumed, !overflowed));
+        }
+    }
 }
 
 /// The log file of turn `n` under a driver's state directory.

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sortie_driver::hub::{Part, TurnHub, log_path, read_log};
+use sortie_feed::hub::{Part, TurnHub, log_path, read_log};
 use sortie_protocol::chunk::UiChunk;
 
 fn chunk(i: u64) -> UiChunk {
@@ -13,7 +13,7 @@ fn chunk(i: u64) -> UiChunk {
     }
 }
 
-async fn drain(mut subscription: sortie_driver::hub::Subscription) -> Vec<Part> {
+async fn drain(mut subscription: sortie_feed::hub::Subscription) -> Vec<Part> {
     let mut all = Vec::new();
     while subscription.next_batch(64, &mut all).await {}
     all

@@ -1,0 +1,480 @@
+//! Provisioning a session's sandbox (DESIGN §2 step 2): the workspace from the repository's mirror,
+//! the per-sandbox egress proxy (with the git and model proxies of this session only), the driver's
+//! socket made and held by the host, the sandbox, and the setup script.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sortie_gateway::egress::policy::Denial;
+use sortie_gateway::egress::proxy::{DenialHook, EgressProxy, SessionAllowlist};
+use sortie_gateway::egress::registries::PhasedAllowlist;
+use sortie_gateway::git::http::{Upstream, Upstreams};
+use sortie_protocol::driver::SETUP_OUTPUT_TAIL_BYTES;
+use sortie_protocol::sortie_data::{EgressDeniedData, SortieData};
+use sortie_protocol::{FailureCode, SessionId};
+use sortie_sandbox::{SandboxSpec, SandboxStatus, SandboxStdio, inside};
+use sortie_store::SessionRow;
+
+use super::{Failure, HandleInner, SandboxHandle, destroy, ms};
+use crate::Context;
+use crate::meter::{CurrentTurn, TurnMeter, WorkspaceKeys};
+use crate::prepare::{self, SessionDirs};
+
+/// How long a new sandbox's driver has to answer.
+const DRIVER_READY_DEADLINE: Duration = Duration::from_secs(30);
+/// Runs the repository's own setup script when the session names none.
+const DEFAULT_SETUP: &str = "if [ -f .sortie/setup.sh ]; then exec sh .sortie/setup.sh; fi";
+
+/// The git proxy of one sandbox reaches its own session's repository and nothing else.
+pub(super) struct SessionUpstream {
+    session_id: SessionId,
+    upstream: std::sync::RwLock<Upstream>,
+}
+
+impl Upstreams for SessionUpstream {
+    fn upstream(&self, session_id: &SessionId) -> Option<Upstream> {
+        (session_id == &self.session_id).then(|| self.upstream.read().unwrap_or_else(|p| p.into_inner()).clone())
+    }
+}
+
+impl SessionUpstream {
+    pub(super) fn replace(&self, upstream: Upstream) {
+        *self.upstream.write().unwrap_or_else(|p| p.into_inner()) = upstream;
+    }
+}
+
+/// What the session's agent profile asks the sandbox to bind read-only (its install dir outside
+/// `/usr` and the agents dir): absolute paths that exist, else the turn cannot start.
+fn agent_read_only_paths(manifest: Option<&Path>, agent: &str, exe_dir: &Path) -> Result<Vec<PathBuf>, Failure> {
+    let agent_failed = |what: String| (FailureCode::AgentStartFailed, what);
+    let profiles = sortie_driver::profile::load(manifest).map_err(|e| agent_failed(e.to_string()))?;
+    let profile = sortie_driver::profile::find(&profiles, agent).map_err(|e| agent_failed(e.to_string()))?;
+    let mut paths = Vec::new();
+    // The driver looks for a bare command beside its own binary first: that one file is bound, not
+    // the directory (which may hold anything: a build tree, other tools).
+    if !profile.command.contains('/') {
+        let beside = exe_dir.join(&profile.command);
+        if beside.is_file() {
+            paths.push(beside);
+        }
+    }
+    for entry in &profile.read_only_paths {
+        let path = PathBuf::from(entry);
+        let plain = path.is_absolute() && path.components().all(|c| !matches!(c, std::path::Component::ParentDir));
+        if !plain || !path.exists() {
+            return Err(agent_failed(format!(
+                "agent {agent:?} asks for read-only path {entry:?}, which is not an existing absolute path: fix \
+                 read_only_paths in the agent manifest"
+            )));
+        }
+        paths.push(path);
+    }
+    Ok(paths)
+}
+
+/// Writes the digests of the workspace's secret values to `path`, in place (truncated, same inode).
+pub(super) async fn write_known_secrets(
+    context: &Arc<Context>,
+    session: &SessionRow,
+    path: &Path,
+) -> Result<(), String> {
+    let digests = WorkspaceKeys {
+        store: context.store.clone(),
+        ring: context.config.keyring.clone(),
+        workspace_id: session.workspace_id.clone(),
+    }
+    .digests()
+    .await;
+    std::fs::write(path, digests).map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+pub(super) fn start_failed(what: impl std::fmt::Display) -> Failure {
+    (FailureCode::SandboxStartFailed, what.to_string())
+}
+
+/// Where the session's repository lives for the git proxy, and how host-side git reaches it: a local
+/// path as is; an `https://` URL through the workspace's connection to its forge, whose token only
+/// the gateway and the mirror fetch ever hold.
+pub(super) async fn session_upstream(
+    context: &Arc<Context>,
+    session: &SessionRow,
+) -> Result<(Upstream, Option<prepare::ForgeAuth>), Failure> {
+    if session.repo.starts_with('/') {
+        return Ok((Upstream::Local(PathBuf::from(&session.repo)), None));
+    }
+    let Some(host) = sortie_protocol::api::repo_forge_host(&session.repo) else {
+        return Err((
+            FailureCode::CloneFailed,
+            format!(
+                "{:?} is neither a local path nor an https:// repository URL",
+                session.repo
+            ),
+        ));
+    };
+    let missing = || {
+        (
+            FailureCode::CloneFailed,
+            format!(
+                "the workspace has no connection to {host}: an admin adds one with `sortie forge set {host}`, then retry"
+            ),
+        )
+    };
+    let ring = context.config.keyring.as_ref().ok_or_else(missing)?;
+    let opened = sortie_store::workspace_forge_token(context.store.as_ref(), ring, &session.workspace_id, &host).await;
+    let (_, token) = match opened {
+        Ok(Some(found)) => found,
+        Ok(None) => return Err(missing()),
+        Err(sortie_store::KeyError::Store(_)) => {
+            return Err((FailureCode::CloneFailed, "the store did not answer; retry".into()));
+        }
+        Err(_) => {
+            return Err((
+                FailureCode::CloneFailed,
+                format!(
+                    "the stored token for {host} does not open with this server's master key: set it again with `sortie forge set {host}`"
+                ),
+            ));
+        }
+    };
+    let token_text = String::from_utf8_lossy(token.expose()).into_owned();
+    Ok((
+        Upstream::Remote {
+            url: session.repo.clone(),
+            token: token_text,
+        },
+        Some(prepare::ForgeAuth {
+            token,
+            ca_bundle: context.config.forge_ca_bundle.clone(),
+        }),
+    ))
+}
+
+/// What serves a sandbox's `egress.sock`: its allowlist, model meter, git upstream and the task.
+pub(super) struct SandboxProxy {
+    pub allowlist: Arc<PhasedAllowlist>,
+    pub meter: Arc<TurnMeter>,
+    pub upstream: Arc<SessionUpstream>,
+    pub task: tokio::task::JoinHandle<()>,
+}
+
+/// Serves the session's egress proxy (with its git and model proxies) on its `egress.sock`.
+pub(super) fn serve_proxy(
+    context: &Arc<Context>,
+    session: &SessionRow,
+    dirs: &SessionDirs,
+    upstream: Upstream,
+    current: &Arc<CurrentTurn>,
+) -> Result<SandboxProxy, Failure> {
+    let config = &context.config;
+    let allowlist = PhasedAllowlist::new(
+        Arc::new(SessionAllowlist {
+            store: context.store.clone(),
+            workspace_id: session.workspace_id.clone(),
+            session_id: session.id.clone(),
+        }),
+        config.setup_hosts.clone(),
+    );
+    let upstream = Arc::new(SessionUpstream {
+        session_id: session.id.clone(),
+        upstream: std::sync::RwLock::new(upstream),
+    });
+    let git_routes = match &config.forge_http {
+        Some(http) => {
+            sortie_gateway::git::http::router_with_client(upstream.clone(), config.git_binary.clone(), http.clone())
+        }
+        None => sortie_gateway::git::http::router(upstream.clone(), config.git_binary.clone()),
+    };
+    let meter = TurnMeter::new(context.store.clone(), session.id.clone(), current.clone());
+    let model_routes = sortie_gateway::model::router(
+        sortie_gateway::model::ModelProxyConfig {
+            session_id: session.id.clone(),
+            upstreams: config.model_upstreams.clone(),
+            extra_roots_pem: Vec::new(),
+        },
+        Arc::new(WorkspaceKeys {
+            store: context.store.clone(),
+            ring: config.keyring.clone(),
+            workspace_id: session.workspace_id.clone(),
+        }),
+        meter.clone(),
+    )
+    .map_err(start_failed)?;
+    let proxy = EgressProxy::new(
+        allowlist.clone(),
+        config.egress_exempt.clone(),
+        config.resolver.clone(),
+        Some(git_routes.merge(model_routes)),
+        Some(report_denials(current.clone())),
+    );
+    let egress_socket = dirs.egress_socket();
+    let _ = std::fs::remove_file(&egress_socket);
+    let listener = tokio::net::UnixListener::bind(&egress_socket)
+        .map_err(|e| start_failed(format!("cannot listen on {}: {e}", egress_socket.display())))?;
+    context.runtime.grant_socket(&egress_socket).map_err(start_failed)?;
+    let proxy_task = tokio::spawn(proxy.serve(listener));
+    Ok(SandboxProxy {
+        allowlist,
+        meter,
+        upstream,
+        task: proxy_task,
+    })
+}
+
+/// Every egress refusal becomes a `data-sortie-egress-denied` part of the running turn, written by
+/// the host into its own transcript (nothing of it passes through the sandbox).
+fn report_denials(current: Arc<CurrentTurn>) -> DenialHook {
+    Arc::new(move |denial: &Denial| {
+        if let Some(transcript) = current.get() {
+            transcript.host(SortieData::EgressDenied(EgressDeniedData {
+                host: denial.host.clone(),
+                port: denial.port,
+                reason: denial.reason.clone(),
+            }));
+        }
+        Box::pin(std::future::ready(()))
+    })
+}
+
+/// Makes the session's sandbox: workspace, egress and git proxy, the driver, the setup script.
+pub(super) async fn provision(
+    context: &Arc<Context>,
+    session: &SessionRow,
+    timings: &mut BTreeMap<String, u64>,
+) -> Result<SandboxHandle, Failure> {
+    let config = &context.config;
+    let dirs = SessionDirs::new(&config.work_dir, &session.id);
+    let (upstream, forge_auth) = session_upstream(context, session).await?;
+
+    let clock = Instant::now();
+    let mirrors = config.work_dir.join("mirrors");
+    let mirror = {
+        let lock = context
+            .mirror_lock(&prepare::mirror_path(&mirrors, &session.repo))
+            .await;
+        let _held = lock.lock().await;
+        prepare::ensure_mirror(&config.git_binary, &mirrors, &session.repo, forge_auth.as_ref())
+            .await
+            .map_err(|e| (FailureCode::CloneFailed, e.0))?
+    };
+    for dir in [&dirs.root, &dirs.home, &dirs.egress] {
+        std::fs::create_dir_all(dir).map_err(|e| start_failed(format!("cannot create {}: {e}", dir.display())))?;
+    }
+    let origin = format!(
+        "http://{}/_sortie/git/{}.git",
+        sortie_driver::relay::RELAY_ADDRESS,
+        session.id
+    );
+    prepare::ensure_workspace(
+        &config.git_binary,
+        &mirror,
+        &dirs.workspace,
+        &session.id.branch(),
+        session.base.as_deref(),
+        &origin,
+    )
+    .await
+    .map_err(|e| (FailureCode::CloneFailed, e.0))?;
+    if let Some((uid, gid)) = context.runtime.host_owner() {
+        for dir in [&dirs.workspace, &dirs.home] {
+            sortie_sandbox::local::chown_tree(dir, uid, gid)
+                .map_err(|e| start_failed(format!("cannot hand {} to the sandbox: {e}", dir.display())))?;
+        }
+    }
+    timings.insert("clone".into(), ms(clock));
+
+    let clock = Instant::now();
+    // The driver's socket: made here, in a directory only the host can open, and handed to the driver
+    // as its stdin; nothing in the sandbox has a name for it (DESIGN §9 invariant 8).
+    let driver_listener = bind_driver_socket(&dirs).map_err(start_failed)?;
+    let current = Arc::new(CurrentTurn::default());
+    let SandboxProxy {
+        allowlist,
+        meter,
+        upstream,
+        task: proxy_task,
+    } = serve_proxy(context, session, &dirs, upstream, &current)?;
+
+    let exe = &config.sortie_exe;
+    let exe_dir = exe
+        .parent()
+        .ok_or_else(|| start_failed("the sortie binary has no directory"))?
+        .to_owned();
+    if !context.runtime.is_reachable(exe) {
+        proxy_task.abort();
+        return Err(start_failed(format!(
+            "the sandbox uid cannot reach the sortie binary at {}: install sortie under a path every user can read \
+             (e.g. /usr/local/bin)",
+            exe.display()
+        )));
+    }
+    let mut command = vec![
+        exe.display().to_string(),
+        "driver".into(),
+        "--listen-on-stdin".into(),
+        "--workspace".into(),
+        inside::WORKSPACE.into(),
+        "--home".into(),
+        inside::HOME.into(),
+        "--agent".into(),
+        session.agent.clone(),
+        "--session".into(),
+        session.id.to_string(),
+        "--egress-socket".into(),
+        inside::EGRESS_SOCKET.into(),
+        "--turn-timeout".into(),
+        config.turn_timeout.as_secs().max(1).to_string(),
+        "--branch".into(),
+        session.id.branch(),
+        "--remote".into(),
+        "origin".into(),
+        "--author-name".into(),
+        config.author_name.clone(),
+        "--author-email".into(),
+        config.author_email.clone(),
+    ];
+    write_known_secrets(context, session, &dirs.known_secrets)
+        .await
+        .map_err(start_failed)?;
+    command.push("--secret-digests".into());
+    command.push(dirs.known_secrets.display().to_string());
+    let mut read_only = vec![exe.clone(), mirror, dirs.known_secrets.clone()];
+    if let Some(model) = &session.model {
+        command.push("--model".into());
+        command.push(model.clone());
+    }
+    if let Some(agents) = config.agents_dir.as_ref().filter(|dir| dir.is_dir()) {
+        command.push("--agents-dir".into());
+        command.push(agents.display().to_string());
+        read_only.push(agents.clone());
+    }
+    if let Some(profiles) = &config.agent_profiles {
+        command.push("--profiles".into());
+        command.push(profiles.display().to_string());
+        read_only.push(profiles.clone());
+    }
+    read_only.extend(agent_read_only_paths(
+        config.agent_profiles.as_deref(),
+        &session.agent,
+        &exe_dir,
+    )?);
+    let spec = SandboxSpec {
+        name: session.id.to_string(),
+        workspace: dirs.workspace.clone(),
+        home: dirs.home.clone(),
+        egress_dir: Some(dirs.egress.clone()),
+        read_only,
+        env: Vec::new(),
+        command,
+        limits: config.limits,
+        stdio: SandboxStdio::Listener(Arc::new(driver_listener)),
+    };
+    let name = spec.name.clone();
+    // A sandbox of this name left by an earlier attempt is gone for good.
+    let _ = context.runtime.destroy(&name).await;
+    if let Err(error) = context.runtime.create(spec).await {
+        proxy_task.abort();
+        return Err(start_failed(error));
+    }
+    let handle = SandboxHandle(Arc::new(HandleInner {
+        name: name.clone(),
+        dirs: dirs.clone(),
+        allowlist,
+        meter,
+        upstream,
+        current,
+        proxy: proxy_task,
+    }));
+    let _ = context
+        .store
+        .put_sandbox(&session.id, "local", &name, &config.worker_id)
+        .await;
+    if let Err(error) = context.runtime.start(&name).await {
+        destroy(context, &session.id, &handle).await;
+        return Err(start_failed(error));
+    }
+    let driver = handle.driver();
+    let ready_by = Instant::now() + DRIVER_READY_DEADLINE;
+    loop {
+        if driver.status().await.is_ok() {
+            break;
+        }
+        if let Ok(SandboxStatus::Exited(exit)) = context.runtime.status(&name).await {
+            destroy(context, &session.id, &handle).await;
+            return Err(start_failed(format!(
+                "the sandbox's driver {} before it answered",
+                exit.describe()
+            )));
+        }
+        if Instant::now() >= ready_by {
+            destroy(context, &session.id, &handle).await;
+            return Err(start_failed("the sandbox's driver did not answer within 30 s"));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    timings.insert("sandbox".into(), ms(clock));
+
+    let clock = Instant::now();
+    let script = session.setup.as_deref().unwrap_or(DEFAULT_SETUP);
+    let setup = driver.setup(script, config.setup_timeout).await;
+    let setup = setup.map(|mut outcome| {
+        // The sandbox's words: at most the tail the driver promises, whatever it sent.
+        outcome.output_tail = tail_chars(&outcome.output_tail, SETUP_OUTPUT_TAIL_BYTES);
+        outcome
+    });
+    let failure = match setup {
+        Ok(result) if result.exit_code == Some(0) && !result.timed_out => None,
+        Ok(result) => {
+            let what = if result.timed_out {
+                format!("did not finish within {} s", config.setup_timeout.as_secs())
+            } else {
+                match result.exit_code {
+                    Some(code) => format!("exited with code {code}"),
+                    None => "was killed".to_owned(),
+                }
+            };
+            let tail: String = {
+                let lines: Vec<&str> = result.output_tail.lines().rev().take(20).collect();
+                lines.into_iter().rev().collect::<Vec<_>>().join("\n")
+            };
+            Some(format!("the setup script {what}; its last output:\n{tail}"))
+        }
+        Err(error) => Some(format!("the setup script could not run: {error}")),
+    };
+    if let Some(reason) = failure {
+        destroy(context, &session.id, &handle).await;
+        return Err((FailureCode::SetupFailed, reason));
+    }
+    handle.0.allowlist.end_setup();
+    timings.insert("setup".into(), ms(clock));
+    Ok(handle)
+}
+
+/// Binds the driver's listening socket at its host path (a stale one of an earlier sandbox is
+/// replaced: the directory is the host's, so nothing else can have put it there).
+fn bind_driver_socket(dirs: &SessionDirs) -> Result<std::os::unix::net::UnixListener, String> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(&dirs.host).map_err(|e| format!("cannot create {}: {e}", dirs.host.display()))?;
+    std::fs::set_permissions(&dirs.host, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| format!("cannot close {} to others: {e}", dirs.host.display()))?;
+    let socket = dirs.driver_socket();
+    match std::fs::remove_file(&socket) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => return Err(format!("cannot replace {}: {error}", socket.display())),
+    }
+    std::os::unix::net::UnixListener::bind(&socket).map_err(|e| format!("cannot listen on {}: {e}", socket.display()))
+}
+
+/// The last `max` bytes of `text`, cut at a character boundary.
+fn tail_chars(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut start = text.len() - max;
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    text[start..].to_owned()
+}
