@@ -24,6 +24,10 @@ pub struct Limits {
     pub cpu_cores: Option<f64>,
     /// The size of the sandbox's `/tmp` (a tmpfs, charged to its memory).
     pub tmp_bytes: u64,
+    /// The size of the session's own filesystem that holds its `/workspace` and `$HOME`
+    /// ([`local::disk::SessionDisk`]). The worker makes and mounts it (it outlives the sandbox, across
+    /// hibernation); `create` does not read it. Enforced only when sortie runs as root.
+    pub disk_bytes: u64,
 }
 
 impl Default for Limits {
@@ -33,6 +37,7 @@ impl Default for Limits {
             pids: 512,
             cpu_cores: None,
             tmp_bytes: 512 << 20,
+            disk_bytes: local::disk::DEFAULT_DISK_BYTES,
         }
     }
 }

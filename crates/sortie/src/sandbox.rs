@@ -159,6 +159,7 @@ async fn exec_in(scratch: &std::path::Path, args: SandboxExecArgs) -> anyhow::Re
         pids: args.pids.unwrap_or(defaults.pids),
         cpu_cores: args.cpus.or(defaults.cpu_cores),
         tmp_bytes: args.tmp_size.unwrap_or(defaults.tmp_bytes),
+        disk_bytes: defaults.disk_bytes,
     };
     let name = format!("exec-{}", ulid::Ulid::generate().to_string().to_ascii_lowercase());
     let spec = SandboxSpec {

@@ -14,6 +14,7 @@
 
 pub mod bwrap;
 pub mod cgroup;
+pub mod disk;
 
 use std::collections::HashMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
