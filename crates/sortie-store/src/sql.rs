@@ -9,6 +9,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use futures::TryStreamExt;
 use sortie_protocol::api::{ForgeKind, ModelApi, Role};
 use sortie_protocol::limits::{SESSION_PROMPTS_MAX_BYTES, TURN_QUEUE_MAX};
 use sortie_protocol::phase::TurnMode;
@@ -173,6 +174,15 @@ fn internal(what: impl std::fmt::Display) -> StoreError {
 fn get_u32(row: &AnyRow, column: &str) -> StoreResult<u32> {
     let value: i64 = row.try_get(column)?;
     u32::try_from(value).map_err(|_| internal(format!("{column} out of range: {value}")))
+}
+
+fn part_from_row(row: &AnyRow) -> StoreResult<StoredPart> {
+    Ok(StoredPart {
+        turn: get_u32(row, "turn")?,
+        part_index: get_u32(row, "part_index")?,
+        seq: row.try_get("seq")?,
+        payload: row.try_get("payload")?,
+    })
 }
 
 fn get_u64(row: &AnyRow, column: &str) -> StoreResult<u64> {
@@ -1067,16 +1077,75 @@ impl Store for SqlStore {
         .bind(session_id.as_str())
         .fetch_all(&self.pool)
         .await?;
-        rows.iter()
-            .map(|row| {
-                Ok(StoredPart {
-                    turn: get_u32(row, "turn")?,
-                    part_index: get_u32(row, "part_index")?,
-                    seq: row.try_get("seq")?,
-                    payload: row.try_get("payload")?,
-                })
-            })
-            .collect()
+        rows.iter().map(part_from_row).collect()
+    }
+
+    async fn turn_parts(&self, session_id: &SessionId, n: u32) -> StoreResult<Vec<StoredPart>> {
+        self.turn_parts_after(session_id, n, None, PartsLimit::NONE).await
+    }
+
+    async fn turn_parts_after(
+        &self,
+        session_id: &SessionId,
+        n: u32,
+        after: Option<u32>,
+        limit: PartsLimit,
+    ) -> StoreResult<Vec<StoredPart>> {
+        // A range of the primary key (session_id, turn, part_index) on both databases, so the work is
+        // what the answer holds, however long the session's other turns are. Rows are taken one by one,
+        // so that no more than one row past the byte limit is ever held.
+        let mut rows = sqlx::query(
+            "SELECT turn, part_index, seq, payload FROM parts \
+             WHERE session_id = $1 AND turn = $2 AND part_index > $3 ORDER BY part_index LIMIT $4",
+        )
+        .bind(session_id.as_str())
+        .bind(i64::from(n))
+        .bind(after.map_or(-1, i64::from))
+        .bind(i64::from(limit.parts))
+        .fetch(&self.pool);
+        let mut parts = Vec::new();
+        let mut bytes: u64 = 0;
+        while let Some(row) = rows.try_next().await? {
+            let part = part_from_row(&row)?;
+            bytes = bytes.saturating_add(part.payload.len() as u64);
+            if bytes > limit.bytes && !parts.is_empty() {
+                break;
+            }
+            parts.push(part);
+        }
+        Ok(parts)
+    }
+
+    async fn parts_size(&self, session_id: &SessionId, turn: Option<u32>) -> StoreResult<PartsSize> {
+        // Bytes, not characters: SQLite's `length` of TEXT counts characters, and its `octet_length` is
+        // younger (3.43) than some system libraries sqlx may link; a BLOB's `length` is its bytes.
+        let query = match (self.backend, turn) {
+            (Backend::Sqlite, Some(_)) => {
+                "SELECT COUNT(*) AS parts, COALESCE(SUM(length(CAST(payload AS BLOB))), 0) AS bytes FROM parts \
+                 WHERE session_id = $1 AND turn = $2"
+            }
+            (Backend::Sqlite, None) => {
+                "SELECT COUNT(*) AS parts, COALESCE(SUM(length(CAST(payload AS BLOB))), 0) AS bytes FROM parts \
+                 WHERE session_id = $1"
+            }
+            (Backend::Postgres, Some(_)) => {
+                "SELECT COUNT(*) AS parts, COALESCE(SUM(octet_length(payload)), 0) AS bytes FROM parts \
+                 WHERE session_id = $1 AND turn = $2"
+            }
+            (Backend::Postgres, None) => {
+                "SELECT COUNT(*) AS parts, COALESCE(SUM(octet_length(payload)), 0) AS bytes FROM parts \
+                 WHERE session_id = $1"
+            }
+        };
+        let mut query = sqlx::query(query).bind(session_id.as_str());
+        if let Some(n) = turn {
+            query = query.bind(i64::from(n));
+        }
+        let row = query.fetch_one(&self.pool).await?;
+        Ok(PartsSize {
+            parts: get_u64(&row, "parts")?,
+            bytes: get_u64(&row, "bytes")?,
+        })
     }
 
     async fn record_token_usage(&self, usage: &TokenUsage) -> StoreResult<()> {
