@@ -176,6 +176,25 @@ fn get_u32(row: &AnyRow, column: &str) -> StoreResult<u32> {
     u32::try_from(value).map_err(|_| internal(format!("{column} out of range: {value}")))
 }
 
+/// Rows per `INSERT` of parts: 3 bound values each (plus 3 shared), far below SQLite's 32,766 and
+/// PostgreSQL's 65,535 bound values per statement.
+const INSERT_PARTS_PER_STATEMENT: usize = 1000;
+
+/// `INSERT` of `rows` parts: `$1` session, `$2` turn, `$3` time, then index, seq and payload per row;
+/// a part index already stored is left as it is.
+fn insert_parts_sql(rows: usize) -> String {
+    let mut sql = String::from("INSERT INTO parts (session_id, turn, created_at, part_index, seq, payload) VALUES ");
+    for row in 0..rows {
+        let first = 4 + 3 * row;
+        if row > 0 {
+            sql.push_str(", ");
+        }
+        sql.push_str(&format!("($1, $2, $3, ${first}, ${}, ${})", first + 1, first + 2));
+    }
+    sql.push_str(" ON CONFLICT (session_id, turn, part_index) DO NOTHING");
+    sql
+}
+
 fn part_from_row(row: &AnyRow) -> StoreResult<StoredPart> {
     Ok(StoredPart {
         turn: get_u32(row, "turn")?,
@@ -1051,20 +1070,23 @@ impl Store for SqlStore {
                 .ok_or(StoreError::NotFound)?;
         let end: i64 = reserved.try_get("next_part_seq")?;
         let mut inserted = 0;
-        for (offset, part) in (0_i64..).zip(parts) {
-            inserted += sqlx::query(
-                "INSERT INTO parts (session_id, turn, part_index, seq, payload, created_at) VALUES ($1, $2, $3, $4, $5, $6) \
-                 ON CONFLICT (session_id, turn, part_index) DO NOTHING",
-            )
-            .bind(session_id.as_str())
-            .bind(i64::from(turn))
-            .bind(i64::from(part.part_index))
-            .bind(end - count + offset)
-            .bind(&part.payload)
-            .bind(now)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
+        let mut first_seq = end - count;
+        // One statement per slice of rows instead of one per row: a round trip per part made a
+        // recorder's batch (and a long turn's harvest) cost as many round trips as parts.
+        for slice in parts.chunks(INSERT_PARTS_PER_STATEMENT) {
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(insert_parts_sql(slice.len())))
+                .persistent(false)
+                .bind(session_id.as_str())
+                .bind(i64::from(turn))
+                .bind(now);
+            for (offset, part) in (0_i64..).zip(slice) {
+                query = query
+                    .bind(i64::from(part.part_index))
+                    .bind(first_seq + offset)
+                    .bind(&part.payload);
+            }
+            inserted += query.execute(&mut *tx).await?.rows_affected();
+            first_seq += i64::try_from(slice.len()).map_err(internal)?;
         }
         tx.commit().await?;
         Ok(inserted)

@@ -87,6 +87,7 @@ on_both_databases!(
     resume_and_archive_follow_the_phase_rules,
     parts_are_stored_once_in_order,
     parts_are_read_one_turn_at_a_time,
+    a_batch_larger_than_one_statement_is_stored_once_in_order,
     transcript_sizes_count_parts_and_bytes,
     usage_is_summed_by_session_and_day,
     ticket_nonces_are_claimed_once,
@@ -1410,6 +1411,49 @@ async fn parts_are_read_one_turn_at_a_time(backend: TestBackend) {
         indexes(&f.store.turn_parts(&other.id, 2).await.expect("other")),
         vec![(2, 0)]
     );
+}
+
+async fn a_batch_larger_than_one_statement_is_stored_once_in_order(backend: TestBackend) {
+    let f = fixture(backend).await;
+    let session = f
+        .store
+        .create_session(new_session(&f.workspace.id, "/r", "t"))
+        .await
+        .expect("create");
+    let part = |i: u32| NewPart {
+        part_index: i,
+        payload: format!(r#"{{"type":"text-delta","id":"t","delta":"{i} \"quoted\" é"}}"#),
+    };
+    let stored_before: Vec<NewPart> = (1_500..1_510).map(part).collect();
+    f.store
+        .append_parts(&session.id, 1, &stored_before)
+        .await
+        .expect("append");
+    let batch: Vec<NewPart> = (0..2_500).map(part).collect();
+    assert_eq!(
+        f.store.append_parts(&session.id, 1, &batch).await.expect("append"),
+        2_490,
+        "the ten parts stored before are not counted again"
+    );
+    let stored = f.store.turn_parts(&session.id, 1).await.expect("read");
+    assert_eq!(stored.len(), 2_500);
+    assert!(
+        stored
+            .iter()
+            .zip(&batch)
+            .all(|(s, b)| s.part_index == b.part_index && s.payload == b.payload)
+    );
+    let seq_of = |i: usize| stored[i].seq;
+    assert!(
+        (1..1_500).all(|i| seq_of(i - 1) < seq_of(i)) && (1_511..2_500).all(|i| seq_of(i - 1) < seq_of(i)),
+        "seq follows the batch's order across statements"
+    );
+    assert!(
+        seq_of(1_500) < seq_of(0),
+        "the parts stored first kept their earlier seq"
+    );
+    let unique: std::collections::BTreeSet<i64> = stored.iter().map(|p| p.seq).collect();
+    assert_eq!(unique.len(), 2_500, "no seq given twice");
 }
 
 async fn transcript_sizes_count_parts_and_bytes(backend: TestBackend) {
