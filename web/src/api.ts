@@ -63,11 +63,12 @@ export function headers(extra: Record<string, string> = {}): Record<string, stri
   return h;
 }
 
-export async function api<T>(method: string, path: string, body?: unknown): Promise<T> {
+/** Like `api`, with the answer's headers too. */
+async function call<T>(method: string, path: string, body?: unknown): Promise<{ body: T; headers: Headers }> {
   const init: RequestInit = { method, credentials: 'same-origin', headers: headers(body === undefined ? {} : { 'Content-Type': 'application/json' }) };
   if (body !== undefined) init.body = JSON.stringify(body);
   const res = await fetch(path, init);
-  if (res.status === 204) return undefined as T;
+  if (res.status === 204) return { body: undefined as T, headers: res.headers };
   const text = await res.text();
   let json: unknown = null;
   try { json = text ? JSON.parse(text) : null; } catch { /* not JSON */ }
@@ -76,7 +77,22 @@ export async function api<T>(method: string, path: string, body?: unknown): Prom
     if (res.status === 401) onUnauthorized();
     throw new ApiError(res.status, err?.code ?? `HTTP_${res.status}`, err?.message ?? (text || res.statusText), (err?.details as Record<string, unknown> | undefined) ?? {});
   }
-  return json as T;
+  return { body: json as T, headers: res.headers };
+}
+
+export async function api<T>(method: string, path: string, body?: unknown): Promise<T> {
+  return (await call<T>(method, path, body)).body;
+}
+
+/** A page of `GET /messages` (the newest turns, or those before a cursor) and the cursor to the turns before it. */
+export interface MessagesPage { messages: UiMessage[]; older: number | null }
+/** The answer header naming the first turn of a page when older turns exist (pass it back as `before`). */
+export const OLDER_CURSOR_HEADER = 'Sortie-Older-Cursor';
+
+/** A cursor header's turn number, or null when the header is absent (no more turns that way). */
+export function cursor(value: string | null): number | null {
+  const n = value === null ? NaN : Number(value);
+  return Number.isInteger(n) && n > 0 ? n : null;
 }
 
 export const client = {
@@ -90,7 +106,11 @@ export const client = {
   },
   session: (id: string) => api<Answer<'/v1/sessions/{id}', 'get'>>('GET', `/v1/sessions/${id}`),
   turns: (id: string) => api<Answer<'/v1/sessions/{id}/turns', 'get'>>('GET', `/v1/sessions/${id}/turns`),
-  messages: (id: string) => api<Answer<'/v1/sessions/{id}/messages', 'get'>>('GET', `/v1/sessions/${id}/messages`),
+  messages: async (id: string, before?: number): Promise<MessagesPage> => {
+    const q = before === undefined ? '' : `?before=${before}`;
+    const { body, headers } = await call<Answer<'/v1/sessions/{id}/messages', 'get'>>('GET', `/v1/sessions/${id}/messages${q}`);
+    return { messages: body, older: cursor(headers.get(OLDER_CURSOR_HEADER)) };
+  },
   create: (body: Body<'/v1/sessions', 'post'>) => api<Answer<'/v1/sessions', 'post'>>('POST', '/v1/sessions', body),
   steer: (id: string, prompt: string, mode: Schemas['TurnMode']) =>
     api<Answer<'/v1/sessions/{id}/steer', 'post'>>('POST', `/v1/sessions/${id}/steer`, { prompt, mode } satisfies Body<'/v1/sessions/{id}/steer', 'post'>),

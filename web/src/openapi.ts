@@ -302,7 +302,15 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** The transcript as AI SDK `UIMessage`s: each turn's prompt, then the agent's answer to it. */
+        /**
+         * The transcript as AI SDK `UIMessage`s, a page of turns at a time.
+         * @description Each turn's prompt, then the agent's answer to it, oldest first. Without a cursor the page holds the
+         *     newest 20 turns (`limit` changes it), so a session of up to 20 turns comes back whole. A page takes
+         *     no turn after the one that brings it to 16 MiB of stored transcript, and no more of one turn than
+         *     the transcript caps (100,000 parts, 64 MiB): a turn stored past them ends with a
+         *     `data-sortie-truncated` part. The cursors to the pages beside this one are in the
+         *     `Sortie-Older-Cursor` and `Sortie-Newer-Cursor` headers, each absent when no turn lies that way.
+         */
         get: operations["get_messages"];
         put?: never;
         post?: never;
@@ -1657,7 +1665,20 @@ export interface operations {
     };
     get_messages: {
         parameters: {
-            query?: never;
+            query?: {
+                /**
+                 * @description Only turns numbered below this one, the newest of them first: the `Sortie-Older-Cursor` of a
+                 *     page, for the page before it.
+                 */
+                before?: number;
+                /**
+                 * @description Only turns numbered above this one, the oldest of them first: the `Sortie-Newer-Cursor` of a
+                 *     page, for the page after it. Not with `before`.
+                 */
+                after?: number;
+                /** @description The most turns in the page, 1 to 100 (default 20). */
+                limit?: number;
+            };
             header?: never;
             path: {
                 /** @description Session id */
@@ -1669,10 +1690,23 @@ export interface operations {
         responses: {
             200: {
                 headers: {
+                    /** @description Present when newer turns exist: the last turn of this page; ask again with `after` set to it. */
+                    "Sortie-Newer-Cursor"?: number;
+                    /** @description Present when older turns exist: the first turn of this page; ask again with `before` set to it. */
+                    "Sortie-Older-Cursor"?: number;
                     [name: string]: unknown;
                 };
                 content: {
                     "application/json": components["schemas"]["UiMessage"][];
+                };
+            };
+            /** @description INVALID_REQUEST */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
                 };
             };
             401: {

@@ -1,7 +1,7 @@
 import { useCallback, useEffect, useMemo, useRef, useState, type FormEvent } from 'react';
 import { useChat } from '@ai-sdk/react';
 import { DefaultChatTransport, type UIMessage } from 'ai';
-import { ApiError, client, LIVE, type Session, type Turn, type UiMessage } from './api';
+import { ApiError, client, LIVE, type MessagesPage, type Session, type Turn, type UiMessage } from './api';
 import { Conversation, type Message } from './conversation';
 import { PhaseBadge } from './sessions';
 import { age, files, ms } from './util';
@@ -45,6 +45,33 @@ export function newest(stored: UIMessage[], shown: UIMessage[]): UIMessage[] {
     const seen = byId.get(m.id);
     return seen && size(seen) > size(m) ? seen : m;
   });
+}
+
+/**
+ * Turns loaded on demand above the newest page: they end right before turn `upTo` (the first turn of the
+ * newest page when they were loaded), and `older` is the cursor to the turns before them.
+ */
+export interface Earlier { upTo: number; messages: UIMessage[]; older: number | null }
+
+/**
+ * The earlier turns to show above a newest page whose older cursor is `older`: only those that end where
+ * it begins. A turn added to a long session moves the newest page on; the turns loaded before are then
+ * dropped (the button loads them again), never shown with a gap.
+ */
+export function earlierShown(earlier: Earlier | null, older: number | null): Earlier | null {
+  return earlier && older !== null && earlier.upTo === older ? earlier : null;
+}
+
+/** The cursor the next "Show earlier turns" loads before, or null when every turn is shown. */
+export function nextOlder(earlier: Earlier | null, older: number | null): number | null {
+  const shown = earlierShown(earlier, older);
+  return shown ? shown.older : older;
+}
+
+/** The earlier turns once `page` (the page before `nextOlder(earlier, older)`) has loaded. */
+export function withEarlier(earlier: Earlier | null, older: number, page: MessagesPage): Earlier {
+  const shown = earlierShown(earlier, older);
+  return { upTo: older, messages: [...asUi(page.messages), ...(shown?.messages ?? [])], older: page.older };
 }
 
 /** The turn's phases in the order they happen (DESIGN §2), then any the server adds. */
@@ -93,8 +120,11 @@ function Header({ s, turns, onAction, busy, delivery }: { s: Session; turns: Tur
   );
 }
 
-function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDelivery, allowed }: { id: string; initial: UIMessage[]; onActivity: () => void; reattach: number; syncKey: string; runningTurn: number | null; onDelivery: (d: Delivery | null) => void; allowed: string[] }) {
+function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDelivery, allowed }: { id: string; initial: MessagesPage; onActivity: () => void; reattach: number; syncKey: string; runningTurn: number | null; onDelivery: (d: Delivery | null) => void; allowed: string[] }) {
   const [streamError, setStreamError] = useState<string | null>(null);
+  // The newest page's cursor to older turns, and the older turns loaded on demand.
+  const [older, setOlder] = useState<number | null>(initial.older);
+  const [earlier, setEarlier] = useState<Earlier | null>(null);
   const transport = useMemo(() => new DefaultChatTransport({
     api: `/v1/sessions/${id}/stream`,
     credentials: 'omit',
@@ -113,7 +143,7 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
   const attachedTurn = useRef<number | null>(runningTurn);
   const { messages, sendMessage, status, resumeStream, setMessages } = useChat({
     id,
-    messages: initial,
+    messages: asUi(initial.messages),
     transport,
     resume: true,
     onError: (e: Error) => setStreamError(e.message),
@@ -126,7 +156,7 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
   // A turn started outside this chat (Retry in the header): reload the history, then attach to its stream.
   useEffect(() => {
     if (reattach === 0) return;
-    void client.messages(id).then((m) => { setMessages(asUi(m)); void resumeStream(); }).catch(() => {});
+    void client.messages(id).then((page) => { setOlder(page.older); setMessages(asUi(page.messages)); void resumeStream(); }).catch(() => {});
   }, [reattach]); // eslint-disable-line react-hooks/exhaustive-deps
   const idle = status === 'ready' || status === 'error';
   const idleRef = useRef(idle);
@@ -154,7 +184,7 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
     // The stored part of that turn is left out: the attach replays it from its start, and showing it first
     // would show it vanish and grow back.
     const answer = `${id}-t${runningTurn}`;
-    void client.messages(id).then((m) => { setMessages(asUi(m).filter((x) => x.id !== answer)); void resumeStream(); }).catch(() => {});
+    void client.messages(id).then((page) => { setOlder(page.older); setMessages(asUi(page.messages).filter((x) => x.id !== answer)); void resumeStream(); }).catch(() => {});
   }, [runningTurn, status]); // eslint-disable-line react-hooks/exhaustive-deps
   // The control plane saw the session change (a turn ended or began elsewhere): once no stream is open,
   // take the stored history, so a turn that ended before this page could attach still shows, and a turn
@@ -166,8 +196,8 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
     if (!idle || syncedKey.current === syncKey) return;
     syncedKey.current = syncKey;
     let live = true;
-    void client.messages(id).then((m) => {
-      if (live && idleRef.current) setMessages(newest(asUi(m), shown.current));
+    void client.messages(id).then((page) => {
+      if (live && idleRef.current) { setOlder(page.older); setMessages(newest(asUi(page.messages), shown.current)); }
     }).catch(() => {});
     return () => { live = false; };
   }, [syncKey, idle]); // eslint-disable-line react-hooks/exhaustive-deps
@@ -177,6 +207,20 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
   const [mode, setMode] = useState<'queue' | 'interrupt'>('queue');
   const [error, setError] = useState<string | null>(null);
   const [notice, setNotice] = useState<string | null>(null);
+  const above = earlierShown(earlier, older);
+  const conversation = useMemo(() => (above ? [...above.messages, ...messages] : messages), [above, messages]);
+  const before = nextOlder(earlier, older);
+  const [loadingEarlier, setLoadingEarlier] = useState(false);
+  const showEarlier = async () => {
+    if (before === null || older === null) return;
+    setLoadingEarlier(true);
+    try {
+      const page = await client.messages(id, before);
+      setEarlier((e) => withEarlier(e, older, page));
+    } catch (err) {
+      setError(err instanceof ApiError ? `${err.code}: ${err.message}` : String(err));
+    } finally { setLoadingEarlier(false); }
+  };
   useEffect(() => { if (status === 'streaming') setNotice(null); }, [status]);
   const allowHost = useCallback(async (host: string) => {
     try {
@@ -217,7 +261,8 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
   return (
     <>
       {streamError && <p className="note" role="status">Stream unavailable: {streamError}. The session's state above still updates.</p>}
-      <Conversation messages={messages as unknown as Message[]} actions={actions} />
+      {before !== null && <button className="link more" onClick={() => void showEarlier()} disabled={loadingEarlier}>Show earlier turns</button>}
+      <Conversation messages={conversation as unknown as Message[]} actions={actions} />
       {(status === 'streaming' || status === 'submitted') && <p className="working" role="status">Working…</p>}
       <form className="steer" onSubmit={submit}>
         <label htmlFor="steer">Steer the agent</label>
@@ -238,7 +283,7 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
 export function SessionPage({ id }: { id: string }) {
   const [session, setSession] = useState<Session | null>(null);
   const [turns, setTurns] = useState<Turn[]>([]);
-  const [history, setHistory] = useState<UIMessage[] | null>(null);
+  const [history, setHistory] = useState<MessagesPage | null>(null);
   const [error, setError] = useState<string | null>(null);
   const [busy, setBusy] = useState(false);
   const [tick, setTick] = useState(0);
@@ -246,7 +291,7 @@ export function SessionPage({ id }: { id: string }) {
   const [delivery, setDelivery] = useState<Delivery | null>(null);
   const refresh = useCallback(() => setTick((t) => t + 1), []);
   useEffect(() => {
-    client.messages(id).then((m) => setHistory(asUi(m))).catch((e: ApiError) => setError(`${e.code}: ${e.message}`));
+    client.messages(id).then(setHistory).catch((e: ApiError) => setError(`${e.code}: ${e.message}`));
   }, [id]);
   useEffect(() => {
     let live = true;

@@ -1,5 +1,5 @@
 import { afterEach, describe, expect, it, vi } from 'vitest';
-import { api, auth, CSRF_HEADER, setUnauthorizedHandler } from '../src/api';
+import { api, auth, client, CSRF_HEADER, cursor, setUnauthorizedHandler } from '../src/api';
 
 afterEach(() => { vi.unstubAllGlobals(); auth.setToken(null); });
 
@@ -19,5 +19,23 @@ describe('api', () => {
     auth.setToken('sortie_abc');
     await api('GET', '/v1/sessions').catch(() => {});
     expect(seen[1].get('authorization')).toBe('Bearer sortie_abc');
+  });
+});
+
+describe('messages', () => {
+  it('asks for the page before a cursor and reads the next cursor from the answer', async () => {
+    const urls: string[] = [];
+    const answers = [
+      new Response('[]', { status: 200, headers: { 'Sortie-Older-Cursor': '21' } }),
+      new Response('[]', { status: 200 }),
+    ];
+    vi.stubGlobal('fetch', vi.fn(async (url: string) => { urls.push(url); return answers.shift(); }));
+    expect(await client.messages('ses_a')).toEqual({ messages: [], older: 21 });
+    expect(await client.messages('ses_a', 21)).toEqual({ messages: [], older: null });
+    expect(urls).toEqual(['/v1/sessions/ses_a/messages', '/v1/sessions/ses_a/messages?before=21']);
+  });
+  it('takes only a turn number for a cursor', () => {
+    expect(cursor('7')).toBe(7);
+    for (const bad of [null, '', '0', '-1', '1.5', 'x']) expect(cursor(bad)).toBeNull();
   });
 });

@@ -110,12 +110,11 @@ fn canonical_image(image: &Path) -> PathBuf {
         .join(image.file_name().expect("name"))
 }
 
-fn sandbox_spec(name: &str, workspace: PathBuf, home: PathBuf, run_dir: PathBuf, script: &str) -> SandboxSpec {
+fn sandbox_spec(name: &str, workspace: PathBuf, home: PathBuf, script: &str) -> SandboxSpec {
     SandboxSpec {
         name: name.to_owned(),
         workspace,
         home,
-        run_dir,
         egress_dir: None,
         read_only: Vec::new(),
         env: Vec::new(),
@@ -155,17 +154,15 @@ async fn a_write_past_the_quota_fails_with_enospc_inside_a_sandbox_and_spares_th
     let host_before = host_available_bytes(&scratch.root());
 
     // 2 GiB asked for: without the quota the host would lose all of it.
-    let script = "dd if=/dev/zero of=/workspace/big bs=1M count=2048 2>/run/sortie/dd.log; echo $? >/run/sortie/dd.rc; \
-                  head -c 1048576 /dev/zero >/home/agent/more 2>/run/sortie/home.log; echo $? >/run/sortie/home.rc";
+    // The results go to /tmp while the disk is full, then into the workspace once a small reserve
+    // made first is freed (the sandbox has no other writable place the host can read).
+    let script = "head -c 262144 /dev/zero >/workspace/reserve; \
+                  dd if=/dev/zero of=/workspace/big bs=1M count=2048 2>/tmp/dd.log; echo $? >/tmp/dd.rc; \
+                  head -c 1048576 /dev/zero >/home/agent/more 2>/tmp/home.log; echo $? >/tmp/home.rc; \
+                  rm /workspace/reserve; mkdir /workspace/out && cp /tmp/dd.log /tmp/dd.rc /tmp/home.log /tmp/home.rc /workspace/out/";
     let runtime = LocalRuntime::new(LocalConfig::new(state)).expect("runtime");
     runtime
-        .create(sandbox_spec(
-            "disk-quota",
-            workspace.clone(),
-            home.clone(),
-            run_dir.clone(),
-            script,
-        ))
+        .create(sandbox_spec("disk-quota", workspace.clone(), home.clone(), script))
         .await
         .expect("create");
     runtime.start("disk-quota").await.expect("start");
@@ -176,7 +173,7 @@ async fn a_write_past_the_quota_fails_with_enospc_inside_a_sandbox_and_spares_th
     runtime.destroy("disk-quota").await.expect("destroy");
     assert_eq!(exit.code, Some(0), "{exit:?}");
 
-    let read = |name: &str| std::fs::read_to_string(run_dir.join(name)).expect(name);
+    let read = |name: &str| std::fs::read_to_string(workspace.join("out").join(name)).expect(name);
     assert_ne!(read("dd.rc").trim(), "0", "dd must fail: {}", read("dd.log"));
     assert!(read("dd.log").contains("No space left on device"), "{}", read("dd.log"));
     assert_ne!(
@@ -454,7 +451,7 @@ async fn a_disk_a_sandbox_still_holds_is_joined_again_never_attached_twice() {
     let runtime = LocalRuntime::new(LocalConfig::new(state)).expect("runtime");
     let script = "while [ ! -e /workspace/go ]; do sleep 0.02; done; echo from-sandbox >/workspace/answer; sleep 60";
     runtime
-        .create(sandbox_spec("disk-held", workspace.clone(), home, run_dir, script))
+        .create(sandbox_spec("disk-held", workspace.clone(), home, script))
         .await
         .expect("create");
     runtime.start("disk-held").await.expect("start");

@@ -15,6 +15,7 @@ mod model_keys;
 mod sessions;
 pub mod signin;
 pub mod tokens;
+mod transcript;
 mod views;
 
 use std::future::Future;

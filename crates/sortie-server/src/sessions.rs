@@ -5,13 +5,15 @@ use std::path::{Component, Path, PathBuf};
 
 use axum::Json;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use serde::Deserialize;
 use sortie_protocol::api::{
     AttachTicket, AttachTicketRequest, CreateSessionRequest, EgressAmendment, ModelUsage, Role, Session, SessionList,
-    SteerRequest, TicketAction, Turn, TurnList, UiMessage, UiRole, UsageReport, UsageRow, rfc3339_from_epoch_ms,
+    SteerRequest, TicketAction, Turn, TurnList, UiMessage, UsageReport, UsageRow, rfc3339_from_epoch_ms,
 };
-use sortie_protocol::limits::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX, TICKET_TTL_SECONDS};
+use sortie_protocol::limits::{
+    LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX, MESSAGES_PAGE_TURNS_DEFAULT, MESSAGES_PAGE_TURNS_MAX, TICKET_TTL_SECONDS,
+};
 use sortie_protocol::ticket::{TICKET_VERSION, TicketClaims};
 use sortie_protocol::validate::{self, RepoLocation};
 use sortie_protocol::{ApiErrorBody, ErrorCode, SessionId, SessionPhase, egress};
@@ -22,6 +24,7 @@ use utoipa_axum::routes;
 use crate::ApiState;
 use crate::error::ApiError;
 use crate::extract::{ApiJson, ApiQuery, NoInput, Operator, OptionalJson, SessionPath, Viewer};
+use crate::transcript::{self, PageStart};
 use crate::{tokens, views};
 
 pub fn routes() -> OpenApiRouter<ApiState> {
@@ -301,40 +304,85 @@ async fn list_turns(
     }))
 }
 
-/// The transcript as AI SDK `UIMessage`s: each turn's prompt, then the agent's answer to it.
+// The cursors travel in headers, not in a wrapper object, so that the body stays the array of
+// `UIMessage`s every client already reads (the dashboard, scripts, `sortie` tests): a client that knows
+// nothing of pages gets the newest page in the shape it expects.
+
+/// The response header naming the cursor to the page of older turns (pass it as `before`).
+const OLDER_CURSOR_HEADER: &str = "sortie-older-cursor";
+/// The response header naming the cursor to the page of newer turns (pass it as `after`).
+const NEWER_CURSOR_HEADER: &str = "sortie-newer-cursor";
+
+/// The query of `GET /v1/sessions/{id}/messages`. With none, the page holds the newest turns.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+struct MessagesQuery {
+    /// Only turns numbered below this one, the newest of them first: the `Sortie-Older-Cursor` of a
+    /// page, for the page before it.
+    before: Option<u32>,
+    /// Only turns numbered above this one, the oldest of them first: the `Sortie-Newer-Cursor` of a
+    /// page, for the page after it. Not with `before`.
+    after: Option<u32>,
+    /// The most turns in the page, 1 to 100 (default 20).
+    limit: Option<u32>,
+}
+
+/// The transcript as AI SDK `UIMessage`s, a page of turns at a time.
+///
+/// Each turn's prompt, then the agent's answer to it, oldest first. Without a cursor the page holds the
+/// newest 20 turns (`limit` changes it), so a session of up to 20 turns comes back whole. A page takes
+/// no turn after the one that brings it to 16 MiB of stored transcript, and no more of one turn than
+/// the transcript caps (100,000 parts, 64 MiB): a turn stored past them ends with a
+/// `data-sortie-truncated` part. The cursors to the pages beside this one are in the
+/// `Sortie-Older-Cursor` and `Sortie-Newer-Cursor` headers, each absent when no turn lies that way.
 #[utoipa::path(
-    get, path = "/v1/sessions/{id}/messages", tag = "sessions", params(("id" = String, Path, description = "Session id")), security(("bearer" = [])),
-    responses((status = 200, body = Vec<UiMessage>), (status = 401, body = ApiErrorBody), (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody))
+    get, path = "/v1/sessions/{id}/messages", tag = "sessions",
+    params(("id" = String, Path, description = "Session id"), MessagesQuery), security(("bearer" = [])),
+    responses(
+        (status = 200, body = Vec<UiMessage>, headers(
+            ("Sortie-Older-Cursor" = u32, description = "Present when older turns exist: the first turn of this page; ask again with `before` set to it."),
+            ("Sortie-Newer-Cursor" = u32, description = "Present when newer turns exist: the last turn of this page; ask again with `after` set to it."),
+        )),
+        (status = 400, description = "INVALID_REQUEST", body = ApiErrorBody),
+        (status = 401, body = ApiErrorBody),
+        (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody),
+    )
 )]
 async fn get_messages(
     State(state): State<ApiState>,
     Viewer(caller): Viewer,
     SessionPath(id): SessionPath,
-) -> Result<Json<Vec<UiMessage>>, ApiError> {
+    ApiQuery(query): ApiQuery<MessagesQuery>,
+) -> Result<(HeaderMap, Json<Vec<UiMessage>>), ApiError> {
+    let limit = query.limit.unwrap_or(MESSAGES_PAGE_TURNS_DEFAULT);
+    if !(1..=MESSAGES_PAGE_TURNS_MAX).contains(&limit) {
+        return Err(ApiError::invalid(format!(
+            "limit must be between 1 and {MESSAGES_PAGE_TURNS_MAX}"
+        )));
+    }
+    let start = match (query.before, query.after) {
+        (None, None) => PageStart::Newest,
+        (Some(before), None) => PageStart::Before(before),
+        (None, Some(after)) => PageStart::After(after),
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "before and after name pages on either side: give one of them",
+            ));
+        }
+    };
     let turns = state.store.turns(&caller.workspace_id, &id).await?;
-    let parts = state.store.parts(&id).await?;
-    let mut messages = Vec::with_capacity(turns.len() * 2);
-    for turn in &turns {
-        messages.push(UiMessage {
-            id: id.user_message_id(turn.n),
-            role: UiRole::User,
-            parts: vec![serde_json::json!({"type": "text", "text": turn.prompt})],
-        });
-        let chunks: Vec<serde_json::Value> = parts
-            .iter()
-            .filter(|part| part.turn == turn.n)
-            .filter_map(|part| serde_json::from_str(&part.payload).ok())
-            .collect();
-        let assembled = sortie_protocol::ui::assemble_parts(&chunks);
-        if !assembled.is_empty() {
-            messages.push(UiMessage {
-                id: id.assistant_message_id(turn.n),
-                role: UiRole::Assistant,
-                parts: assembled,
-            });
+    let page = transcript::read_page(state.store.as_ref(), &id, &turns, start, limit).await?;
+    let mut headers = HeaderMap::new();
+    for (name, cursor) in [
+        (OLDER_CURSOR_HEADER, page.older_cursor),
+        (NEWER_CURSOR_HEADER, page.newer_cursor),
+    ] {
+        if let Some(turn) = cursor {
+            headers.insert(name, HeaderValue::from(turn));
         }
     }
-    Ok(Json(messages))
+    Ok((headers, Json(page.messages)))
 }
 
 /// Add a turn. `queue` waits for the running turn; `interrupt` stops it first.

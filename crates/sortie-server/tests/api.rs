@@ -7,7 +7,10 @@ use axum::http::{Method, StatusCode};
 use harness::{Harness, Payload, Reply, TICKET_SECRET, Transport};
 use serde_json::{Value, json};
 use sortie_protocol::api::TicketAction;
-use sortie_protocol::limits::{PROMPT_MAX_BYTES, REQUEST_BODY_MAX_BYTES, SETUP_MAX_BYTES, TURN_QUEUE_MAX};
+use sortie_protocol::limits::{
+    MESSAGES_PAGE_MAX_BYTES, MESSAGES_PAGE_TURNS_DEFAULT, MESSAGES_PAGE_TURNS_MAX, PROMPT_MAX_BYTES,
+    REQUEST_BODY_MAX_BYTES, SETUP_MAX_BYTES, TURN_PART_BYTES_MAX, TURN_PARTS_MAX, TURN_QUEUE_MAX,
+};
 use sortie_protocol::{SessionId, SessionPhase, TurnStatus};
 use sortie_store::testing::TestBackend;
 use sortie_store::{NewPart, Store, TokenUsage, TurnOutcome};
@@ -42,6 +45,8 @@ on_every_server!(
     read_endpoints_answer_and_miss,
     agents_are_listed_with_the_default,
     messages_assemble_stored_parts,
+    messages_come_in_pages_of_turns_with_cursors,
+    a_messages_page_stops_after_the_turn_that_fills_its_byte_budget,
     steer_adds_turns_and_refuses_with_codes,
     steer_refuses_past_the_session_prompt_budget,
     stop_needs_a_running_turn,
@@ -63,6 +68,20 @@ on_every_server!(
     model_keys_stay_in_their_workspace_and_sealed_at_rest,
     forge_connections_are_set_listed_and_removed_by_admins_only,
 );
+
+/// Security review S8 over a real socket, on each database (the flood is stored once per test).
+mod flooded_turn {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite() {
+        let h = super::Harness::start(super::Transport::Socket, super::TestBackend::Sqlite).await;
+        super::messages_of_a_flooded_turn_answer_fast_and_in_parallel(h).await;
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres() {
+        let h = super::Harness::start(super::Transport::Socket, super::TestBackend::Postgres).await;
+        super::messages_of_a_flooded_turn_answer_fast_and_in_parallel(h).await;
+    }
+}
 
 /// A model key no answer may ever show, whole or but for its fingerprint.
 const MODEL_KEY: &str = "sk-ant-api03-NEVER-SHOWN-5ecret-value-0123456789abcd";
@@ -1008,6 +1027,274 @@ async fn messages_assemble_stored_parts(h: Harness) {
             {"type": "text", "text": "Done", "state": "done"},
             {"type": "data-sortie-delivery", "data": {"branch": format!("sortie/{id}"), "pushed": true}},
         ])
+    );
+}
+
+/// Stores `chunks` as turn `n`'s parts, from part index 0, in batches.
+async fn store_turn(h: &Harness, id: &SessionId, n: u32, chunks: impl Iterator<Item = Value>) {
+    let mut batch = Vec::new();
+    for (part_index, chunk) in (0_u32..).zip(chunks) {
+        batch.push(NewPart {
+            part_index,
+            payload: chunk.to_string(),
+            driver_index: None,
+        });
+        if batch.len() == 10_000 {
+            h.store.append_parts(id, n, &batch).await.expect("parts");
+            batch.clear();
+        }
+    }
+    h.store.append_parts(id, n, &batch).await.expect("parts");
+}
+
+/// A turn's answer of one text block.
+fn answer(text: &str) -> impl Iterator<Item = Value> {
+    [
+        json!({"type": "text-start", "id": "t"}),
+        json!({"type": "text-delta", "id": "t", "delta": text}),
+        json!({"type": "text-end", "id": "t"}),
+    ]
+    .into_iter()
+}
+
+/// The turn numbers of a page, from its message ids (`<id>-u<n>`, `<id>-t<n>`), each prompt checked
+/// to be followed by its answer.
+fn page_turns(reply: &Reply, id: &str) -> Vec<u32> {
+    let messages = reply.body.as_array().expect("an array of messages");
+    let mut turns = Vec::new();
+    for pair in messages.chunks(2) {
+        let n: u32 = pair[0]["id"]
+            .as_str()
+            .and_then(|m| m.strip_prefix(&format!("{id}-u")))
+            .and_then(|n| n.parse().ok())
+            .expect("a prompt's id");
+        assert_eq!(pair[0]["parts"][0]["text"], format!("prompt {n}"));
+        assert_eq!(
+            pair.get(1).map(|m| m["id"].clone()),
+            Some(json!(format!("{id}-t{n}"))),
+            "{pair:?}"
+        );
+        let answer = pair[1]["parts"][0]["text"].as_str().unwrap_or_default();
+        assert!(answer.starts_with(&format!("answer {n}")), "{n}: {answer:.40}");
+        turns.push(n);
+    }
+    turns
+}
+
+fn cursors(reply: &Reply) -> (Option<&str>, Option<&str>) {
+    let header = |name| reply.headers.get(name).map(|v| v.to_str().expect("ascii"));
+    (header("sortie-older-cursor"), header("sortie-newer-cursor"))
+}
+
+/// `100000` as `100,000`.
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, digit) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(digit);
+    }
+    out
+}
+
+/// A session of `n_turns` turns, prompts `prompt <n>`, each answered with `answer_text(n)`.
+async fn session_of_turns(h: &Harness, n_turns: u32, answer_text: impl Fn(u32) -> String) -> (String, SessionId) {
+    let id = h.create("prompt 1").await;
+    let session_id = SessionId::parse(&id).expect("id");
+    for n in 1..=n_turns {
+        if n > 1 {
+            let steer = h
+                .post(
+                    &format!("/v1/sessions/{id}/steer"),
+                    &h.operator,
+                    json!({"prompt": format!("prompt {n}")}),
+                )
+                .await;
+            assert_eq!(steer.status, StatusCode::ACCEPTED, "{}", steer.body);
+        }
+        run_one_turn(h, &session_id).await;
+        store_turn(h, &session_id, n, answer(&answer_text(n))).await;
+    }
+    (id, session_id)
+}
+
+async fn messages_come_in_pages_of_turns_with_cursors(h: Harness) {
+    let n_turns = MESSAGES_PAGE_TURNS_DEFAULT + 5;
+    let (id, _) = session_of_turns(&h, n_turns, |n| format!("answer {n}")).await;
+    let path = format!("/v1/sessions/{id}/messages");
+    // No parameters: the newest turns, oldest first, in the shape of an unpaged answer.
+    let newest = h.get(&path, &h.viewer).await;
+    assert_eq!(newest.status, StatusCode::OK, "{}", newest.body);
+    assert_eq!(page_turns(&newest, &id), (6..=n_turns).collect::<Vec<_>>());
+    assert_eq!(cursors(&newest), (Some("6"), None));
+
+    let older = h.get(&format!("{path}?before=6"), &h.viewer).await;
+    assert_eq!(page_turns(&older, &id), vec![1, 2, 3, 4, 5]);
+    assert_eq!(cursors(&older), (None, Some("5")));
+    let middle = h.get(&format!("{path}?before=10&limit=3"), &h.viewer).await;
+    assert_eq!(page_turns(&middle, &id), vec![7, 8, 9]);
+    assert_eq!(cursors(&middle), (Some("7"), Some("9")));
+    let newer = h.get(&format!("{path}?after=9&limit=3"), &h.viewer).await;
+    assert_eq!(page_turns(&newer, &id), vec![10, 11, 12]);
+    assert_eq!(cursors(&newer), (Some("10"), Some("12")));
+    let to_the_end = h.get(&format!("{path}?after=20"), &h.viewer).await;
+    assert_eq!(page_turns(&to_the_end, &id), vec![21, 22, 23, 24, 25]);
+    assert_eq!(cursors(&to_the_end), (Some("21"), None));
+
+    // Paging back from the newest page with each page's cursor visits every turn once.
+    let mut seen = Vec::new();
+    let mut next = Some(format!("{path}?limit=7"));
+    while let Some(page_path) = next {
+        let page = h.get(&page_path, &h.viewer).await;
+        let mut turns = page_turns(&page, &id);
+        turns.extend(seen);
+        seen = turns;
+        next = cursors(&page).0.map(|before| format!("{path}?limit=7&before={before}"));
+    }
+    assert_eq!(seen, (1..=n_turns).collect::<Vec<_>>());
+
+    for beyond in ["?before=1", "?after=25", "?after=4000000000"] {
+        let empty = h.get(&format!("{path}{beyond}"), &h.viewer).await;
+        assert_eq!((empty.status, &empty.body), (StatusCode::OK, &json!([])), "{beyond}");
+        assert_eq!(cursors(&empty), (None, None), "{beyond}");
+    }
+    // The document states the constants the server pages with.
+    let document = h.send(Method::GET, "/v1/openapi.json", None, Payload::Empty).await;
+    let operation = &document.body["paths"]["/v1/sessions/{id}/messages"]["get"];
+    let description = operation["description"].as_str().expect("a description");
+    for stated in [
+        format!("newest {MESSAGES_PAGE_TURNS_DEFAULT} turns"),
+        format!("{} MiB of stored transcript", MESSAGES_PAGE_MAX_BYTES >> 20),
+        format!(
+            "({} parts, {} MiB)",
+            thousands(u64::from(TURN_PARTS_MAX)),
+            TURN_PART_BYTES_MAX >> 20
+        ),
+    ] {
+        assert!(description.contains(&stated), "{stated:?} in {description:?}");
+    }
+    let headers = &operation["responses"]["200"]["headers"];
+    assert!(
+        headers["Sortie-Older-Cursor"].is_object() && headers["Sortie-Newer-Cursor"].is_object(),
+        "{headers}"
+    );
+    let too_many = format!("?limit={}", MESSAGES_PAGE_TURNS_MAX + 1);
+    for bad in [
+        "?limit=0",
+        &too_many,
+        "?before=3&after=1",
+        "?before=x",
+        "?after=-1",
+        "?cursor=5",
+    ] {
+        assert_error(
+            &h.get(&format!("{path}{bad}"), &h.viewer).await,
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+        );
+    }
+}
+
+async fn a_messages_page_stops_after_the_turn_that_fills_its_byte_budget(h: Harness) {
+    // Four answers of a third of the budget each, and a fifth turn that waits (no answer yet).
+    let padding = " ".repeat(usize::try_from(MESSAGES_PAGE_MAX_BYTES / 3).expect("fits"));
+    let (id, _) = session_of_turns(&h, 4, |n| format!("answer {n}{padding}")).await;
+    let steer = h
+        .post(
+            &format!("/v1/sessions/{id}/steer"),
+            &h.operator,
+            json!({"prompt": "prompt 5"}),
+        )
+        .await;
+    assert_eq!(steer.status, StatusCode::ACCEPTED, "{}", steer.body);
+    let page = h.get(&format!("/v1/sessions/{id}/messages"), &h.viewer).await;
+    assert_eq!(page.status, StatusCode::OK);
+    let ids: Vec<&str> = page
+        .body
+        .as_array()
+        .expect("array")
+        .iter()
+        .filter_map(|m| m["id"].as_str())
+        .collect();
+    // Read newest first: turn 5 (a prompt alone), 4, 3, then 2 takes the page past its budget and is
+    // the last one taken, whole.
+    let expected: Vec<String> = ["u2", "t2", "u3", "t3", "u4", "t4", "u5"]
+        .iter()
+        .map(|m| format!("{id}-{m}"))
+        .collect();
+    assert_eq!(ids, expected);
+    assert_eq!(
+        page.body[1]["parts"][0]["text"].as_str().map(str::len),
+        Some(8 + padding.len())
+    );
+    assert_eq!(cursors(&page), (Some("2"), None));
+    let rest = h.get(&format!("/v1/sessions/{id}/messages?before=2"), &h.viewer).await;
+    assert_eq!(page_turns(&rest, &id), vec![1]);
+    assert_eq!(cursors(&rest), (None, Some("1")));
+}
+
+/// Security review S8: a turn of 400,000 parts (the review's `flood: 400000`, stored as the recorder
+/// stores text deltas) made one `GET /messages` take 250 s and six in parallel time out after 300 s. A
+/// page now reads no more of a turn than the transcript caps and folds in linear time: the answer is
+/// the turn's first `TURN_PARTS_MAX` parts and a truncation note. The bounds are for debug builds on a
+/// loaded 2-core machine, where most of the time is the bundled SQLite, compiled without optimization,
+/// reading 100,000 rows (2 to 3 s for one request here, a tenth of that in release); a quadratic fold
+/// or a read of the whole turn would pass them by far. The printed times are what was measured.
+async fn messages_of_a_flooded_turn_answer_fast_and_in_parallel(h: Harness) {
+    const FLOOD: u32 = 400_000;
+    let id = h.create("#!scripted\nflood: 400000\nsay: flooded").await;
+    let session_id = SessionId::parse(&id).expect("id");
+    let started = std::time::Instant::now();
+    let delta = |i: u32| format!("flood {i}\n");
+    let head = [
+        json!({"type": "start", "messageId": format!("{id}-t1")}),
+        json!({"type": "start-step"}),
+        json!({"type": "text-start", "id": "0"}),
+    ];
+    let n_head = head.len() as u32;
+    let flood = (0..FLOOD - n_head).map(|i| json!({"type": "text-delta", "id": "0", "delta": delta(i)}));
+    store_turn(&h, &session_id, 1, head.into_iter().chain(flood)).await;
+    println!("stored {FLOOD} parts in {:?}", started.elapsed());
+
+    let path = format!("/v1/sessions/{id}/messages");
+    let started = std::time::Instant::now();
+    let one = h.get(&path, &h.viewer).await;
+    let took = started.elapsed();
+    println!(
+        "one GET /messages of the flooded turn: {took:?}, {} bytes",
+        one.raw.len()
+    );
+    assert_eq!(one.status, StatusCode::OK);
+    let parts = one.body[1]["parts"].as_array().expect("the answer's parts");
+    assert_eq!(parts.len(), 3, "step, text, note: {:?}", &parts[..parts.len().min(4)]);
+    let shown_deltas = TURN_PARTS_MAX - n_head;
+    let text = parts[1]["text"].as_str().expect("text");
+    assert_eq!(text.len(), (0..shown_deltas).map(|i| delta(i).len()).sum::<usize>());
+    assert!(
+        text.ends_with(&delta(shown_deltas - 1)),
+        "the first parts of the turn, in order"
+    );
+    assert_eq!(parts[2]["type"], sortie_protocol::ui::TRUNCATED_PART_TYPE);
+    assert_eq!(parts[2]["data"]["shownParts"], TURN_PARTS_MAX);
+    assert!(
+        took < std::time::Duration::from_secs(10),
+        "one GET /messages took {took:?}"
+    );
+
+    let started = std::time::Instant::now();
+    let get = || h.get(&path, &h.viewer);
+    let (a, b, c, d, e, f) = tokio::join!(get(), get(), get(), get(), get(), get());
+    let replies = [a, b, c, d, e, f];
+    let took = started.elapsed();
+    println!("six concurrent GET /messages of the flooded turn: all done in {took:?}");
+    for reply in &replies {
+        assert_eq!((reply.status, &reply.raw), (StatusCode::OK, &one.raw));
+    }
+    assert!(
+        took < std::time::Duration::from_secs(60),
+        "six concurrent GET /messages took {took:?}"
     );
 }
 

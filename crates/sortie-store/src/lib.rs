@@ -145,11 +145,31 @@ pub trait Store: Send + Sync + 'static {
 
     /// Stores parts of one turn, ignoring any `part_index` already stored; returns how many were new.
     async fn append_parts(&self, session_id: &SessionId, turn: u32, parts: &[NewPart]) -> StoreResult<u64>;
-    /// Every stored part of a session, in turn and part order.
+    /// Every stored part of a session, in turn and part order. Proportional to the whole session: readers
+    /// of one turn use [`Store::turn_parts`] or [`Store::turn_parts_after`].
     async fn parts(&self, session_id: &SessionId) -> StoreResult<Vec<StoredPart>>;
     /// Where turn `turn`'s stored transcript ends (its last part, the last part from the sandbox's
     /// stream) and how big it and the session's are.
     async fn transcript_progress(&self, session_id: &SessionId, turn: u32) -> StoreResult<TranscriptProgress>;
+    /// Every stored part of turn `n`, in part order. Proportional to the turn, not the session (a range
+    /// of the primary key `(session_id, turn, part_index)`), and as large as the recorder let the turn
+    /// grow (`limits::TURN_PARTS_MAX`); a reader that must stay bounded whatever was stored pages with
+    /// [`Store::turn_parts_after`].
+    async fn turn_parts(&self, session_id: &SessionId, n: u32) -> StoreResult<Vec<StoredPart>>;
+    /// The stored parts of turn `n` whose part index is above `after` (from the turn's first part when
+    /// `None`), in part order, as many as `limit` allows: the tail after a prefix already sent, or one
+    /// slice of a turn read slice by slice. Proportional to what it returns, and never holds more than
+    /// `limit` (give or take one part) whatever was stored.
+    async fn turn_parts_after(
+        &self,
+        session_id: &SessionId,
+        n: u32,
+        after: Option<u32>,
+        limit: PartsLimit,
+    ) -> StoreResult<Vec<StoredPart>>;
+    /// How many parts, and how many bytes of payload, turn `n` holds, or with `None` the whole session
+    /// (for the transcript caps of `sortie_protocol::limits`). Proportional to what it measures.
+    async fn parts_size(&self, session_id: &SessionId, turn: Option<u32>) -> StoreResult<PartsSize>;
 
     // Usage.
 

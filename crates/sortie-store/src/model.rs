@@ -190,6 +190,32 @@ pub struct StoredPart {
     pub payload: String,
 }
 
+/// How much one read of a turn's parts ([`crate::Store::turn_parts_after`]) may return.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PartsLimit {
+    /// The most parts.
+    pub parts: u32,
+    /// The most bytes of payload; the first part is returned whatever its size, so that a reader
+    /// going slice by slice always moves on.
+    pub bytes: u64,
+}
+
+impl PartsLimit {
+    /// No limit: everything stored.
+    pub const NONE: Self = Self {
+        parts: u32::MAX,
+        bytes: u64::MAX,
+    };
+}
+
+/// The size of a stored transcript (a turn's or a session's).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PartsSize {
+    pub parts: u64,
+    /// Bytes of the payloads as stored (UTF-8 JSON text).
+    pub bytes: u64,
+}
+
 /// Tokens one model call used, as the model proxy reads them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TokenUsage {

@@ -9,6 +9,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use futures::TryStreamExt;
 use sortie_protocol::api::{ForgeKind, ModelApi, Role};
 use sortie_protocol::limits::{SESSION_PROMPTS_MAX_BYTES, TURN_QUEUE_MAX};
 use sortie_protocol::phase::TurnMode;
@@ -173,6 +174,41 @@ fn internal(what: impl std::fmt::Display) -> StoreError {
 fn get_u32(row: &AnyRow, column: &str) -> StoreResult<u32> {
     let value: i64 = row.try_get(column)?;
     u32::try_from(value).map_err(|_| internal(format!("{column} out of range: {value}")))
+}
+
+/// Rows per `INSERT` of parts: 3 bound values each (plus 3 shared), far below SQLite's 32,766 and
+/// PostgreSQL's 65,535 bound values per statement.
+const INSERT_PARTS_PER_STATEMENT: usize = 1000;
+
+/// `INSERT` of `rows` parts: `$1` session, `$2` turn, `$3` time, then index, seq and payload per row;
+/// a part index already stored is left as it is.
+fn insert_parts_sql(rows: usize) -> String {
+    let mut sql = String::from(
+        "INSERT INTO parts (session_id, turn, created_at, part_index, seq, payload, driver_index) VALUES ",
+    );
+    for row in 0..rows {
+        let first = 4 + 4 * row;
+        if row > 0 {
+            sql.push_str(", ");
+        }
+        sql.push_str(&format!(
+            "($1, $2, $3, ${first}, ${}, ${}, ${})",
+            first + 1,
+            first + 2,
+            first + 3
+        ));
+    }
+    sql.push_str(" ON CONFLICT (session_id, turn, part_index) DO NOTHING RETURNING part_index");
+    sql
+}
+
+fn part_from_row(row: &AnyRow) -> StoreResult<StoredPart> {
+    Ok(StoredPart {
+        turn: get_u32(row, "turn")?,
+        part_index: get_u32(row, "part_index")?,
+        seq: row.try_get("seq")?,
+        payload: row.try_get("payload")?,
+    })
 }
 
 fn get_u64(row: &AnyRow, column: &str) -> StoreResult<u64> {
@@ -1057,25 +1093,32 @@ impl Store for SqlStore {
         let end: i64 = reserved.try_get("next_part_seq")?;
         let mut inserted = 0;
         let mut inserted_bytes = 0_i64;
-        for (offset, part) in (0_i64..).zip(parts) {
-            let added = sqlx::query(
-                "INSERT INTO parts (session_id, turn, part_index, seq, payload, created_at, driver_index) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (session_id, turn, part_index) DO NOTHING",
-            )
-            .bind(session_id.as_str())
-            .bind(i64::from(turn))
-            .bind(i64::from(part.part_index))
-            .bind(end - count + offset)
-            .bind(&part.payload)
-            .bind(now)
-            .bind(part.driver_index.map(i64::from))
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if added > 0 {
-                inserted += added;
-                inserted_bytes += i64::try_from(part.payload.len()).map_err(internal)?;
+        let mut first_seq = end - count;
+        // One statement per slice of rows instead of one per row: a round trip per part made a
+        // recorder's batch (and a long turn's harvest) cost as many round trips as parts. The rows it
+        // added come back, so a replayed part counts neither in the session's parts nor its bytes.
+        for slice in parts.chunks(INSERT_PARTS_PER_STATEMENT) {
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(insert_parts_sql(slice.len())))
+                .persistent(false)
+                .bind(session_id.as_str())
+                .bind(i64::from(turn))
+                .bind(now);
+            for (offset, part) in (0_i64..).zip(slice) {
+                query = query
+                    .bind(i64::from(part.part_index))
+                    .bind(first_seq + offset)
+                    .bind(&part.payload)
+                    .bind(part.driver_index.map(i64::from));
             }
+            let added = query.fetch_all(&mut *tx).await?;
+            for row in &added {
+                let index = get_u32(row, "part_index")?;
+                if let Some(part) = slice.iter().find(|part| part.part_index == index) {
+                    inserted += 1;
+                    inserted_bytes += i64::try_from(part.payload.len()).map_err(internal)?;
+                }
+            }
+            first_seq += i64::try_from(slice.len()).map_err(internal)?;
         }
         if inserted > 0 {
             sqlx::query("UPDATE sessions SET part_count = part_count + $2, part_bytes = part_bytes + $3 WHERE id = $1")
@@ -1128,16 +1171,75 @@ impl Store for SqlStore {
         .bind(session_id.as_str())
         .fetch_all(&self.pool)
         .await?;
-        rows.iter()
-            .map(|row| {
-                Ok(StoredPart {
-                    turn: get_u32(row, "turn")?,
-                    part_index: get_u32(row, "part_index")?,
-                    seq: row.try_get("seq")?,
-                    payload: row.try_get("payload")?,
-                })
-            })
-            .collect()
+        rows.iter().map(part_from_row).collect()
+    }
+
+    async fn turn_parts(&self, session_id: &SessionId, n: u32) -> StoreResult<Vec<StoredPart>> {
+        self.turn_parts_after(session_id, n, None, PartsLimit::NONE).await
+    }
+
+    async fn turn_parts_after(
+        &self,
+        session_id: &SessionId,
+        n: u32,
+        after: Option<u32>,
+        limit: PartsLimit,
+    ) -> StoreResult<Vec<StoredPart>> {
+        // A range of the primary key (session_id, turn, part_index) on both databases, so the work is
+        // what the answer holds, however long the session's other turns are. Rows are taken one by one,
+        // so that no more than one row past the byte limit is ever held.
+        let mut rows = sqlx::query(
+            "SELECT turn, part_index, seq, payload FROM parts \
+             WHERE session_id = $1 AND turn = $2 AND part_index > $3 ORDER BY part_index LIMIT $4",
+        )
+        .bind(session_id.as_str())
+        .bind(i64::from(n))
+        .bind(after.map_or(-1, i64::from))
+        .bind(i64::from(limit.parts))
+        .fetch(&self.pool);
+        let mut parts = Vec::new();
+        let mut bytes: u64 = 0;
+        while let Some(row) = rows.try_next().await? {
+            let part = part_from_row(&row)?;
+            bytes = bytes.saturating_add(part.payload.len() as u64);
+            if bytes > limit.bytes && !parts.is_empty() {
+                break;
+            }
+            parts.push(part);
+        }
+        Ok(parts)
+    }
+
+    async fn parts_size(&self, session_id: &SessionId, turn: Option<u32>) -> StoreResult<PartsSize> {
+        // Bytes, not characters: SQLite's `length` of TEXT counts characters, and its `octet_length` is
+        // younger (3.43) than some system libraries sqlx may link; a BLOB's `length` is its bytes.
+        let query = match (self.backend, turn) {
+            (Backend::Sqlite, Some(_)) => {
+                "SELECT COUNT(*) AS parts, COALESCE(SUM(length(CAST(payload AS BLOB))), 0) AS bytes FROM parts \
+                 WHERE session_id = $1 AND turn = $2"
+            }
+            (Backend::Sqlite, None) => {
+                "SELECT COUNT(*) AS parts, COALESCE(SUM(length(CAST(payload AS BLOB))), 0) AS bytes FROM parts \
+                 WHERE session_id = $1"
+            }
+            (Backend::Postgres, Some(_)) => {
+                "SELECT COUNT(*) AS parts, COALESCE(SUM(octet_length(payload)), 0) AS bytes FROM parts \
+                 WHERE session_id = $1 AND turn = $2"
+            }
+            (Backend::Postgres, None) => {
+                "SELECT COUNT(*) AS parts, COALESCE(SUM(octet_length(payload)), 0) AS bytes FROM parts \
+                 WHERE session_id = $1"
+            }
+        };
+        let mut query = sqlx::query(query).bind(session_id.as_str());
+        if let Some(n) = turn {
+            query = query.bind(i64::from(n));
+        }
+        let row = query.fetch_one(&self.pool).await?;
+        Ok(PartsSize {
+            parts: get_u64(&row, "parts")?,
+            bytes: get_u64(&row, "bytes")?,
+        })
     }
 
     async fn record_token_usage(&self, usage: &TokenUsage) -> StoreResult<()> {

@@ -86,6 +86,9 @@ on_both_databases!(
     worker_ledger_claims_stops_and_finishes_turns,
     resume_and_archive_follow_the_phase_rules,
     parts_are_stored_once_in_order,
+    parts_are_read_one_turn_at_a_time,
+    a_batch_larger_than_one_statement_is_stored_once_in_order,
+    transcript_sizes_count_parts_and_bytes,
     usage_is_summed_by_session_and_day,
     ticket_nonces_are_claimed_once,
     instance_secrets_are_stable,
@@ -1314,6 +1317,235 @@ async fn parts_are_stored_once_in_order(backend: TestBackend) {
     assert_eq!(
         f.store.transcript_progress(&SessionId::generate(), 1).await,
         Err(StoreError::NotFound)
+    );
+}
+
+async fn parts_are_read_one_turn_at_a_time(backend: TestBackend) {
+    let f = fixture(backend).await;
+    let session = f
+        .store
+        .create_session(new_session(&f.workspace.id, "/r", "t"))
+        .await
+        .expect("create");
+    let other = f
+        .store
+        .create_session(new_session(&f.workspace.id, "/r", "t"))
+        .await
+        .expect("create other");
+    let part = |turn: u32, i: u32| NewPart {
+        part_index: i,
+        payload: format!(r#"{{"type":"text-delta","id":"t","delta":"{turn}.{i}"}}"#),
+        driver_index: None,
+    };
+    // Turns stored interleaved, out of order and with a gap (part 5 of turn 2 never arrived).
+    let turn_2: Vec<NewPart> = [0, 1, 2, 3, 4, 6, 7].into_iter().map(|i| part(2, i)).collect();
+    f.store
+        .append_parts(&session.id, 2, &turn_2[3..])
+        .await
+        .expect("append");
+    f.store
+        .append_parts(&session.id, 1, &[part(1, 0), part(1, 1)])
+        .await
+        .expect("append");
+    f.store
+        .append_parts(&session.id, 2, &turn_2[..3])
+        .await
+        .expect("append");
+    f.store
+        .append_parts(&session.id, 3, &[part(3, 0)])
+        .await
+        .expect("append");
+    f.store
+        .append_parts(&other.id, 2, &[part(9, 0)])
+        .await
+        .expect("append other");
+    let indexes = |parts: &[StoredPart]| parts.iter().map(|p| (p.turn, p.part_index)).collect::<Vec<_>>();
+    let slice = |parts: u32| PartsLimit { parts, bytes: u64::MAX };
+
+    let whole = f.store.turn_parts(&session.id, 2).await.expect("turn 2");
+    assert_eq!(
+        indexes(&whole),
+        [0, 1, 2, 3, 4, 6, 7].map(|i| (2, i)).to_vec(),
+        "one turn, in part order, nothing of other turns or sessions"
+    );
+    assert_eq!(whole[5].payload, part(2, 6).payload, "payload kept verbatim");
+    let all = f.store.parts(&session.id).await.expect("all");
+    let of_turn_2: Vec<StoredPart> = all.into_iter().filter(|p| p.turn == 2).collect();
+    assert_eq!(
+        whole, of_turn_2,
+        "the same rows, seq included, as the session-wide read"
+    );
+
+    let tail = f
+        .store
+        .turn_parts_after(&session.id, 2, Some(4), slice(100))
+        .await
+        .expect("tail");
+    assert_eq!(
+        indexes(&tail),
+        vec![(2, 6), (2, 7)],
+        "after a part index, across the gap"
+    );
+    let first = f
+        .store
+        .turn_parts_after(&session.id, 2, None, slice(3))
+        .await
+        .expect("first slice");
+    assert_eq!(indexes(&first), vec![(2, 0), (2, 1), (2, 2)]);
+    // Slice by slice, each from the last index of the one before, reads the turn once.
+    let mut sliced = Vec::new();
+    let mut after = None;
+    loop {
+        let slice = f
+            .store
+            .turn_parts_after(&session.id, 2, after, slice(2))
+            .await
+            .expect("slice");
+        let Some(last) = slice.last() else { break };
+        after = Some(last.part_index);
+        sliced.extend(slice);
+    }
+    assert_eq!(sliced, whole);
+    // A byte limit stops before the part that would pass it, but never returns nothing while parts remain.
+    let one_part = part(2, 0).payload.len() as u64;
+    for (bytes, expected) in [
+        (one_part * 2, 2),
+        (one_part * 2 + 1, 2),
+        (one_part * 2 - 1, 1),
+        (1, 1),
+        (0, 1),
+    ] {
+        let bounded = f
+            .store
+            .turn_parts_after(&session.id, 2, None, PartsLimit { parts: 100, bytes })
+            .await
+            .expect("bytes");
+        assert_eq!(
+            indexes(&bounded),
+            whole[..expected].iter().map(|p| (2, p.part_index)).collect::<Vec<_>>(),
+            "{bytes} bytes"
+        );
+    }
+    for (turn, after, limit) in [(2, Some(7), 10), (2, Some(u32::MAX), 10), (2, None, 0), (4, None, 10)] {
+        let nothing = f
+            .store
+            .turn_parts_after(&session.id, turn, after, slice(limit))
+            .await
+            .expect("empty");
+        assert!(
+            nothing.is_empty(),
+            "turn {turn} after {after:?} limit {limit}: {nothing:?}"
+        );
+    }
+    assert!(f.store.turn_parts(&session.id, 9).await.expect("no turn").is_empty());
+    assert!(
+        f.store
+            .turn_parts(&SessionId::generate(), 1)
+            .await
+            .expect("no session")
+            .is_empty()
+    );
+    assert_eq!(
+        indexes(&f.store.turn_parts(&other.id, 2).await.expect("other")),
+        vec![(2, 0)]
+    );
+}
+
+async fn a_batch_larger_than_one_statement_is_stored_once_in_order(backend: TestBackend) {
+    let f = fixture(backend).await;
+    let session = f
+        .store
+        .create_session(new_session(&f.workspace.id, "/r", "t"))
+        .await
+        .expect("create");
+    let part = |i: u32| NewPart {
+        part_index: i,
+        payload: format!(r#"{{"type":"text-delta","id":"t","delta":"{i} \"quoted\" é"}}"#),
+        driver_index: None,
+    };
+    let stored_before: Vec<NewPart> = (1_500..1_510).map(part).collect();
+    f.store
+        .append_parts(&session.id, 1, &stored_before)
+        .await
+        .expect("append");
+    let batch: Vec<NewPart> = (0..2_500).map(part).collect();
+    assert_eq!(
+        f.store.append_parts(&session.id, 1, &batch).await.expect("append"),
+        2_490,
+        "the ten parts stored before are not counted again"
+    );
+    let stored = f.store.turn_parts(&session.id, 1).await.expect("read");
+    assert_eq!(stored.len(), 2_500);
+    assert!(
+        stored
+            .iter()
+            .zip(&batch)
+            .all(|(s, b)| s.part_index == b.part_index && s.payload == b.payload)
+    );
+    let seq_of = |i: usize| stored[i].seq;
+    assert!(
+        (1..1_500).all(|i| seq_of(i - 1) < seq_of(i)) && (1_511..2_500).all(|i| seq_of(i - 1) < seq_of(i)),
+        "seq follows the batch's order across statements"
+    );
+    assert!(
+        seq_of(1_500) < seq_of(0),
+        "the parts stored first kept their earlier seq"
+    );
+    let unique: std::collections::BTreeSet<i64> = stored.iter().map(|p| p.seq).collect();
+    assert_eq!(unique.len(), 2_500, "no seq given twice");
+}
+
+async fn transcript_sizes_count_parts_and_bytes(backend: TestBackend) {
+    let f = fixture(backend).await;
+    let session = f
+        .store
+        .create_session(new_session(&f.workspace.id, "/r", "t"))
+        .await
+        .expect("create");
+    assert_eq!(
+        f.store.parts_size(&session.id, None).await.expect("empty"),
+        PartsSize { parts: 0, bytes: 0 }
+    );
+    // Bytes, not characters: "é" is two bytes of UTF-8 and "🚀" four.
+    let payloads = [r#"{"delta":"é"}"#, r#"{"delta":"🚀"}"#, r#"{"delta":"ascii"}"#];
+    let parts: Vec<NewPart> = (0_u32..)
+        .zip(payloads)
+        .map(|(part_index, payload)| NewPart {
+            part_index,
+            payload: payload.to_owned(),
+            driver_index: None,
+        })
+        .collect();
+    f.store.append_parts(&session.id, 1, &parts[..2]).await.expect("append");
+    f.store.append_parts(&session.id, 2, &parts[2..]).await.expect("append");
+    // A replayed part is stored once and counted once.
+    f.store.append_parts(&session.id, 1, &parts[..1]).await.expect("replay");
+    let bytes = |range: std::ops::Range<usize>| payloads[range].iter().map(|p| p.len() as u64).sum::<u64>();
+    assert_eq!(
+        f.store.parts_size(&session.id, Some(1)).await.expect("turn 1"),
+        PartsSize {
+            parts: 2,
+            bytes: bytes(0..2)
+        }
+    );
+    assert_eq!(bytes(0..2), 14 + 16, "the payloads' UTF-8 length");
+    assert_eq!(
+        f.store.parts_size(&session.id, Some(2)).await.expect("turn 2"),
+        PartsSize {
+            parts: 1,
+            bytes: bytes(2..3)
+        }
+    );
+    assert_eq!(
+        f.store.parts_size(&session.id, None).await.expect("session"),
+        PartsSize {
+            parts: 3,
+            bytes: bytes(0..3)
+        }
+    );
+    assert_eq!(
+        f.store.parts_size(&session.id, Some(3)).await.expect("no such turn"),
+        PartsSize::default()
     );
 }
 

@@ -21,7 +21,7 @@ use sortie_gateway::live::Feeds;
 use sortie_protocol::agent_stream::{AgentStream, ChunkRefusal};
 use sortie_protocol::chunk::UiChunk;
 use sortie_protocol::sortie_data::{NoticeData, SortieData};
-use sortie_protocol::{FailureCode, SessionId};
+use sortie_protocol::{FailureCode, SessionId, limits};
 use sortie_store::{NewPart, Store, StoreError};
 use tokio::sync::{mpsc, oneshot};
 
@@ -29,14 +29,20 @@ pub const BATCH_PARTS: usize = 32;
 pub const BATCH_BYTES: usize = 1 << 20;
 pub const BATCH_DELAY: Duration = Duration::from_millis(100);
 
-/// The most parts one turn's transcript keeps (a long real turn streams a few thousand).
-pub const TURN_PARTS_MAX: u64 = 100_000;
-/// The most bytes of parts one turn's transcript keeps.
-pub const TURN_BYTES_MAX: u64 = 64 << 20;
-/// The most parts one session's transcript keeps.
-pub const SESSION_PARTS_MAX: u64 = 1_000_000;
-/// The most bytes of parts one session's transcript keeps.
-pub const SESSION_BYTES_MAX: u64 = 512 << 20;
+/// Room the caps leave for the parts that close a turn (the notice, what the sandbox left open, the
+/// delivery, `error`, `finish`), which are always written: a turn never holds more than the limits of
+/// `sortie_protocol::limits`, which is all that `/messages` reads of it.
+const CLOSING_RESERVE_PARTS: u64 = 1_000;
+const CLOSING_RESERVE_BYTES: u64 = 1 << 20;
+
+/// The most parts one turn's transcript takes from the sandbox and sortie's running parts.
+pub const TURN_PARTS_MAX: u64 = limits::TURN_PARTS_MAX as u64 - CLOSING_RESERVE_PARTS;
+/// The most bytes of parts one turn's transcript takes.
+pub const TURN_BYTES_MAX: u64 = limits::TURN_PART_BYTES_MAX - CLOSING_RESERVE_BYTES;
+/// The most parts one session's transcript takes.
+pub const SESSION_PARTS_MAX: u64 = limits::SESSION_PARTS_MAX - CLOSING_RESERVE_PARTS;
+/// The most bytes of parts one session's transcript takes.
+pub const SESSION_BYTES_MAX: u64 = limits::SESSION_PART_BYTES_MAX - CLOSING_RESERVE_BYTES;
 
 /// The caps of one transcript ([`Caps::DEFAULT`] in production; tests make them small).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -470,7 +470,10 @@ async fn run_delivers_the_branch_and_the_transcript_is_what_a_live_client_saw(
     assert_eq!(phase_part["data"]["phase"], "done", "{phase_part}");
     for phase in phases {
         assert!(timings[phase].is_u64(), "{phase} in {timings:?}");
-        assert_eq!(phase_part["data"]["timings"][phase], timings[phase], "{phase} in {phase_part}");
+        assert_eq!(
+            phase_part["data"]["timings"][phase], timings[phase],
+            "{phase} in {phase_part}"
+        );
     }
 
     // `sortie show` says idle with the head (on PostgreSQL with the workspace's own token).

@@ -584,33 +584,47 @@ impl SandboxRuntime for LocalRuntime {
     async fn kill_newer(&self, name: &str, keep: &[ProcessStamp]) -> Result<usize, SandboxError> {
         let cgroup = self.cgroup_of(name)?;
         let keep: std::collections::HashSet<ProcessStamp> = keep.iter().copied().collect();
-        tokio::task::spawn_blocking(move || {
-            let mut killed = 0;
-            // A process may fork while its siblings are killed: sweep until nothing new is left.
-            for _ in 0..50 {
-                let newer: Vec<ProcessStamp> = stamps(&cgroup.pids())
+        Ok(tokio::task::spawn_blocking(move || {
+            use nix::sys::signal::{Signal, kill};
+            use nix::unistd::Pid;
+            let newer = || -> Vec<ProcessStamp> {
+                stamps(&cgroup.pids())
                     .into_iter()
                     .filter(|stamp| !keep.contains(stamp))
-                    .collect();
-                if newer.is_empty() {
-                    return Ok(killed);
+                    .collect()
+            };
+            let signal = |stamp: &ProcessStamp, signal: Signal| {
+                i32::try_from(stamp.pid).is_ok_and(|pid| kill(Pid::from_raw(pid), signal).is_ok())
+            };
+            // First stop them: a stopped process forks no more, so what is new in a later round was
+            // forked before its parent stopped (or by a process that ran before, whose children of
+            // this moment go too). Then kill them all at once.
+            let mut stopped = std::collections::HashSet::new();
+            for _ in 0..20 {
+                let fresh: Vec<ProcessStamp> = newer().into_iter().filter(|s| !stopped.contains(s)).collect();
+                if fresh.is_empty() {
+                    break;
                 }
-                for stamp in newer {
-                    if let Ok(pid) = i32::try_from(stamp.pid)
-                        && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)
-                            .is_ok()
-                    {
-                        killed += 1;
-                    }
+                for stamp in fresh {
+                    signal(&stamp, Signal::SIGSTOP);
+                    stopped.insert(stamp);
                 }
-                std::thread::sleep(Duration::from_millis(10));
             }
-            Err(SandboxError::Start(
-                "processes of the sandbox kept appearing while they were killed".into(),
-            ))
+            let mut killed = std::collections::HashSet::new();
+            for stamp in stopped.iter().chain(newer().iter()) {
+                if signal(stamp, Signal::SIGKILL) {
+                    killed.insert(*stamp);
+                }
+            }
+            // Gone once reaped (the sandbox's init reaps them): wait for it, within a bound.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline && stamps(&cgroup.pids()).iter().any(|stamp| killed.contains(stamp)) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            killed.len()
         })
         .await
-        .map_err(|_| SandboxError::Start("the sweep of the sandbox's processes failed".into()))?
+        .map_err(|_| SandboxError::Start("the sweep of the sandbox's processes failed".into()))?)
     }
 
     async fn status(&self, name: &str) -> Result<SandboxStatus, SandboxError> {
