@@ -77,6 +77,8 @@ fn main() {
                 ..Upstreams::default()
             },
             extra_roots_pem: Vec::new(),
+            pinned_headers: Vec::new(),
+            limits: Default::default(),
         };
         let router = model::router(config, Arc::new(Key), Arc::new(Ignore)).expect("router");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");

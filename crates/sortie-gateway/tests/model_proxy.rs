@@ -2,7 +2,9 @@
 //! workspace's key replaces whatever the agent sent, answers stream through unbuffered and
 //! byte for byte, usage is read from JSON and SSE and reported once per answer, a vendor 401/403 is
 //! reported before the agent sees it, 429/5xx pass untouched, a missing key never reaches the
-//! vendor, redirects are never relayed, and bodies over the limit are refused.
+//! vendor, redirects are never relayed, and bodies over the limit are refused. Routes off the
+//! allowlist never get the key (S9), the agent's tenancy headers never reach the vendor, and one
+//! session's requests in flight, buffered body bytes and body read time are bounded (S6).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -12,7 +14,8 @@ use eventsource_stream::Eventsource;
 use futures::StreamExt;
 use serde_json::Value;
 use sortie_gateway::model::{
-    self, KeySource, MAX_REQUEST_BYTES, ModelApi, ModelProxyConfig, Upstreams, Usage, UsageSink,
+    self, KeySource, MAX_REQUEST_BYTES, ModelApi, ModelProxyConfig, ModelProxyLimits, PinnedHeader, Upstreams, Usage,
+    UsageSink,
 };
 use sortie_protocol::SessionId;
 use sortie_testkit::sample::{self, SampleRequest, TurnStep};
@@ -34,17 +37,21 @@ fn workspace_key(api: ModelApi) -> String {
     format!("sk-workspace-{api}")
 }
 
-struct Keys(HashMap<ModelApi, String>);
+struct Keys(HashMap<ModelApi, String>, Arc<std::sync::atomic::AtomicUsize>);
 
 impl Keys {
     fn all() -> Self {
-        Self(ModelApi::ALL.into_iter().map(|api| (api, workspace_key(api))).collect())
+        Self(
+            ModelApi::ALL.into_iter().map(|api| (api, workspace_key(api))).collect(),
+            Arc::default(),
+        )
     }
 }
 
 #[async_trait::async_trait]
 impl KeySource for Keys {
     async fn key(&self, api: ModelApi) -> Option<String> {
+        self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.0.get(&api).cloned()
     }
 }
@@ -89,20 +96,35 @@ impl UsageSink for Sink {
 struct Proxy {
     /// `http://127.0.0.1:PORT/_sortie/model`
     base: String,
+    address: std::net::SocketAddr,
     sink: Arc<Sink>,
+    /// How many times the proxy asked for a key.
+    key_lookups: Arc<std::sync::atomic::AtomicUsize>,
     client: reqwest::Client,
     _server: tokio::task::JoinHandle<()>,
 }
 
 impl Proxy {
     async fn start(upstreams: Upstreams, keys: Keys) -> Self {
+        Self::start_with(upstreams, keys, Vec::new(), ModelProxyLimits::default()).await
+    }
+
+    async fn start_with(
+        upstreams: Upstreams,
+        keys: Keys,
+        pinned_headers: Vec<PinnedHeader>,
+        limits: ModelProxyLimits,
+    ) -> Self {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let sink = Arc::new(Sink(watch::Sender::new(Vec::new())));
         let config = ModelProxyConfig {
             session_id: SessionId::generate(),
             upstreams,
             extra_roots_pem: Vec::new(),
+            pinned_headers,
+            limits,
         };
+        let key_lookups = keys.1.clone();
         let router = model::router(config, Arc::new(keys), sink.clone()).expect("router");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let address = listener.local_addr().expect("address");
@@ -115,7 +137,9 @@ impl Proxy {
             .expect("client");
         Self {
             base: format!("http://{address}/_sortie/model"),
+            address,
             sink,
+            key_lookups,
             client,
             _server: server,
         }
@@ -123,12 +147,7 @@ impl Proxy {
 
     /// A proxy whose every API goes to `fake`.
     async fn before(fake: &FakeVendor) -> Self {
-        let upstreams = Upstreams {
-            anthropic: fake.url.clone(),
-            openai: fake.url.clone(),
-            gemini: fake.url.clone(),
-        };
-        Self::start(upstreams, Keys::all()).await
+        Self::start(all_to(fake), Keys::all()).await
     }
 
     fn url(&self, kind: VendorKind, path: &str) -> String {
@@ -150,6 +169,15 @@ impl Proxy {
             VendorKind::OpenAi => builder.bearer_auth("placeholder"),
             VendorKind::Gemini => builder.header("x-goog-api-key", "placeholder"),
         }
+    }
+}
+
+/// Every API to `fake`.
+fn all_to(fake: &FakeVendor) -> Upstreams {
+    Upstreams {
+        anthropic: fake.url.clone(),
+        openai: fake.url.clone(),
+        gemini: fake.url.clone(),
     }
 }
 
@@ -582,7 +610,402 @@ fn upstreams_must_be_http_urls() {
             ..Upstreams::default()
         },
         extra_roots_pem: Vec::new(),
+        pinned_headers: Vec::new(),
+        limits: Default::default(),
     };
     let error = model::router(config, Arc::new(Keys::all()), sink).expect_err("refused");
     assert!(error.to_string().contains("openai"), "{error}");
+}
+
+/// S9: the workspace's key is lent to inference only. Files, fine-tuning, batches, admin endpoints
+/// and other methods are refused here with a 403 naming the route: no key looked up or injected, no
+/// vendor contacted, nothing reported.
+#[tokio::test]
+async fn routes_off_the_allowlist_never_get_the_key() {
+    let fake = FakeVendor::start(VendorKind::OpenAi).await.expect("fake");
+    let proxy = Proxy::before(&fake).await;
+    let refused = [
+        (reqwest::Method::GET, "openai", "/v1/files"),
+        (reqwest::Method::DELETE, "openai", "/v1/files/file-OTHER-USERS-UPLOAD"),
+        (reqwest::Method::POST, "openai", "/v1/fine_tuning/jobs"),
+        (reqwest::Method::GET, "openai", "/v1/organization/admin_api_keys"),
+        (reqwest::Method::POST, "openai", "/v1/batches"),
+        (reqwest::Method::GET, "openai", "/v1/responses/resp_1"),
+        (reqwest::Method::POST, "openai", "/v1/responses/../files"),
+        (reqwest::Method::POST, "openai", "/v1/%66iles"),
+        (reqwest::Method::POST, "anthropic", "/v1/messages/batches"),
+        (reqwest::Method::POST, "anthropic", "/v1/files"),
+        (reqwest::Method::GET, "anthropic", "/v1/organizations/api_keys"),
+        (reqwest::Method::PUT, "anthropic", "/v1/messages"),
+        (reqwest::Method::GET, "gemini", "/v1beta/files"),
+        (reqwest::Method::POST, "gemini", "/v1beta/cachedContents"),
+        (reqwest::Method::POST, "gemini", "/v1beta/tunedModels/x:generateContent"),
+    ];
+    for (method, api, path) in refused {
+        let answer = proxy
+            .client
+            .request(method.clone(), format!("{}/{api}{path}", proxy.base))
+            .header("content-type", "application/json")
+            .body("{}")
+            .send()
+            .await
+            .expect("answer");
+        assert_eq!(answer.status(), 403, "{method} {api}{path}");
+        let body: Value = answer.json().await.expect("JSON");
+        assert_eq!(
+            body["error"]["code"], "MODEL_ROUTE_REFUSED",
+            "{method} {api}{path}: {body}"
+        );
+        let message = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains(&format!("{method} /")) && message.contains(api) && !message.contains('\n'),
+            "{message}"
+        );
+    }
+    assert!(
+        fake.requests().is_empty(),
+        "a refused route reached the vendor: {:?}",
+        fake.requests()
+    );
+    assert_eq!(
+        proxy.key_lookups.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "a key was looked up"
+    );
+    assert!(proxy.sink.seen().is_empty(), "{:?}", proxy.sink.seen());
+
+    // The model lists are allowed: they reach the vendor (the fake has none and says 404).
+    for (api, path) in [
+        ("openai", "/v1/models"),
+        ("openai", "/v1/models/gpt-5.5"),
+        ("anthropic", "/v1/models"),
+        ("gemini", "/v1beta/models"),
+    ] {
+        let answer = proxy
+            .client
+            .get(format!("{}/{api}{path}", proxy.base))
+            .send()
+            .await
+            .expect("answer");
+        assert_eq!(
+            answer.status(),
+            404,
+            "{api}{path}: forwarded, and the fake has no such endpoint"
+        );
+    }
+    let paths: Vec<String> = fake.requests().iter().map(|r| r.path.clone()).collect();
+    assert_eq!(
+        paths,
+        ["/v1/models", "/v1/models/gpt-5.5", "/v1/models", "/v1beta/models"]
+    );
+}
+
+/// S9: `OpenAI-Organization`, `OpenAI-Project` and `x-goog-user-project` pick whom the key bills;
+/// the agent's never reach the vendor, and an operator's pinned value replaces them.
+#[tokio::test]
+async fn tenancy_headers_are_dropped_and_pinned_ones_set() {
+    for kind in [VendorKind::OpenAi, VendorKind::Gemini] {
+        let fake = FakeVendor::start(kind).await.expect("fake");
+        let pinned = vec![PinnedHeader {
+            api: ModelApi::Openai,
+            name: "OpenAI-Organization".to_owned(),
+            value: "org-pinned".to_owned(),
+        }];
+        let proxy = Proxy::start_with(all_to(&fake), Keys::all(), pinned, ModelProxyLimits::default()).await;
+        let answer = proxy
+            .agent_request(kind, &turn_start(kind, false))
+            .header("openai-organization", "org-victim")
+            .header("openai-project", "proj-x")
+            .header("x-goog-user-project", "victim-project")
+            .header("openai-beta", "responses=v1")
+            .send()
+            .await
+            .expect("answer");
+        assert_eq!(answer.status(), 200);
+        let requests = fake.requests();
+        let seen = &requests[0];
+        let expected_organization = (kind == VendorKind::OpenAi).then_some("org-pinned");
+        assert_eq!(seen.header("openai-organization"), expected_organization, "{kind:?}");
+        assert_eq!(seen.header("openai-project"), None, "{kind:?}");
+        assert_eq!(seen.header("x-goog-user-project"), None, "{kind:?}");
+        assert_eq!(
+            seen.header("openai-beta"),
+            Some("responses=v1"),
+            "other vendor headers pass"
+        );
+    }
+
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    for name in [
+        "authorization",
+        "x-api-key",
+        "X-Goog-Api-Key",
+        "content-length",
+        "host",
+        "connection",
+        "bad name",
+    ] {
+        let config = ModelProxyConfig {
+            session_id: SessionId::generate(),
+            upstreams: Upstreams::default(),
+            extra_roots_pem: Vec::new(),
+            pinned_headers: vec![PinnedHeader {
+                api: ModelApi::Anthropic,
+                name: name.to_owned(),
+                value: "v".to_owned(),
+            }],
+            limits: ModelProxyLimits::default(),
+        };
+        let sink = Arc::new(Sink(watch::Sender::new(Vec::new())));
+        let error = model::router(config, Arc::new(Keys::all()), sink).expect_err("refused");
+        assert!(error.to_string().contains(name), "{name}: {error}");
+    }
+}
+
+/// S6: one session has at most `max_in_flight` requests in flight (until their answers end). One
+/// more waits for a slot; past the wait it is answered 429 with `retry-after`, and the vendor never
+/// sees it. A slot freed while it waits serves it.
+#[tokio::test]
+async fn requests_over_the_in_flight_cap_wait_then_are_refused() {
+    let kind = VendorKind::Anthropic;
+    for queue_wait in [Duration::from_millis(300), DEADLINE] {
+        let fake = start_fake(kind, |options| options.hold_after_first_event = true).await;
+        let limits = ModelProxyLimits {
+            max_in_flight: 2,
+            queue_wait,
+            ..ModelProxyLimits::default()
+        };
+        let proxy = Proxy::start_with(all_to(&fake), Keys::all(), Vec::new(), limits).await;
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            let answer = proxy
+                .agent_request(kind, &turn_start(kind, true))
+                .send()
+                .await
+                .expect("answer");
+            assert_eq!(answer.status(), 200);
+            let mut events = answer.bytes_stream().eventsource();
+            let first = tokio::time::timeout(DEADLINE, events.next())
+                .await
+                .expect("first event");
+            assert!(matches!(first, Some(Ok(_))));
+            held.push(events);
+        }
+        let started = std::time::Instant::now();
+        let extra = tokio::spawn(proxy.agent_request(kind, &turn_start(kind, false)).send());
+        if queue_wait < DEADLINE {
+            let answer = tokio::time::timeout(DEADLINE, extra)
+                .await
+                .expect("an answer within the deadline")
+                .expect("join")
+                .expect("answer");
+            assert!(started.elapsed() >= queue_wait, "refused before the wait was over");
+            assert_eq!(answer.status(), 429);
+            assert_eq!(
+                answer.headers().get("retry-after").and_then(|v| v.to_str().ok()),
+                Some("1")
+            );
+            let body: Value = answer.json().await.expect("JSON");
+            assert_eq!(body["error"]["code"], "MODEL_REQUESTS_IN_FLIGHT");
+            assert_eq!(fake.requests().len(), 2, "the refused request reached the vendor");
+            fake.release();
+        } else {
+            // Waiting for a slot, not refused: the vendor has not seen it.
+            let mut extra = extra;
+            let waited = tokio::time::timeout(Duration::from_millis(300), &mut extra).await;
+            assert!(
+                waited.is_err(),
+                "the third request was answered while two were in flight"
+            );
+            assert_eq!(fake.requests().len(), 2);
+            // One answer ends; its slot goes to the waiting request.
+            fake.release();
+            drop(held.remove(0));
+            let answer = tokio::time::timeout(DEADLINE, extra)
+                .await
+                .expect("served once a slot was free")
+                .expect("join")
+                .expect("answer");
+            assert_eq!(answer.status(), 200);
+        }
+        for events in held {
+            let rest: Vec<_> = tokio::time::timeout(DEADLINE, events.collect::<Vec<_>>())
+                .await
+                .expect("the held answers end after release");
+            assert!(rest.iter().all(Result::is_ok));
+        }
+        // Every slot is back.
+        for _ in 0..3 {
+            let answer = proxy
+                .agent_request(kind, &turn_start(kind, false))
+                .send()
+                .await
+                .expect("answer");
+            assert_eq!(answer.status(), 200);
+        }
+    }
+}
+
+/// Sends a request head with `content-length` and the first `sent` bytes of its body to the
+/// proxy's socket, and leaves the connection open.
+async fn partial_body(proxy: &Proxy, declared: usize, sent: usize) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut stream = tokio::net::TcpStream::connect(proxy.address).await.expect("connect");
+    let head = format!(
+        "POST /_sortie/model/openai/v1/responses HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+         content-length: {declared}\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await.expect("head");
+    stream.write_all(&vec![b' '; sent]).await.expect("body");
+    stream
+}
+
+/// Reads a whole HTTP/1.1 answer until the server closes the connection.
+async fn read_until_closed(stream: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut answer = Vec::new();
+    tokio::time::timeout(DEADLINE, stream.read_to_end(&mut answer))
+        .await
+        .expect("the connection was closed within the deadline")
+        .expect("read");
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// S6: a body that stalls, or trickles in, is cut once the read deadline passes: 408, connection
+/// closed, nothing forwarded, and its slot back.
+#[tokio::test]
+async fn a_stalled_or_trickling_body_is_cut_at_the_deadline() {
+    use tokio::io::AsyncWriteExt;
+    let fake = FakeVendor::start(VendorKind::OpenAi).await.expect("fake");
+    let timeout = Duration::from_millis(500);
+    let limits = ModelProxyLimits {
+        max_in_flight: 1,
+        body_read_timeout: timeout,
+        ..ModelProxyLimits::default()
+    };
+    let proxy = Proxy::start_with(all_to(&fake), Keys::all(), Vec::new(), limits).await;
+    for trickle in [false, true] {
+        let started = std::time::Instant::now();
+        let mut stream = partial_body(&proxy, 1000, 10).await;
+        let (mut reader, mut writer) = stream.split();
+        let answer = async {
+            let mut answer = Vec::new();
+            tokio::io::AsyncReadExt::read_to_end(&mut reader, &mut answer)
+                .await
+                .expect("read");
+            String::from_utf8_lossy(&answer).into_owned()
+        };
+        let feed = async {
+            // One byte every 50 ms: always something arriving, never the whole body in time.
+            while trickle && writer.write_all(b" ").await.is_ok() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            std::future::pending::<()>().await;
+        };
+        let answer = tokio::time::timeout(DEADLINE, async {
+            tokio::select! {
+                answer = answer => answer,
+                () = feed => unreachable!(),
+            }
+        })
+        .await
+        .expect("the body was cut within the deadline");
+        let elapsed = started.elapsed();
+        assert!(answer.starts_with("HTTP/1.1 408"), "trickle={trickle}: {answer}");
+        assert!(answer.contains("MODEL_BODY_TIMEOUT"), "{answer}");
+        assert!(
+            elapsed >= timeout && elapsed < timeout + Duration::from_secs(5),
+            "trickle={trickle}: cut after {elapsed:?}"
+        );
+    }
+    assert!(fake.requests().is_empty(), "a cut body was forwarded");
+    // The slot (the only one) is free again.
+    let answer = proxy
+        .agent_request(VendorKind::OpenAi, &turn_start(VendorKind::OpenAi, false))
+        .send()
+        .await
+        .expect("answer");
+    assert_eq!(answer.status(), 200);
+}
+
+/// S6: the bytes of request bodies one session holds at once are bounded, however many connections
+/// it opens: past the budget a request is answered 429, and the budget comes back when the bodies
+/// holding it are gone. A body declared larger than the budget is refused before it is read.
+#[tokio::test]
+async fn a_sessions_buffered_body_bytes_are_bounded() {
+    let fake = FakeVendor::start(VendorKind::OpenAi).await.expect("fake");
+    let budget = 1 << 20;
+    let limits = ModelProxyLimits {
+        max_in_flight: 8,
+        max_buffered_bytes: budget,
+        body_read_timeout: DEADLINE * 3,
+        ..ModelProxyLimits::default()
+    };
+    let proxy = Proxy::start_with(all_to(&fake), Keys::all(), Vec::new(), limits).await;
+
+    let mut declared_too_large = partial_body(&proxy, budget + 1, 0).await;
+    let answer = read_until_closed(&mut declared_too_large).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 413") && answer.contains("limited to 1 MiB"),
+        "{answer}"
+    );
+
+    // Four bodies of 384 KiB, each one byte short: three would need 1.1 MiB. At most two fit; the
+    // others are answered 429 as soon as their bytes pass the budget.
+    let piece = 384 << 10;
+    let mut streams = Vec::new();
+    for _ in 0..4 {
+        streams.push(partial_body(&proxy, piece + 1, piece).await);
+    }
+    let deadline = std::time::Instant::now() + DEADLINE;
+    let mut answered = vec![false; streams.len()];
+    while answered.iter().filter(|done| **done).count() < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the budget never ran out: {answered:?}"
+        );
+        for (stream, done) in streams.iter().zip(answered.iter_mut()) {
+            let mut byte = [0_u8; 1];
+            *done |= tokio::time::timeout(Duration::from_millis(10), stream.peek(&mut byte))
+                .await
+                .is_ok();
+        }
+    }
+    let mut held = Vec::new();
+    for (mut stream, done) in streams.into_iter().zip(answered) {
+        if done {
+            let refused = read_until_closed(&mut stream).await;
+            assert!(refused.starts_with("HTTP/1.1 429"), "{refused}");
+            assert!(refused.contains("MODEL_BODIES_BUFFERED"), "{refused}");
+        } else {
+            held.push(stream);
+        }
+    }
+    assert!(
+        held.len() <= 2,
+        "{} bodies of 384 KiB held within a 1 MiB budget",
+        held.len()
+    );
+    assert!(fake.requests().is_empty());
+
+    // The held bodies go away; their bytes are no longer counted.
+    drop(held);
+    let deadline = std::time::Instant::now() + DEADLINE;
+    loop {
+        let answer = proxy
+            .client
+            .post(proxy.url(VendorKind::OpenAi, "/v1/responses"))
+            .header("content-type", "application/json")
+            .body(vec![b' '; 900 << 10])
+            .send()
+            .await
+            .expect("answer");
+        if answer.status() == 200 {
+            break;
+        }
+        assert_eq!(answer.status(), 429);
+        assert!(std::time::Instant::now() < deadline, "the budget never came back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(fake.requests().len(), 1);
 }

@@ -10,6 +10,7 @@ pub mod error;
 mod extract;
 mod forges;
 mod health;
+mod listener;
 mod metrics_layer;
 mod model_keys;
 mod sessions;
@@ -19,6 +20,7 @@ mod transcript;
 mod views;
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::Router;
@@ -30,6 +32,10 @@ use tokio::net::TcpListener;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 
+pub use listener::{
+    DESCRIPTOR_RESERVE, DescriptorPlan, FDS_PER_API_CONNECTION, HEADER_READ_TIMEOUT, ListenerLimits, MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_IP,
+};
 pub use metrics_layer::render as render_metrics;
 pub use tokens::Secret;
 
@@ -126,7 +132,8 @@ pub fn router(state: ApiState) -> Router {
     router_and_openapi(state).0
 }
 
-/// Serves the api role on a bound listener until `shutdown` completes.
+/// Serves the api role on a bound listener until `shutdown` completes, within the default
+/// [`ListenerLimits`].
 pub async fn run(
     listener: TcpListener,
     state: ApiState,
@@ -136,7 +143,8 @@ pub async fn run(
 }
 
 /// Serves the api role together with routes of other roles in the same process (the gateway's
-/// `/v1/sessions/{id}/stream` in `sortie serve`), and an app (the dashboard) for every other path.
+/// `/v1/sessions/{id}/stream` in `sortie serve`), and an app (the dashboard) for every other path,
+/// within the default [`ListenerLimits`].
 pub async fn run_with<L>(
     listener: L,
     state: ApiState,
@@ -145,15 +153,30 @@ pub async fn run_with<L>(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()>
 where
-    L: axum::serve::Listener,
-    L::Addr: std::fmt::Debug,
+    L: axum::serve::Listener<Addr = SocketAddr>,
+{
+    run_with_limits(listener, state, others, app, ListenerLimits::default(), shutdown).await
+}
+
+/// [`run_with`] within `limits` (a header-read deadline and connection caps; `sortie serve` sizes
+/// the caps from its descriptor limit, [`DescriptorPlan`]).
+pub async fn run_with_limits<L>(
+    listener: L,
+    state: ApiState,
+    others: Router,
+    app: Option<Router>,
+    limits: ListenerLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()>
+where
+    L: axum::serve::Listener<Addr = SocketAddr>,
 {
     metrics_layer::install_recorder();
     let mut routes = others.merge(router(state));
     if let Some(app) = app {
         routes = with_app(routes, app);
     }
-    axum::serve(listener, routes).with_graceful_shutdown(shutdown).await
+    listener::serve(listener, routes, limits, shutdown).await
 }
 
 /// `router` with an app behind it: every path the API does not route goes to `app` (the dashboard),

@@ -17,6 +17,20 @@ use crate::cli::{ClientArgs, ServeArgs, ServeRole, WorkerArgs};
 use crate::config::{self, ADMIN_TOKEN_FILE, DATABASE_FILE, env};
 
 pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCode> {
+    // Before anything opens a descriptor: every cap on connections is sized from this limit.
+    let descriptors = sortie_server::DescriptorPlan::for_limit(
+        raise_open_files_limit(),
+        sortie_gateway::egress::proxy::FDS_PER_CONNECTION as u64,
+    );
+    sortie_gateway::egress::proxy::HostConnections::set_process_wide(descriptors.egress_connections);
+    tracing::info!(
+        open_files = descriptors.open_files_limit,
+        reserve = sortie_server::DESCRIPTOR_RESERVE,
+        api_connections = descriptors.api_connections,
+        api_connections_per_ip = descriptors.api_connections_per_ip,
+        egress_connections = descriptors.egress_connections,
+        "file descriptors shared"
+    );
     let data_dir = config::data_dir(client.data_dir);
     let database_url = config::database_url(args.store.database_url, &data_dir);
     let mut agents = AgentCatalog::default();
@@ -146,9 +160,16 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
         };
         // A client that leaves a write blocked past the limit (a stalled stream) is reset, never waited for.
         let listener = sortie_gateway::stall::StalledWrites::new(listener, sortie_gateway::attach::SLOW_CLIENT_LIMIT);
-        sortie_server::run_with(listener, state, gateway, Some(sortie_web::router()), stopped())
-            .await
-            .context("the server failed")?;
+        sortie_server::run_with_limits(
+            listener,
+            state,
+            gateway,
+            Some(sortie_web::router()),
+            descriptors.listener_limits(),
+            stopped(),
+        )
+        .await
+        .context("the server failed")?;
     } else {
         stopped().await;
     }
@@ -157,6 +178,33 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
     }
     store.close().await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Raises the soft `RLIMIT_NOFILE` to the hard limit (the most this process may open without
+/// privileges it should not need) and returns the limit in force. A failure keeps the soft limit:
+/// the caps sized from it are then smaller, never unsafe.
+fn raise_open_files_limit() -> u64 {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    /// Where an unlimited hard limit is taken at its word no further (Linux's default `nr_open`).
+    const CEILING: u64 = 1 << 20;
+    let (soft, hard) = match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok(limits) => limits,
+        Err(error) => {
+            tracing::warn!(%error, "cannot read RLIMIT_NOFILE; assuming 1024");
+            return 1024;
+        }
+    };
+    let wanted = hard.min(CEILING);
+    if soft >= wanted {
+        return soft;
+    }
+    match setrlimit(Resource::RLIMIT_NOFILE, wanted, hard) {
+        Ok(()) => wanted,
+        Err(error) => {
+            tracing::warn!(%error, soft, hard, "cannot raise RLIMIT_NOFILE; keeping the soft limit");
+            soft
+        }
+    }
 }
 
 /// The worker role on the local sandbox runtime, configured from flags and env.

@@ -5,17 +5,26 @@
 //! is relayed and reported at once ([`UsageSink::auth_rejected`]), a missing key is answered here
 //! without contacting the vendor ([`UsageSink::key_missing`]), and a redirect is never relayed.
 //!
+//! Only the routes agents need are forwarded ([`routes`]): anything else is refused with a 403 before
+//! a key is looked up. Vendor headers that pick an organization, project or billing account are
+//! dropped (and can be pinned by configuration, [`PinnedHeader`]). One session's router bounds what
+//! it holds ([`ModelProxyLimits`]): requests in flight, bytes of request bodies buffered, and the
+//! time a body may take to arrive.
+//!
 //! The key never reaches the sandbox, the logs or an error message; one router serves one session.
 
 mod proxy;
+pub mod routes;
 pub mod usage;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
 use sortie_protocol::SessionId;
 
 pub use proxy::MAX_REQUEST_BYTES;
+pub use routes::Route;
 pub use usage::Usage;
 
 /// A vendor API the proxy speaks for, named by the path segment after `/_sortie/model/`.
@@ -91,6 +100,73 @@ pub struct ModelProxyConfig {
     /// PEM certificates trusted as roots besides the platform's (an internal gateway's CA, or a
     /// test's); empty for none.
     pub extra_roots_pem: Vec<u8>,
+    /// Headers the operator sets on every request to an API, replacing whatever the agent sent
+    /// under that name (e.g. `OpenAI-Organization`/`OpenAI-Project` to pick the billed tenant);
+    /// empty by default. Credential, framing and hop-by-hop names are refused at build.
+    pub pinned_headers: Vec<PinnedHeader>,
+    /// What one session may hold at once; [`ModelProxyLimits::default`] in production.
+    pub limits: ModelProxyLimits,
+}
+
+/// A header the proxy sets on every request to `api` (see [`ModelProxyConfig::pinned_headers`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PinnedHeader {
+    pub api: ModelApi,
+    pub name: String,
+    pub value: String,
+}
+
+/// Vendor request headers that choose the organization, project or billing account a key acts
+/// for. The agent's are never forwarded (the workspace's key must not be pointed at another
+/// tenant it can reach); the operator may pin them ([`PinnedHeader`]). Anthropic has none: an
+/// Anthropic key belongs to one workspace (`anthropic-organization-id` is a response header).
+pub const TENANCY_HEADERS: [&str; 3] = ["openai-organization", "openai-project", "x-goog-user-project"];
+
+/// The model requests one session may have in flight at once (from the start of the request to
+/// the end of its answer). Claude Code runs a title request beside its turn and up to ~10
+/// subagents in parallel; 16 leaves room for that. A request over the cap waits up to
+/// [`MODEL_QUEUE_WAIT`] for a slot and is then answered 429 with `retry-after` (every agent's
+/// SDK retries a 429 with backoff).
+pub const MAX_REQUESTS_IN_FLIGHT: usize = 16;
+/// How long a request over [`MAX_REQUESTS_IN_FLIGHT`] waits for a slot before its 429. Waiting
+/// smooths an agent's short bursts without an error the model sees; it holds one connection and
+/// no body bytes (the body stays in the socket until the slot is granted), and the egress socket's
+/// connection cap bounds how many can wait.
+pub const MODEL_QUEUE_WAIT: Duration = Duration::from_secs(10);
+/// How long a request body may take to arrive in full, from the moment its slot is granted. The
+/// agent sends over a local socket, so a whole 32 MiB body takes milliseconds; a body still
+/// incomplete after this is stalled on purpose and is cut (408, connection closed).
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// The bytes of request bodies one session may hold buffered at once (read from the agent and not
+/// yet sent upstream), two bodies at [`MAX_REQUEST_BYTES`]. Without it the bound would be
+/// [`MAX_REQUESTS_IN_FLIGHT`] × [`MAX_REQUEST_BYTES`] = 512 MiB; with it a session's model
+/// requests hold at most 64 MiB of bodies, whatever the agent sends. A request whose body would
+/// pass it is answered 429 at once.
+pub const MAX_BUFFERED_BYTES: usize = 2 * MAX_REQUEST_BYTES;
+
+/// What one session's model proxy may hold at once (see the constants for why each value).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelProxyLimits {
+    /// Requests in flight ([`MAX_REQUESTS_IN_FLIGHT`]).
+    pub max_in_flight: usize,
+    /// How long a request waits for a slot ([`MODEL_QUEUE_WAIT`]).
+    pub queue_wait: Duration,
+    /// How long a body may take to arrive ([`BODY_READ_TIMEOUT`]).
+    pub body_read_timeout: Duration,
+    /// Body bytes buffered at once ([`MAX_BUFFERED_BYTES`]); below [`MAX_REQUEST_BYTES`] it also
+    /// lowers the largest body that can pass.
+    pub max_buffered_bytes: usize,
+}
+
+impl Default for ModelProxyLimits {
+    fn default() -> Self {
+        Self {
+            max_in_flight: MAX_REQUESTS_IN_FLIGHT,
+            queue_wait: MODEL_QUEUE_WAIT,
+            body_read_timeout: BODY_READ_TIMEOUT,
+            max_buffered_bytes: MAX_BUFFERED_BYTES,
+        }
+    }
 }
 
 /// The workspace's stored key for an API, already decrypted by the caller; `None` when none is set.
@@ -118,6 +194,14 @@ pub enum ModelProxyError {
     Upstream { api: ModelApi, url: String },
     #[error(transparent)]
     Tls(#[from] crate::git::http::ForgeTlsError),
+    #[error("the pinned header {name:?} for {api} cannot be used: {reason}")]
+    PinnedHeader {
+        api: ModelApi,
+        name: String,
+        reason: &'static str,
+    },
+    #[error("the model proxy's limits must allow at least one request and one byte in flight")]
+    Limits,
 }
 
 /// The routes `/_sortie/model/{api}/{*rest}` for one session, to merge into its egress proxy's

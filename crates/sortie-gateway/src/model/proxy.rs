@@ -1,7 +1,10 @@
 //! The forwarding half of the model proxy: one handler for every method under
-//! `/_sortie/model/{api}/`. The request body is read whole (it is bounded, and the model it names is
-//! the usage's fallback); the answer is streamed back frame by frame through [`Metered`], which
-//! hands each frame to a [`UsageReader`] on its way and reports once when the body ends or is dropped.
+//! `/_sortie/model/{api}/`. A route not on the allowlist ([`super::routes`]) is refused before
+//! anything else; an allowed one takes one of the session's in-flight slots for as long as it
+//! lives. The request body is read whole (it is bounded in size, in time and by the session's
+//! buffer budget, and the model it names is the usage's fallback); the answer is streamed back
+//! frame by frame through [`Metered`], which hands each frame to a [`UsageReader`] on its way,
+//! reports once when the body ends or is dropped, and frees the slot then.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -15,13 +18,21 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
 use futures::Stream;
+use http_body_util::BodyExt;
 use sortie_protocol::SessionId;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::routes::{self, Route};
 use super::usage::{BodyFormat, UsageReader, request_model};
-use super::{KeySource, ModelApi, ModelProxyConfig, ModelProxyError, UsageSink};
+use super::{
+    BODY_READ_TIMEOUT, KeySource, ModelApi, ModelProxyConfig, ModelProxyError, ModelProxyLimits, PinnedHeader,
+    TENANCY_HEADERS, UsageSink,
+};
 use crate::git::http::{ForgeTls, forge_client};
 
-/// The largest request body forwarded; a larger one is answered 413 and not sent.
+/// The largest request body forwarded; a larger one is answered 413 and not sent. It is the
+/// vendors' own limit (Anthropic's Messages API refuses more than 32 MB), so no agent request that
+/// a vendor would take is refused here.
 pub const MAX_REQUEST_BYTES: usize = 32 << 20;
 
 const PREFIX: &str = "/_sortie/model/";
@@ -60,6 +71,12 @@ struct Inner {
     http: reqwest::Client,
     keys: Arc<dyn KeySource>,
     sink: Arc<dyn UsageSink>,
+    pinned: Vec<(ModelApi, HeaderName, HeaderValue)>,
+    limits: ModelProxyLimits,
+    /// One permit per request in flight ([`ModelProxyLimits::max_in_flight`]).
+    in_flight: Arc<Semaphore>,
+    /// One permit per body byte buffered ([`ModelProxyLimits::max_buffered_bytes`]).
+    buffered: Arc<Semaphore>,
 }
 
 impl Inner {
@@ -92,6 +109,15 @@ pub(super) fn router(
         parse(ModelApi::Openai)?,
         parse(ModelApi::Gemini)?,
     );
+    let pinned = config
+        .pinned_headers
+        .iter()
+        .map(pinned_header)
+        .collect::<Result<Vec<_>, _>>()?;
+    let limits = config.limits;
+    if limits.max_in_flight == 0 || limits.max_buffered_bytes == 0 {
+        return Err(ModelProxyError::Limits);
+    }
     // No redirect is ever followed (the key would travel with it); extra roots as for forges.
     let http = forge_client(&ForgeTls {
         extra_roots_pem: config.extra_roots_pem,
@@ -104,16 +130,99 @@ pub(super) fn router(
         http,
         keys,
         sink,
+        pinned,
+        in_flight: Arc::new(Semaphore::new(limits.max_in_flight.min(Semaphore::MAX_PERMITS))),
+        buffered: Arc::new(Semaphore::new(limits.max_buffered_bytes.min(Semaphore::MAX_PERMITS))),
+        limits,
     });
     Ok(Router::new()
         .route("/_sortie/model/{api}/{*rest}", any(handle))
         .with_state(inner))
 }
 
+/// A pinned header checked once, at build: a valid name and value, and not a name the proxy owns
+/// (the credential it injects, the framing it computes, hop-by-hop headers).
+fn pinned_header(pinned: &PinnedHeader) -> Result<(ModelApi, HeaderName, HeaderValue), ModelProxyError> {
+    let refused = |reason| ModelProxyError::PinnedHeader {
+        api: pinned.api,
+        name: pinned.name.clone(),
+        reason,
+    };
+    let name = HeaderName::from_bytes(pinned.name.trim().as_bytes()).map_err(|_| refused("not a header name"))?;
+    if REQUEST_DROPPED.contains(&name.as_str()) || HOP_BY_HOP.contains(&name.as_str()) || name == header::HOST {
+        return Err(refused("the proxy sets this header itself"));
+    }
+    let value = HeaderValue::from_str(pinned.value.trim()).map_err(|_| refused("not a header value"))?;
+    Ok((pinned.api, name, value))
+}
+
 /// An answer made here, never the vendor's: `{"error": {"code", "message"}}`.
 fn refusal(status: StatusCode, code: &str, message: &str) -> Response {
     let body = serde_json::json!({ "error": { "code": code, "message": message } });
     (status, axum::Json(body)).into_response()
+}
+
+/// `bytes` as people read a limit: `32 MiB`, `64 KiB`, `100 bytes`.
+fn shown_bytes(bytes: usize) -> String {
+    match bytes {
+        bytes if bytes >= 1 << 20 && bytes % (1 << 20) == 0 => format!("{} MiB", bytes >> 20),
+        bytes if bytes >= 1 << 10 && bytes % (1 << 10) == 0 => format!("{} KiB", bytes >> 10),
+        bytes => format!("{bytes} bytes"),
+    }
+}
+
+/// Why a request body was not read whole.
+enum BodyError {
+    /// Past the size limit.
+    TooLarge,
+    /// Past the session's buffer budget (other requests hold the rest).
+    OverBudget,
+    /// Not all there before the deadline.
+    TimedOut,
+    /// The connection broke off.
+    Broken,
+}
+
+/// Reads `body` whole, by `deadline`, at most `max` bytes, each byte counted against `budget`;
+/// the permits it returns stand for the bytes read and are held until the body is sent.
+async fn read_body(
+    mut body: Body,
+    max: usize,
+    budget: &Arc<Semaphore>,
+    deadline: tokio::time::Instant,
+) -> Result<(Bytes, Option<OwnedSemaphorePermit>), BodyError> {
+    // Grown as bytes arrive, never sized from the declared length: a body announced and never sent
+    // holds nothing.
+    let mut buffer = Vec::new();
+    let mut held: Option<OwnedSemaphorePermit> = None;
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Err(_) => return Err(BodyError::TimedOut),
+            Ok(None) => break,
+            Ok(Some(Err(error))) if is_length_limit(&error) => return Err(BodyError::TooLarge),
+            Ok(Some(Err(_))) => return Err(BodyError::Broken),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if buffer.len() + data.len() > max {
+            return Err(BodyError::TooLarge);
+        }
+        let Ok(count) = u32::try_from(data.len()) else {
+            return Err(BodyError::TooLarge);
+        };
+        let permit = budget
+            .clone()
+            .try_acquire_many_owned(count)
+            .map_err(|_| BodyError::OverBudget)?;
+        match &mut held {
+            Some(held) => held.merge(permit),
+            None => held = Some(permit),
+        }
+        buffer.extend_from_slice(&data);
+    }
+    Ok((Bytes::from(buffer), held))
 }
 
 /// What the one log line of a request says, filled in as the request goes.
@@ -162,12 +271,21 @@ async fn handle(State(proxy): State<Arc<Inner>>, request: Request) -> Response {
         path: rest.to_owned(),
         started,
     };
+    // Before the key is even looked up: a route off the list never gets near it.
+    let route = match routes::allowed(api, &parts.method, rest) {
+        Ok(route) => route,
+        Err(reason) => {
+            log.refused("route_refused", StatusCode::FORBIDDEN);
+            return refusal(StatusCode::FORBIDDEN, "MODEL_ROUTE_REFUSED", &reason);
+        }
+    };
+    let max_body = MAX_REQUEST_BYTES.min(proxy.limits.max_buffered_bytes);
     let too_large = || {
         log.refused("too_large", StatusCode::PAYLOAD_TOO_LARGE);
         refusal(
             StatusCode::PAYLOAD_TOO_LARGE,
             "BODY_TOO_LARGE",
-            &format!("model requests are limited to {} MiB", MAX_REQUEST_BYTES >> 20),
+            &format!("model requests are limited to {}", shown_bytes(max_body)),
         )
     };
     let declared = parts
@@ -175,9 +293,32 @@ async fn handle(State(proxy): State<Arc<Inner>>, request: Request) -> Response {
         .get(header::CONTENT_LENGTH)
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.parse::<u64>().ok());
-    if declared.is_some_and(|length| length > MAX_REQUEST_BYTES as u64) {
+    if declared.is_some_and(|length| length > max_body as u64) {
         return too_large();
     }
+
+    // A slot first: a request waiting for one holds a connection but none of its body's bytes.
+    let slot = match proxy.in_flight.clone().try_acquire_owned() {
+        Ok(slot) => slot,
+        Err(_) => match tokio::time::timeout(proxy.limits.queue_wait, proxy.in_flight.clone().acquire_owned()).await {
+            Ok(Ok(slot)) => slot,
+            _ => {
+                log.refused("too_many_in_flight", StatusCode::TOO_MANY_REQUESTS);
+                let mut answer = refusal(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "MODEL_REQUESTS_IN_FLIGHT",
+                    &format!(
+                        "sortie: this session already has {} model requests in flight; retry when one ends",
+                        proxy.limits.max_in_flight
+                    ),
+                );
+                answer
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                return answer;
+            }
+        },
+    };
 
     let key = proxy.keys.key(api).await;
     let Some((key_name, key_value)) = key.as_deref().and_then(|key| key_header(api, key)) else {
@@ -190,10 +331,45 @@ async fn handle(State(proxy): State<Arc<Inner>>, request: Request) -> Response {
         );
     };
 
-    let body = match axum::body::to_bytes(body, MAX_REQUEST_BYTES).await {
-        Ok(body) => body,
-        Err(error) if is_length_limit(&error) => return too_large(),
-        Err(_) => {
+    let now = tokio::time::Instant::now();
+    let deadline = now
+        .checked_add(proxy.limits.body_read_timeout)
+        .unwrap_or(now + BODY_READ_TIMEOUT);
+    let (body, buffered) = match read_body(body, max_body, &proxy.buffered, deadline).await {
+        Ok(read) => read,
+        Err(BodyError::TooLarge) => return too_large(),
+        Err(BodyError::OverBudget) => {
+            log.refused("over_budget", StatusCode::TOO_MANY_REQUESTS);
+            let mut answer = refusal(
+                StatusCode::TOO_MANY_REQUESTS,
+                "MODEL_BODIES_BUFFERED",
+                &format!(
+                    "sortie: this session's model requests already hold {} of request bodies; retry when one is sent",
+                    shown_bytes(proxy.limits.max_buffered_bytes)
+                ),
+            );
+            answer
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            return answer;
+        }
+        Err(BodyError::TimedOut) => {
+            log.refused("body_timeout", StatusCode::REQUEST_TIMEOUT);
+            let mut answer = refusal(
+                StatusCode::REQUEST_TIMEOUT,
+                "MODEL_BODY_TIMEOUT",
+                &format!(
+                    "sortie: the request body did not arrive within {} s",
+                    proxy.limits.body_read_timeout.as_secs_f64()
+                ),
+            );
+            // What is left of the body is never read: the connection cannot carry another request.
+            answer
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            return answer;
+        }
+        Err(BodyError::Broken) => {
             log.refused("bad_request", StatusCode::BAD_REQUEST);
             return refusal(StatusCode::BAD_REQUEST, "BAD_REQUEST", "the request body broke off");
         }
@@ -210,6 +386,12 @@ async fn handle(State(proxy): State<Arc<Inner>>, request: Request) -> Response {
         );
     };
     let mut headers = forwarded_headers(&parts.headers, &REQUEST_DROPPED);
+    for name in TENANCY_HEADERS {
+        headers.remove(name);
+    }
+    for (_, name, value) in proxy.pinned.iter().filter(|(pinned_api, _, _)| *pinned_api == api) {
+        headers.insert(name.clone(), value.clone());
+    }
     // Identity, so the answer's bytes are readable here; the hop to the vendor is the only one
     // that loses compression.
     headers.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
@@ -222,6 +404,8 @@ async fn handle(State(proxy): State<Arc<Inner>>, request: Request) -> Response {
         .body(body)
         .send()
         .await;
+    // The body went out with the request: its bytes no longer count against the budget.
+    drop(buffered);
     let answer = match sent {
         Ok(answer) => answer,
         Err(error) => {
@@ -267,7 +451,9 @@ async fn handle(State(proxy): State<Arc<Inner>>, request: Request) -> Response {
             fallback_model,
             sink: proxy.sink.clone(),
             log,
+            route,
             status,
+            _slot: slot,
         }),
     };
     let mut response = Response::new(Body::from_stream(metered));
@@ -405,7 +591,10 @@ struct Reading {
     fallback_model: Option<String>,
     sink: Arc<dyn UsageSink>,
     log: RequestLog,
+    route: Route,
     status: StatusCode,
+    /// The request's in-flight slot, freed when the answer ends or the agent goes away.
+    _slot: OwnedSemaphorePermit,
 }
 
 impl Reading {
@@ -416,7 +605,9 @@ impl Reading {
             fallback_model,
             sink,
             log,
+            route,
             status,
+            _slot,
         } = self;
         let api = log.api;
         let usage = reader.finish(fallback_model.as_deref());
@@ -432,6 +623,7 @@ impl Reading {
             api = %api,
             method = %log.method,
             path = %log.path,
+            route = route.as_str(),
             status = status.as_u16(),
             model = usage.as_ref().map(|u| u.model.as_str()).or(fallback_model.as_deref()).unwrap_or("unknown"),
             input_tokens = usage.as_ref().map_or(0, |u| u.input_tokens),

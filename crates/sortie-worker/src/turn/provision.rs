@@ -192,6 +192,8 @@ pub(super) fn serve_proxy(
             session_id: session.id.clone(),
             upstreams: config.model_upstreams.clone(),
             extra_roots_pem: Vec::new(),
+            pinned_headers: Vec::new(),
+            limits: Default::default(),
         },
         Arc::new(WorkspaceKeys {
             store: context.store.clone(),
