@@ -791,12 +791,10 @@ fn serve_proxy(
         session_id: session.id.clone(),
         upstream: std::sync::RwLock::new(upstream),
     });
-    let git_routes = match &config.forge_http {
-        Some(http) => {
-            sortie_gateway::git::http::router_with_client(upstream.clone(), config.git_binary.clone(), http.clone())
-        }
-        None => sortie_gateway::git::http::router(upstream.clone(), config.git_binary.clone()),
-    };
+    let git = crate::git_proxy::build(context, session, dirs, upstream.clone()).map_err(start_failed)?;
+    // `git.pushes` is the proxy's record of every push; the turn's delivered head and pushed state
+    // are to be read from it (issue 15 item 2), not yet from here.
+    let git_routes = sortie_gateway::git::http::router(git.config);
     let meter = TurnMeter::new(context.store.clone(), session.id.clone(), dirs.driver_socket());
     let model_routes = sortie_gateway::model::router(
         sortie_gateway::model::ModelProxyConfig {
