@@ -5,7 +5,7 @@
 //! decision what to do with the remote's ref); the git I/O is at the bottom. It must never push what
 //! the scan has not read, nor write a secret value anywhere.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::process::Command;
 
-use crate::secrets::{Finding, KnownSecrets, PatchScanner, secret_reason};
+use crate::secrets::{Finding, KnownSecrets, PatchScanner, SecretsError, secret_reason};
 pub use sortie_protocol::driver::DeliveryReport;
 use sortie_protocol::driver::{DriverFailureCode, TurnFailure};
 
@@ -50,6 +50,24 @@ pub struct DeliveryConfig {
 pub const UNREACHABLE_WAIT: Duration = Duration::from_secs(120);
 /// The longest pause between two attempts of a push the gateway did not answer.
 const UNREACHABLE_MAX_PAUSE: Duration = Duration::from_secs(4);
+
+/// Why the known secrets' digests file could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum KnownSecretsError {
+    #[error("cannot read the secret digests {path}: {source}")]
+    Unreadable { path: PathBuf, source: std::io::Error },
+    #[error(transparent)]
+    Invalid(#[from] SecretsError),
+}
+
+/// Reads and parses a digests file (the host writes it; see `sortie_secrets::KnownSecrets::parse`).
+pub fn load_known_secrets(path: &Path) -> Result<KnownSecrets, KnownSecretsError> {
+    let text = std::fs::read_to_string(path).map_err(|source| KnownSecretsError::Unreadable {
+        path: path.to_owned(),
+        source,
+    })?;
+    Ok(KnownSecrets::parse(&text, path)?)
+}
 
 /// Why a delivery failed; `code()` is the turn's failure code.
 #[derive(Debug, thiserror::Error)]
@@ -626,7 +644,7 @@ async fn scan(
     };
     let mut known = KnownSecrets::clone(&config.known_secrets);
     if let Some(path) = &config.known_secrets_file {
-        match KnownSecrets::load(path) {
+        match load_known_secrets(path) {
             Ok(reread) => known.extend(&reread),
             Err(error) => {
                 tracing::warn!(%error, "cannot read the known secrets again; scanning with the list read at start")
@@ -641,6 +659,9 @@ async fn scan(
             "--patch",
             "-m",
             "--unified=0",
+            // Binary or `-diff` files would show no lines to scan; the gateway's scan, the one that
+            // counts, reads them the same way.
+            "--text",
             "--no-ext-diff",
             "--no-textconv",
             "--no-color",

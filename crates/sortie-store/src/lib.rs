@@ -122,6 +122,11 @@ pub trait Store: Send + Sync + 'static {
         timings: Option<&std::collections::BTreeMap<String, u64>>,
     ) -> StoreResult<()>;
 
+    /// Records the head the git proxy saw the upstream take for the session's branch.
+    async fn set_pushed_head(&self, session_id: &SessionId, head: &str) -> StoreResult<()>;
+    /// The head last recorded by [`Store::set_pushed_head`].
+    async fn pushed_head(&self, session_id: &SessionId) -> StoreResult<Option<String>>;
+
     /// Records the nonce the worker starts turn `n` with at the driver.
     async fn set_driver_nonce(&self, session_id: &SessionId, n: u32, nonce: &str) -> StoreResult<()>;
 

@@ -951,6 +951,28 @@ impl Store for SqlStore {
         Ok(())
     }
 
+    async fn set_pushed_head(&self, session_id: &SessionId, head: &str) -> StoreResult<()> {
+        let updated = sqlx::query("UPDATE sessions SET pushed_head = $2 WHERE id = $1")
+            .bind(session_id.as_str())
+            .bind(head)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        if updated == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
+    }
+
+    async fn pushed_head(&self, session_id: &SessionId) -> StoreResult<Option<String>> {
+        let row = sqlx::query("SELECT pushed_head FROM sessions WHERE id = $1")
+            .bind(session_id.as_str())
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        Ok(row.try_get("pushed_head")?)
+    }
+
     async fn set_driver_nonce(&self, session_id: &SessionId, n: u32, nonce: &str) -> StoreResult<()> {
         let updated = sqlx::query("UPDATE turns SET driver_nonce = $3 WHERE session_id = $1 AND n = $2")
             .bind(session_id.as_str())

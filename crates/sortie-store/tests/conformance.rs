@@ -1318,6 +1318,16 @@ async fn parts_are_stored_once_in_order(backend: TestBackend) {
         f.store.transcript_progress(&SessionId::generate(), 1).await,
         Err(StoreError::NotFound)
     );
+
+    // The head the git proxy saw the upstream take, kept for a worker that starts again.
+    assert_eq!(f.store.pushed_head(&session.id).await, Ok(None));
+    let head = "a".repeat(40);
+    f.store.set_pushed_head(&session.id, &head).await.expect("pushed head");
+    assert_eq!(f.store.pushed_head(&session.id).await, Ok(Some(head)));
+    assert_eq!(
+        f.store.set_pushed_head(&SessionId::generate(), "b").await,
+        Err(StoreError::NotFound)
+    );
 }
 
 async fn parts_are_read_one_turn_at_a_time(backend: TestBackend) {

@@ -9,6 +9,7 @@
 //! back with an [`Event`]. Every wait has a deadline: a session never hangs.
 
 pub mod client;
+pub mod git_proxy;
 pub mod meter;
 pub mod prepare;
 pub mod priming;

@@ -60,7 +60,7 @@ impl WorkspaceKeys {
         let mut lines = String::new();
         for api in ModelApi::ALL {
             if let Some(key) = self.key(api).await {
-                lines.push_str(&sortie_driver::secrets::digest_line(key.as_bytes()));
+                lines.push_str(&sortie_secrets::digest_line(key.as_bytes()));
             }
         }
         lines

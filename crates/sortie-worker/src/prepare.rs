@@ -4,6 +4,13 @@
 //! session's `/workspace` is a `git clone --shared` of it (objects borrowed through `alternates`, the
 //! mirror bound read-only at the same path) on branch `sortie/<session-id>`, with `origin` pointing at
 //! the gateway's git proxy so nothing inside holds a credential.
+//!
+//! Host-side git never runs as root inside a repository root does not own (DESIGN §9 invariant 11,
+//! S5), and never runs hooks: the mirror of a local repository owned by another user is made and
+//! fetched with that repository's side of the transfer (`upload-pack`) run as its owner, through
+//! `setpriv`; the worker's own side works in its own directories only. No `safe.directory`
+//! override exists anywhere: git as the owner does not need one, and root's git is never in a
+//! foreign repository.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -35,6 +42,9 @@ pub struct SessionDirs {
     /// The digests of the workspace's secret values, bound read-only at the same path (the
     /// sandbox cannot rewrite the list its delivery is checked against).
     pub known_secrets: PathBuf,
+    /// The git proxy's own state (its push quarantines and the objects of accepted pushes): the
+    /// host's, never bound into the sandbox.
+    pub git_state: PathBuf,
 }
 
 impl SessionDirs {
@@ -46,6 +56,7 @@ impl SessionDirs {
             host: root.join("host"),
             egress: root.join("egress"),
             known_secrets: root.join("known-secrets"),
+            git_state: root.join("git"),
             root,
         }
     }
@@ -85,22 +96,60 @@ impl std::fmt::Debug for ForgeAuth {
 }
 
 impl ForgeAuth {
-    fn apply(&self, command: &mut tokio::process::Command) {
+    /// The config the token travels in (the environment's `GIT_CONFIG_*`, never argv).
+    fn config(&self) -> Vec<(&'static str, String)> {
         let header = format!(
             "Authorization: {}",
             sortie_gateway::git::http::forge_authorization(self.token.expose())
         );
-        command
-            .env("GIT_CONFIG_COUNT", "2")
-            .env("GIT_CONFIG_KEY_0", "http.extraHeader")
-            .env("GIT_CONFIG_VALUE_0", header)
+        vec![
+            ("http.extraHeader", header),
             // The credential must not follow a redirect to another host.
-            .env("GIT_CONFIG_KEY_1", "http.followRedirects")
-            .env("GIT_CONFIG_VALUE_1", "false");
-        if let Some(bundle) = &self.ca_bundle {
-            command.env("GIT_SSL_CAINFO", bundle);
-        }
+            ("http.followRedirects", "false".to_owned()),
+        ]
     }
+}
+
+/// Sets git configuration through `GIT_CONFIG_COUNT`/`KEY_n`/`VALUE_n`: never in argv, and inherited
+/// by git's own children (except across a local transport, which clears it: see [`upload_pack_for`]).
+fn set_config(command: &mut tokio::process::Command, pairs: &[(&str, String)]) {
+    command.env("GIT_CONFIG_COUNT", pairs.len().to_string());
+    for (index, (key, value)) in pairs.iter().enumerate() {
+        command
+            .env(format!("GIT_CONFIG_KEY_{index}"), key)
+            .env(format!("GIT_CONFIG_VALUE_{index}"), value);
+    }
+}
+
+/// `text` as one word for `sh`.
+fn shell_quote(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "'\\''"))
+}
+
+/// The `upload-pack` command host git runs for a local repository `repo` (git runs it through
+/// `sh`, with the repository's path appended), or `None` for git's own.
+///
+/// When this process is root and the repository belongs to another uid, the repository's side of
+/// the transfer runs as that uid and gid (no supplementary groups, no capabilities, no new
+/// privileges), with no global config and hooks off — set inside the command, since git's local
+/// transport clears `GIT_CONFIG_*` before it starts upload-pack.
+fn upload_pack_for(binary: &Path, repo: &Path) -> Result<Option<String>, PrepareError> {
+    use std::os::unix::fs::MetadataExt;
+    let metadata = std::fs::metadata(repo).map_err(|e| PrepareError(format!("cannot read {}: {e}", repo.display())))?;
+    if !nix::unistd::geteuid().is_root() || metadata.uid() == 0 {
+        return Ok(None);
+    }
+    let git = binary
+        .to_str()
+        .ok_or_else(|| PrepareError(format!("the git binary path {} is not UTF-8", binary.display())))?;
+    Ok(Some(format!(
+        "setpriv --reuid={uid} --regid={gid} --clear-groups --inh-caps=-all --bounding-set=-all --no-new-privs \
+         env HOME=/nonexistent GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null GIT_CONFIG_COUNT=1 \
+         GIT_CONFIG_KEY_0=core.hooksPath GIT_CONFIG_VALUE_0=/dev/null {git} upload-pack",
+        uid = metadata.uid(),
+        gid = metadata.gid(),
+        git = shell_quote(git),
+    )))
 }
 
 /// Runs git with a deadline; stdout on success, else a sentence with the tail of its stderr.
@@ -117,18 +166,22 @@ async fn git_with(
 ) -> Result<String, PrepareError> {
     let mut command = tokio::process::Command::new(binary);
     command
-        .args(["-c", "safe.directory=*", "-c", "core.hooksPath=/dev/null"])
         .args(args)
         .env("GIT_TERMINAL_PROMPT", "0")
         .env("GIT_CONFIG_NOSYSTEM", "1")
         .env("LC_ALL", "C")
         .stdin(std::process::Stdio::null())
         .kill_on_drop(true);
+    let mut config = vec![("core.hooksPath", "/dev/null".to_owned())];
+    if let Some(auth) = auth {
+        config.extend(auth.config());
+        if let Some(bundle) = &auth.ca_bundle {
+            command.env("GIT_SSL_CAINFO", bundle);
+        }
+    }
+    set_config(&mut command, &config);
     if let Some(dir) = dir {
         command.current_dir(dir);
-    }
-    if let Some(auth) = auth {
-        auth.apply(&mut command);
     }
     let what = format!("git {}", args.first().copied().unwrap_or_default());
     let output = tokio::time::timeout(deadline, command.output())
@@ -153,31 +206,35 @@ pub async fn ensure_mirror(
     auth: Option<&ForgeAuth>,
 ) -> Result<PathBuf, PrepareError> {
     let mirror = mirror_path(mirrors, repo);
+    // A local repository's side of the transfer runs as its owner (S5); a forge's is the forge's.
+    let upload_pack = if repo.starts_with('/') {
+        upload_pack_for(binary, Path::new(repo))?
+    } else {
+        None
+    };
     if mirror.join("HEAD").is_file() {
-        git_with(
-            binary,
-            Some(&mirror),
-            &["fetch", "--quiet", "--force", "origin"],
-            FETCH_DEADLINE,
-            auth,
-        )
-        .await
-        .map_err(|e| PrepareError(format!("cannot fetch {repo}: {}", e.0)))?;
+        let mut args = vec!["fetch", "--quiet", "--force"];
+        if let Some(command) = &upload_pack {
+            args.extend(["--upload-pack", command.as_str()]);
+        }
+        args.push("origin");
+        git_with(binary, Some(&mirror), &args, FETCH_DEADLINE, auth)
+            .await
+            .map_err(|e| PrepareError(format!("cannot fetch {repo}: {}", e.0)))?;
         return Ok(mirror);
     }
     std::fs::create_dir_all(mirrors).map_err(|e| PrepareError(format!("cannot create {}: {e}", mirrors.display())))?;
     let partial = mirror.with_extension("partial");
     let _ = std::fs::remove_dir_all(&partial);
     let partial_text = partial.to_string_lossy().into_owned();
-    git_with(
-        binary,
-        None,
-        &["clone", "--quiet", "--mirror", "--no-local", repo, &partial_text],
-        FETCH_DEADLINE,
-        auth,
-    )
-    .await
-    .map_err(|e| PrepareError(format!("cannot clone {repo}: {}", e.0)))?;
+    let mut args = vec!["clone", "--quiet", "--mirror", "--no-local"];
+    if let Some(command) = &upload_pack {
+        args.extend(["--upload-pack", command.as_str()]);
+    }
+    args.extend(["--", repo, partial_text.as_str()]);
+    git_with(binary, None, &args, FETCH_DEADLINE, auth)
+        .await
+        .map_err(|e| PrepareError(format!("cannot clone {repo}: {}", e.0)))?;
     // Sessions borrow the mirror's objects: nothing may ever delete one.
     for (key, value) in [
         ("gc.auto", "0"),
@@ -261,6 +318,139 @@ pub async fn ensure_workspace(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
+    use std::process::Command;
+
+    fn run(dir: &Path, args: &[&str]) {
+        let output = Command::new("git")
+            .args([
+                "-c",
+                "user.name=t",
+                "-c",
+                "user.email=t@sortie.invalid",
+                "-c",
+                "init.defaultBranch=main",
+            ])
+            .args(args)
+            .current_dir(dir)
+            .env("GIT_CONFIG_NOSYSTEM", "1")
+            .env("HOME", dir)
+            .output()
+            .expect("git");
+        assert!(
+            output.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+
+    fn chown(path: &Path, owner: u32) {
+        let status = Command::new("chown")
+            .args(["-R", &format!("{owner}:{owner}")])
+            .arg(path)
+            .status()
+            .expect("chown");
+        assert!(status.success());
+    }
+
+    #[tokio::test]
+    async fn a_repository_of_another_user_is_mirrored_with_its_side_run_as_that_user() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: mirroring a repository of another user as that user needs root");
+            return;
+        }
+        let owner = 1234;
+        let temp = tempfile::tempdir().expect("temp");
+        let root = temp.path();
+        std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let seed = root.join("seed");
+        let repo = root.join("upstream.git");
+        run(root, &["init", "-q", seed.to_str().expect("utf-8")]);
+        std::fs::write(seed.join("a.txt"), "a\n").expect("write");
+        run(&seed, &["add", "."]);
+        run(&seed, &["commit", "-q", "-m", "a"]);
+        run(
+            root,
+            &[
+                "clone",
+                "-q",
+                "--bare",
+                "--no-local",
+                seed.to_str().expect("utf-8"),
+                repo.to_str().expect("utf-8"),
+            ],
+        );
+        chown(&repo, owner);
+        // Every git this mirror starts reports who runs it, where and for what, then is the real git.
+        let log = root.join("log");
+        std::fs::create_dir(&log).expect("log");
+        std::fs::set_permissions(&log, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        // Written by root and by the owner alike.
+        std::fs::write(log.join("calls"), "").expect("calls");
+        std::fs::set_permissions(log.join("calls"), std::fs::Permissions::from_mode(0o666)).expect("chmod");
+        let real = Command::new("sh").args(["-c", "command -v git"]).output().expect("sh");
+        let wrapper = root.join("git-wrapper");
+        std::fs::write(
+            &wrapper,
+            format!(
+                "#!/bin/sh\necho \"$(id -u) [$(grep '^Groups:' /proc/$$/status | cut -f2 | tr -d ' ')] $*\" >> {}/calls\nexec {} \"$@\"\n",
+                log.display(),
+                String::from_utf8_lossy(&real.stdout).trim()
+            ),
+        )
+        .expect("wrapper");
+        std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+
+        let mirrors = root.join("mirrors");
+        let repo_text = repo.to_str().expect("utf-8");
+        let mirror = ensure_mirror(&wrapper, &mirrors, repo_text, None)
+            .await
+            .expect("mirror");
+        let head = |dir: &Path| {
+            let output = Command::new("git")
+                .args(["-c", "safe.directory=*", "--git-dir"])
+                .arg(dir)
+                .args(["rev-parse", "refs/heads/main"])
+                .output()
+                .expect("git");
+            String::from_utf8_lossy(&output.stdout).trim().to_owned()
+        };
+        assert_eq!(head(&mirror), head(&repo));
+        // A new commit upstream reaches the mirror through a fetch, the same way.
+        std::fs::write(seed.join("b.txt"), "b\n").expect("write");
+        run(&seed, &["add", "."]);
+        run(&seed, &["commit", "-q", "-m", "b"]);
+        // (The test's own push goes in as root: the repository is root's for that moment.)
+        chown(&repo, 0);
+        run(&seed, &["push", "-q", repo_text, "HEAD:refs/heads/main"]);
+        chown(&repo, owner);
+        ensure_mirror(&wrapper, &mirrors, repo_text, None).await.expect("fetch");
+        assert_eq!(head(&mirror), head(&repo));
+
+        let calls = std::fs::read_to_string(log.join("calls")).expect("calls");
+        // `<uid> [<groups>] <git's arguments>`: the repository's side is git's `upload-pack`.
+        let serves = |call: &str| call.split(' ').nth(2) == Some("upload-pack");
+        let serving: Vec<&str> = calls.lines().filter(|c| serves(c)).collect();
+        assert_eq!(serving.len(), 2, "the clone and the fetch: {calls}");
+        for call in &serving {
+            assert!(
+                call.starts_with(&format!("{owner} [] upload-pack")),
+                "the repository's side ran as someone else, or with groups: {call}"
+            );
+        }
+        for call in calls.lines().filter(|c| !serves(c)) {
+            assert!(call.starts_with("0 "), "{call}");
+        }
+        let mut stack = vec![repo.clone()];
+        while let Some(path) = stack.pop() {
+            use std::os::unix::fs::MetadataExt;
+            let metadata = std::fs::symlink_metadata(&path).expect("metadata");
+            assert_eq!(metadata.uid(), owner, "{} is not the owner's", path.display());
+            if metadata.is_dir() {
+                stack.extend(std::fs::read_dir(&path).expect("dir").map(|e| e.expect("entry").path()));
+            }
+        }
+    }
 
     #[test]
     fn mirrors_are_named_by_the_repository() {

@@ -371,7 +371,13 @@ fn main() {
         let bare = temp.path().join("upstream.git");
         git(temp.path(), &["clone", "-q", "--bare", "--no-local", repo.to_str().expect("utf-8"), bare.to_str().expect("utf-8")]);
         let session = SessionId::generate();
-        let app = sortie_gateway::git::http::router(Arc::new(OneRepo(session.clone(), bare.clone())), PathBuf::from("git"));
+        let app = sortie_gateway::git::http::router(sortie_gateway::git::config::GitProxyConfig::new(
+            Arc::new(OneRepo(session.clone(), bare.clone())),
+            PathBuf::from("git"),
+            &temp.path().join("git-state"),
+            Arc::new(sortie_gateway::git::config::PushRecords::default()),
+            Arc::new(sortie_gateway::git::config::NoKnownSecrets),
+        ));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let url = format!("http://{}/_sortie/git/{session}.git", listener.local_addr().expect("addr"));
         tokio::spawn(async move { axum_serve(listener, app).await });

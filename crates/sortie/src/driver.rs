@@ -54,7 +54,7 @@ pub async fn run(args: DriverArgs) -> anyhow::Result<ExitCode> {
         Some(branch) => {
             delivery::validate_branch(&branch)?;
             let known_secrets = match &args.secret_digests {
-                Some(path) => KnownSecrets::load(path)?,
+                Some(path) => delivery::load_known_secrets(path)?,
                 None => KnownSecrets::default(),
             };
             Some(DeliveryConfig {

@@ -10,6 +10,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use sortie_gateway::egress::proxy::{EgressProxy, FixedAllowlist, SystemResolver};
+use sortie_gateway::git::config::{GitProxyConfig, NoKnownSecrets, PushRecords};
 use sortie_gateway::git::http::{Upstream, Upstreams, router};
 use sortie_protocol::SessionId;
 
@@ -80,10 +81,13 @@ async fn git_inside_a_sandbox_pushes_only_its_own_branch() {
         std::fs::create_dir_all(dir).expect("dir");
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
     }
-    let git_routes = router(
+    let git_routes = router(GitProxyConfig::new(
         Arc::new(OneRepo(session.clone(), upstream.clone())),
         PathBuf::from("git"),
-    );
+        &root.join("git-state"),
+        Arc::new(PushRecords::default()),
+        Arc::new(NoKnownSecrets),
+    ));
     let proxy = EgressProxy::new(
         FixedAllowlist::new(Vec::new()),
         Vec::new(),

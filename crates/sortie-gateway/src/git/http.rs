@@ -1,16 +1,25 @@
-//! The git smart-HTTP proxy (DESIGN §7.3) for local upstreams: `git http-backend` as CGI behind three
-//! routes under `/_sortie/git/<session>.git/`, with every `receive-pack` request decided by
-//! [`receive_pack::decide`] before a byte of it reaches git. A refusal drains the request (git
-//! needs that to read the answer) and answers 200 with what `git push` prints. Only
-//! `info/refs?service=…` and the two pack POSTs exist; no dumb-HTTP file is served, and no 401 or
-//! redirect ever reaches the client.
+//! The git smart-HTTP proxy (DESIGN §7.3): three routes under `/_sortie/git/<session>.git/` in
+//! front of the session's upstream — `git http-backend` as CGI for a repository on this machine, or
+//! a forge over HTTPS with the token injected here. Only `info/refs?service=…` and the two pack
+//! POSTs exist; no dumb-HTTP file is served, and no 401 or redirect ever reaches the client.
+//!
+//! Every `receive-pack` request is decided by [`receive_pack::decide`] before a byte of it reaches
+//! the upstream; an allowed push is then spooled into a quarantine and scanned for secrets
+//! ([`scan`]), forwarded only if clean, and the upstream's report-status is read
+//! ([`report_status`]) to record the push in the session's [`PushLedger`]: the host's own record of
+//! what was delivered. A refusal drains the request (git needs that to read the answer) and answers
+//! 200 with what `git push` prints.
+//!
+//! Host git (S5, S6): `http-backend` runs as the repository's owner when that is not root, with hooks
+//! off and no `safe.directory` override, at most a few at a time per session, each in the session's
+//! cgroup ([`process`]).
 //!
 //! Forges are reached over TLS with the platform's roots (reqwest's rustls platform verifier) plus
 //! any extra roots the operator trusts ([`ForgeTls`]); a certificate neither vouches for is a 502.
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -21,13 +30,23 @@ use axum::routing::{get, post};
 use futures::StreamExt;
 use sortie_protocol::SessionId;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::git::receive_pack::{self, Decision};
+use crate::git::config::{ForeignOwner, GitProxyConfig, PushOutcome, PushRecord};
+use crate::git::process::{self, GitCommand};
+use crate::git::receive_pack::{self, Decision, RefUpdate};
+use crate::git::report_status;
+use crate::git::scan::{self, ObjectFormat, Quarantine, ScanContext, SpoolError, Verdict};
 
 /// How much of a refused push's body is read (so git prints the reason, not a broken pipe)...
 const REFUSED_PUSH_DRAIN_BYTES: usize = 64 << 20;
 /// ...and for how long, before the answer goes out regardless.
-const REFUSED_PUSH_DRAIN_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+const REFUSED_PUSH_DRAIN_DEADLINE: Duration = Duration::from_secs(30);
+/// The most of an upstream's answer to a push that is read (a report-status is a few lines, plus
+/// progress); a longer one leaves the push unconfirmed.
+const MAX_PUSH_ANSWER: usize = 4 << 20;
+/// The most CGI header bytes `http-backend` may print.
+const MAX_CGI_HEADERS: usize = 64 << 10;
 
 /// Where a session's repository lives.
 #[derive(Clone, PartialEq, Eq)]
@@ -94,44 +113,79 @@ pub fn forge_client(tls: &ForgeTls) -> Result<reqwest::Client, ForgeTlsError> {
         .map_err(|error| ForgeTlsError::Client(error.to_string()))
 }
 
+/// One session's proxy: its configuration and its slots.
 #[derive(Clone)]
-struct GitProxy {
-    upstreams: Arc<dyn Upstreams>,
-    git: PathBuf,
-    /// For remote upstreams ([`forge_client`]); without one, forges answer 502.
-    http: Option<reqwest::Client>,
+struct GitProxy(Arc<Inner>);
+
+struct Inner {
+    config: GitProxyConfig,
+    /// Upstream requests in flight (each a `git http-backend` child for a local upstream).
+    slots: Arc<Semaphore>,
+    /// One push at a time (each spools up to `max_push_bytes` to disk).
+    pushes: Arc<Semaphore>,
 }
 
-/// The routes of the git proxy; `git` is the git binary that provides `http-backend`. Forges are
-/// trusted by the platform's roots only.
-pub fn router(upstreams: Arc<dyn Upstreams>, git: PathBuf) -> Router {
-    let http = forge_client(&ForgeTls::default())
-        .inspect_err(|error| tracing::error!(%error, "forge upstreams cannot be reached"))
-        .ok();
-    routes(upstreams, git, http)
-}
-
-/// The routes of the git proxy, trusting `tls`'s extra roots for forges too.
-pub fn router_with_forge_tls(
-    upstreams: Arc<dyn Upstreams>,
-    git: PathBuf,
-    tls: &ForgeTls,
-) -> Result<Router, ForgeTlsError> {
-    Ok(routes(upstreams, git, Some(forge_client(tls)?)))
-}
-
-/// The routes of the git proxy with a forge client made once by [`forge_client`] (a worker serves
-/// many sessions with one).
-pub fn router_with_client(upstreams: Arc<dyn Upstreams>, git: PathBuf, http: reqwest::Client) -> Router {
-    routes(upstreams, git, Some(http))
-}
-
-fn routes(upstreams: Arc<dyn Upstreams>, git: PathBuf, http: Option<reqwest::Client>) -> Router {
+/// The routes of one session's git proxy.
+pub fn router(config: GitProxyConfig) -> Router {
+    let slots = Arc::new(Semaphore::new(config.processes.max_concurrent.max(1)));
     Router::new()
         .route("/_sortie/git/{repo}/info/refs", get(info_refs))
         .route("/_sortie/git/{repo}/git-upload-pack", post(upload_pack))
         .route("/_sortie/git/{repo}/git-receive-pack", post(receive_pack_route))
-        .with_state(GitProxy { upstreams, git, http })
+        .with_state(GitProxy(Arc::new(Inner {
+            config,
+            slots,
+            pushes: Arc::new(Semaphore::new(1)),
+        })))
+}
+
+impl GitProxy {
+    fn config(&self) -> &GitProxyConfig {
+        &self.0.config
+    }
+
+    /// A slot for one upstream request, waited for briefly.
+    async fn slot(&self) -> Option<OwnedSemaphorePermit> {
+        let wait = self.config().processes.queue_wait;
+        match tokio::time::timeout(wait, self.0.slots.clone().acquire_owned()).await {
+            Ok(Ok(permit)) => Some(permit),
+            _ => {
+                metrics::counter!("sortie_git_requests_refused_total", "reason" => "busy").increment(1);
+                None
+            }
+        }
+    }
+
+    async fn record(&self, session: &SessionId, updates: &[RefUpdate], outcome: PushOutcome) {
+        metrics::counter!("sortie_git_push_outcomes_total", "outcome" => outcome.as_str()).increment(1);
+        let ledger = &self.config().ledger;
+        if updates.is_empty() {
+            ledger
+                .record(PushRecord {
+                    session_id: session.clone(),
+                    update: None,
+                    outcome,
+                })
+                .await;
+            return;
+        }
+        for update in updates {
+            ledger
+                .record(PushRecord {
+                    session_id: session.clone(),
+                    update: Some(update.clone()),
+                    outcome: outcome.clone(),
+                })
+                .await;
+        }
+    }
+}
+
+fn busy() -> Response {
+    plain(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "too many git requests of this session at once; try again",
+    )
 }
 
 /// A refusal git shows to its user: text/plain, never 401 (git would ask for a password).
@@ -148,16 +202,22 @@ fn plain(status: StatusCode, message: &str) -> Response {
 /// sessions look the same).
 fn session_of(proxy: &GitProxy, repo: &str) -> Option<(SessionId, Upstream)> {
     let session = SessionId::parse(repo.strip_suffix(".git")?).ok()?;
-    let upstream = proxy.upstreams.upstream(&session)?;
+    let upstream = proxy.config().upstreams.upstream(&session)?;
     Some((session, upstream))
 }
 
-/// Sends the request on to wherever the session's repository lives.
-async fn forward(proxy: &GitProxy, upstream: &Upstream, request: Forwarded<'_>) -> Response {
+/// Sends the request on to wherever the session's repository lives; `slot` is held as long as
+/// the upstream works on it.
+async fn forward(
+    proxy: &GitProxy,
+    upstream: &Upstream,
+    request: Forwarded<'_>,
+    slot: OwnedSemaphorePermit,
+) -> Response {
     match upstream {
-        Upstream::Local(path) => cgi(&proxy.git, path, request).await,
-        Upstream::Remote { url, token } => match &proxy.http {
-            Some(http) => remote(http, url, token, request).await,
+        Upstream::Local(path) => cgi(proxy.config(), path, request, slot).await,
+        Upstream::Remote { url, token } => match &proxy.config().forge_http {
+            Some(http) => remote(http, url, token, request, slot).await,
             None => plain(StatusCode::BAD_GATEWAY, "the gateway cannot reach forges"),
         },
     }
@@ -174,9 +234,6 @@ struct Forwarded<'a> {
     body: Option<Body>,
 }
 
-/// A forge upstream: the credential is injected here, the client's own `Authorization` and cookies
-/// are dropped, and neither a 401 nor a redirect is relayed (git would prompt for a password, or
-/// follow the redirect around the proxy).
 /// The `Authorization` value a forge gets for `token`: Basic `x-access-token:<token>`, as GitHub
 /// takes installation and personal tokens over smart HTTP (the worker's mirror fetch sends the same).
 pub fn forge_authorization(token: &[u8]) -> String {
@@ -186,7 +243,16 @@ pub fn forge_authorization(token: &[u8]) -> String {
     format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(basic))
 }
 
-async fn remote(http: &reqwest::Client, url: &str, token: &str, request: Forwarded<'_>) -> Response {
+/// A forge upstream: the credential is injected here, the client's own `Authorization` and cookies
+/// are dropped, and neither a 401 nor a redirect is relayed (git would prompt for a password, or
+/// follow the redirect around the proxy). `slot` is held until the answer's body is done.
+async fn remote(
+    http: &reqwest::Client,
+    url: &str,
+    token: &str,
+    request: Forwarded<'_>,
+    slot: OwnedSemaphorePermit,
+) -> Response {
     let Forwarded {
         method,
         tail,
@@ -266,7 +332,11 @@ async fn remote(http: &reqwest::Client, url: &str, token: &str, request: Forward
             kept.insert(name, value);
         }
     }
-    let mut response = Response::new(Body::from_stream(answer.bytes_stream()));
+    let body = answer.bytes_stream().map(move |chunk| {
+        let _held = &slot;
+        chunk
+    });
+    let mut response = Response::new(Body::from_stream(body));
     *response.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     *response.headers_mut() = kept;
     response
@@ -305,6 +375,9 @@ async fn info_refs(
     let Some((_, upstream)) = session_of(&proxy, &repo) else {
         return no_such_repository();
     };
+    let Some(slot) = proxy.slot().await else {
+        return busy();
+    };
     let request = Forwarded {
         method: "GET",
         tail: "info/refs",
@@ -313,7 +386,7 @@ async fn info_refs(
         prefix: Bytes::new(),
         body: None,
     };
-    forward(&proxy, &upstream, request).await
+    forward(&proxy, &upstream, request, slot).await
 }
 
 async fn upload_pack(
@@ -325,6 +398,9 @@ async fn upload_pack(
     let Some((_, upstream)) = session_of(&proxy, &repo) else {
         return no_such_repository();
     };
+    let Some(slot) = proxy.slot().await else {
+        return busy();
+    };
     let request = Forwarded {
         method: "POST",
         tail: "git-upload-pack",
@@ -333,7 +409,22 @@ async fn upload_pack(
         prefix: Bytes::new(),
         body: Some(body),
     };
-    forward(&proxy, &upstream, request).await
+    forward(&proxy, &upstream, request, slot).await
+}
+
+/// Reads the rest of a refused push before the answer (git prints a broken pipe instead of the
+/// reason otherwise), bounded: a refused push may not hold the proxy with an endless body.
+async fn drain(stream: &mut (impl futures::Stream<Item = Result<Bytes, axum::Error>> + Unpin)) {
+    let drain = async {
+        let mut read = 0_usize;
+        while let Some(Ok(chunk)) = stream.next().await {
+            read += chunk.len();
+            if read > REFUSED_PUSH_DRAIN_BYTES {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(REFUSED_PUSH_DRAIN_DEADLINE, drain).await;
 }
 
 async fn receive_pack_route(
@@ -347,10 +438,11 @@ async fn receive_pack_route(
     };
     if headers.get(header::CONTENT_ENCODING).is_some() {
         // git never compresses receive-pack bodies; a body this proxy cannot read is not forwarded.
-        return plain(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "compressed push requests are not accepted",
-        );
+        let reason = "compressed push requests are not accepted";
+        proxy
+            .record(&session, &[], PushOutcome::Refused { reason: reason.into() })
+            .await;
+        return plain(StatusCode::UNSUPPORTED_MEDIA_TYPE, reason);
     }
     let mut stream = body.into_data_stream();
     let mut head = Vec::new();
@@ -368,64 +460,277 @@ async fn receive_pack_route(
     match decision {
         Decision::Refuse {
             reason,
-            refnames,
+            updates,
             side_band,
         } => {
             tracing::warn!(session = %session, %reason, "push refused");
             metrics::counter!("sortie_git_pushes_total", "decision" => "refused").increment(1);
-            // Read the rest before answering: git reports a broken pipe instead of the reason otherwise.
-            // Bounded: a refused push may not hold the proxy with an endless body.
-            let drain = async {
-                let mut read = 0_usize;
-                while let Some(Ok(chunk)) = stream.next().await {
-                    read += chunk.len();
-                    if read > REFUSED_PUSH_DRAIN_BYTES {
-                        break;
-                    }
-                }
-            };
-            let _ = tokio::time::timeout(REFUSED_PUSH_DRAIN_DEADLINE, drain).await;
-            report_status(receive_pack::refusal(&reason, &refnames, side_band))
+            drain(&mut stream).await;
+            proxy
+                .record(&session, &updates, PushOutcome::Refused { reason: reason.clone() })
+                .await;
+            report_status(receive_pack::refusal(&reason, &Decision::refnames(&updates), side_band))
         }
-        Decision::Probe | Decision::Allow { .. } => {
-            let counted = if decision == Decision::Probe {
-                "probe"
-            } else {
-                "forwarded"
+        Decision::Probe => {
+            metrics::counter!("sortie_git_pushes_total", "decision" => "probe").increment(1);
+            let Some(slot) = proxy.slot().await else {
+                return busy();
             };
-            metrics::counter!("sortie_git_pushes_total", "decision" => counted).increment(1);
-            let rest = Body::from_stream(stream);
             let request = Forwarded {
                 method: "POST",
                 tail: "git-receive-pack",
                 query: "",
                 headers: &headers,
                 prefix: Bytes::from(head),
-                body: Some(rest),
+                body: Some(Body::from_stream(stream)),
             };
-            let answer = forward(&proxy, &upstream, request).await;
-            match decision {
-                Decision::Allow { updates, side_band } if !answer.status().is_success() => {
-                    failed_push(&session, answer, &updates, side_band).await
-                }
-                _ => answer,
+            forward(&proxy, &upstream, request, slot).await
+        }
+        Decision::Allow {
+            updates,
+            side_band,
+            pack_offset,
+        } => {
+            let push = Push {
+                session: &session,
+                upstream: &upstream,
+                headers: &headers,
+                updates: &updates,
+                side_band,
+                pack_offset,
+            };
+            let (outcome, answer) = push.run(&proxy, &head, &mut stream).await;
+            if let PushOutcome::Refused { reason } | PushOutcome::SecretDetected { reason } = &outcome {
+                tracing::warn!(session = %session, %reason, outcome = outcome.as_str(), "push refused");
+                let decision = if matches!(outcome, PushOutcome::SecretDetected { .. }) {
+                    "secret_detected"
+                } else {
+                    "refused"
+                };
+                metrics::counter!("sortie_git_pushes_total", "decision" => decision).increment(1);
             }
+            answer
         }
         Decision::NeedMore => plain(StatusCode::BAD_REQUEST, "the push request ended early"),
     }
 }
 
+/// One allowed push, from the spool to the ledger.
+struct Push<'a> {
+    session: &'a SessionId,
+    upstream: &'a Upstream,
+    headers: &'a HeaderMap,
+    updates: &'a [RefUpdate],
+    side_band: bool,
+    pack_offset: usize,
+}
+
+impl Push<'_> {
+    /// Quarantines, scans and (if clean) forwards the push; records every ref's outcome in the
+    /// ledger and returns the first outcome with the answer for the client.
+    async fn run(
+        &self,
+        proxy: &GitProxy,
+        head: &[u8],
+        stream: &mut (impl futures::Stream<Item = Result<Bytes, axum::Error>> + Unpin),
+    ) -> (PushOutcome, Response) {
+        let verdict = self.check(proxy, head, stream).await;
+        // The push's own turn is held until its answer is read: one push at a time, start to end.
+        let (quarantine, slot, _one_push) = match verdict {
+            Ok(ready) => ready,
+            Err(outcome) => {
+                let reason = match &outcome {
+                    PushOutcome::Refused { reason }
+                    | PushOutcome::SecretDetected { reason }
+                    | PushOutcome::UpstreamRejected { reason } => reason.clone(),
+                    PushOutcome::Accepted => String::new(),
+                };
+                proxy.record(self.session, self.updates, outcome.clone()).await;
+                let answer = receive_pack::refusal(&reason, &Decision::refnames(self.updates), self.side_band);
+                return (outcome, report_status(answer));
+            }
+        };
+        metrics::counter!("sortie_git_pushes_total", "decision" => "forwarded").increment(1);
+        let body = match tokio::fs::File::open(quarantine.request_path()).await {
+            Ok(file) => Body::from_stream(tokio_util::io::ReaderStream::new(file)),
+            Err(error) => {
+                let outcome = PushOutcome::Refused {
+                    reason: format!("the gateway cannot read the spooled push: {error}"),
+                };
+                return self.refuse_after_spool(proxy, outcome).await;
+            }
+        };
+        let request = Forwarded {
+            method: "POST",
+            tail: "git-receive-pack",
+            query: "",
+            headers: self.headers,
+            prefix: Bytes::new(),
+            body: Some(body),
+        };
+        let answer = forward(proxy, self.upstream, request, slot).await;
+        if !answer.status().is_success() {
+            let (reason, answer) = failed_push(self.session, answer, self.updates, self.side_band).await;
+            let outcome = PushOutcome::UpstreamRejected { reason };
+            proxy.record(self.session, self.updates, outcome.clone()).await;
+            return (outcome, answer);
+        }
+        let (parts, body) = answer.into_parts();
+        let deadline = proxy.config().pushes.answer_deadline;
+        let read = tokio::time::timeout(deadline, axum::body::to_bytes(body, MAX_PUSH_ANSWER)).await;
+        let Ok(Ok(bytes)) = read else {
+            let reason = "the upstream's answer to the push could not be read, so whether it landed is unknown";
+            let outcome = PushOutcome::UpstreamRejected { reason: reason.into() };
+            proxy.record(self.session, self.updates, outcome.clone()).await;
+            let answer = receive_pack::refusal(reason, &Decision::refnames(self.updates), self.side_band);
+            return (outcome, report_status(answer));
+        };
+        let report = report_status::parse(&bytes, self.side_band);
+        let mut first = None;
+        let mut accepted = false;
+        for update in self.updates {
+            let outcome = match &report {
+                Ok(report) => match report.rejection(&update.refname) {
+                    None => PushOutcome::Accepted,
+                    Some(reason) => PushOutcome::UpstreamRejected { reason },
+                },
+                Err(error) => PushOutcome::UpstreamRejected {
+                    reason: error.to_string(),
+                },
+            };
+            accepted |= outcome == PushOutcome::Accepted;
+            tracing::info!(session = %self.session, refname = %update.refname, new = %update.new, outcome = outcome.as_str(), "push forwarded");
+            proxy
+                .record(self.session, std::slice::from_ref(update), outcome.clone())
+                .await;
+            first.get_or_insert(outcome);
+        }
+        if accepted {
+            // Later pushes build on this one: its objects must resolve in their quarantines.
+            let delivered = proxy.config().delivered_objects.clone();
+            if let Err(error) = quarantine.keep_objects(&delivered) {
+                tracing::warn!(session = %self.session, %error, "cannot keep the objects of an accepted push");
+            }
+        }
+        let outcome = first.unwrap_or(PushOutcome::UpstreamRejected {
+            reason: "the push named no ref".into(),
+        });
+        (outcome, Response::from_parts(parts, Body::from(bytes)))
+    }
+
+    async fn refuse_after_spool(&self, proxy: &GitProxy, outcome: PushOutcome) -> (PushOutcome, Response) {
+        let reason = match &outcome {
+            PushOutcome::Refused { reason } => reason.clone(),
+            _ => String::new(),
+        };
+        proxy.record(self.session, self.updates, outcome.clone()).await;
+        let answer = receive_pack::refusal(&reason, &Decision::refnames(self.updates), self.side_band);
+        (outcome, report_status(answer))
+    }
+
+    /// Spools the request into a fresh quarantine and scans it; `Ok` with the quarantine, an
+    /// upstream slot and the session's push turn when the push may be forwarded, else the outcome
+    /// to record.
+    async fn check(
+        &self,
+        proxy: &GitProxy,
+        head: &[u8],
+        stream: &mut (impl futures::Stream<Item = Result<Bytes, axum::Error>> + Unpin),
+    ) -> Result<(Quarantine, OwnedSemaphorePermit, OwnedSemaphorePermit), PushOutcome> {
+        let config = proxy.config();
+        let refused = |reason: String| PushOutcome::Refused { reason };
+        let wait = config.processes.queue_wait;
+        let Ok(Ok(one_push)) = tokio::time::timeout(wait, proxy.0.pushes.clone().acquire_owned()).await else {
+            drain(stream).await;
+            return Err(refused(
+                "another push of this session is still being checked; push again".into(),
+            ));
+        };
+        let format = self
+            .updates
+            .first()
+            .map_or(ObjectFormat::Sha1, |u| ObjectFormat::of(&u.new));
+        let mut trusted = vec![config.delivered_objects.clone()];
+        trusted.extend(config.trusted_object_dirs.iter().cloned());
+        if let Upstream::Local(path) = self.upstream {
+            // The upstream's own objects, read only (nothing runs in it): parents the agent fetched
+            // after the session's mirror was made resolve too.
+            trusted.push(local_objects(path));
+        }
+        let quarantine = scan::create_private_dir(&config.delivered_objects)
+            .and_then(|()| Quarantine::create(&config.quarantine_dir, format, &trusted));
+        let quarantine = match quarantine {
+            Ok(quarantine) => quarantine,
+            Err(error) => {
+                tracing::error!(session = %self.session, %error, "cannot make a quarantine for a push");
+                drain(stream).await;
+                return Err(refused("the gateway cannot check the push right now".into()));
+            }
+        };
+        let spooled = scan::spool(
+            &quarantine.request_path(),
+            head,
+            stream,
+            config.pushes.max_push_bytes,
+            config.processes.body_idle_timeout,
+        )
+        .await;
+        match spooled {
+            Ok(_) => {}
+            Err(error @ SpoolError::TooLarge(_)) => {
+                drain(stream).await;
+                return Err(refused(error.to_string()));
+            }
+            Err(error) => return Err(refused(error.to_string())),
+        }
+        let Some(slot) = proxy.slot().await else {
+            return Err(refused(
+                "too many git requests of this session at once; push again".into(),
+            ));
+        };
+        let known = config.known_secrets.known_secrets().await;
+        let context = ScanContext {
+            git: &config.git,
+            cgroup_procs: &config.processes.cgroup_procs,
+            known: &known,
+        };
+        let deadline = config.pushes.scan_deadline;
+        let verdict = tokio::time::timeout(
+            deadline,
+            scan::scan(&context, &quarantine, self.pack_offset as u64, self.updates),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Verdict::Unverifiable(format!(
+                "the secret scan did not finish within {} s",
+                deadline.as_secs()
+            ))
+        });
+        match verdict {
+            Verdict::Clean => Ok((quarantine, slot, one_push)),
+            Verdict::Secret(reason) => Err(PushOutcome::SecretDetected { reason }),
+            Verdict::Unverifiable(reason) => Err(refused(reason)),
+        }
+    }
+}
+
+/// The object directory of a local repository (bare, or a work tree's `.git`).
+fn local_objects(repo: &Path) -> PathBuf {
+    let bare = repo.join("objects");
+    if bare.is_dir() { bare } else { repo.join(".git/objects") }
+}
+
 /// How long the body of an upstream's failed answer to a push is waited for.
-const FAILED_PUSH_BODY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+const FAILED_PUSH_BODY_DEADLINE: Duration = Duration::from_secs(5);
 
 /// A push the upstream did not take (it refused the credential, redirected, failed): git prints only
 /// "HTTP 502" for a failed pack POST, so the reason goes back as report-status `ng` lines instead.
 async fn failed_push(
     session: &SessionId,
     answer: Response,
-    updates: &[receive_pack::RefUpdate],
+    updates: &[RefUpdate],
     side_band: bool,
-) -> Response {
+) -> (String, Response) {
     let status = answer.status();
     let ours = answer
         .headers()
@@ -449,8 +754,8 @@ async fn failed_push(
     };
     tracing::warn!(session = %session, %reason, "push failed upstream");
     metrics::counter!("sortie_git_pushes_total", "decision" => "failed_upstream").increment(1);
-    let refnames: Vec<String> = updates.iter().map(|u| u.refname.clone()).collect();
-    report_status(receive_pack::refusal(&reason, &refnames, side_band))
+    let answer = report_status(receive_pack::refusal(&reason, &Decision::refnames(updates), side_band));
+    (reason, answer)
 }
 
 /// A receive-pack answer of sortie's own (a report-status `git push` prints).
@@ -467,8 +772,10 @@ fn report_status(body: Vec<u8>) -> Response {
 }
 
 /// Runs `git http-backend` for one request: `prefix` then `body` go to its stdin; its CGI answer is
-/// turned into the response, its body streamed.
-async fn cgi(git: &Path, repo: &Path, request: Forwarded<'_>) -> Response {
+/// turned into the response, its body streamed. The child runs as the repository's owner (when this
+/// process is root and the owner is not), in the session's cgroup, with hooks off; `slot` is held
+/// until it has ended.
+async fn cgi(config: &GitProxyConfig, repo: &Path, request: Forwarded<'_>, slot: OwnedSemaphorePermit) -> Response {
     let Forwarded {
         method,
         tail,
@@ -480,11 +787,21 @@ async fn cgi(git: &Path, repo: &Path, request: Forwarded<'_>) -> Response {
     let (Some(root), Some(name)) = (repo.parent(), repo.file_name()) else {
         return plain(StatusCode::BAD_GATEWAY, "the upstream repository path is not usable");
     };
-    let mut command = tokio::process::Command::new(git);
-    command
+    let identity = match process::identity_for(repo) {
+        Ok(identity) => identity,
+        Err(error) => {
+            tracing::error!(%error, repo = %repo.display(), "cannot read the upstream repository");
+            return plain(StatusCode::BAD_GATEWAY, "the upstream repository cannot be read");
+        }
+    };
+    if identity.is_some() && config.foreign_owner == ForeignOwner::Refuse {
+        return plain(
+            StatusCode::FORBIDDEN,
+            "the upstream repository belongs to another user; this gateway does not serve it",
+        );
+    }
+    let mut command = GitCommand::new(&config.git)
         .arg("http-backend")
-        .env_clear()
-        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
         .env("GIT_PROJECT_ROOT", root)
         // Built from the configured repository, never from the client's path.
         .env("PATH_INFO", format!("/{}/{tail}", name.to_string_lossy()))
@@ -492,47 +809,47 @@ async fn cgi(git: &Path, repo: &Path, request: Forwarded<'_>) -> Response {
         .env("QUERY_STRING", query)
         .env("SERVER_PROTOCOL", "HTTP/1.1")
         .env("GIT_HTTP_EXPORT_ALL", "1")
-        .env("GIT_CONFIG_COUNT", "3")
-        .env("GIT_CONFIG_KEY_0", "http.receivepack")
-        .env("GIT_CONFIG_VALUE_0", "true")
-        .env("GIT_CONFIG_KEY_1", "safe.directory")
-        .env("GIT_CONFIG_VALUE_1", "*")
-        .env("GIT_CONFIG_KEY_2", "http.getanyfile")
-        .env("GIT_CONFIG_VALUE_2", "false")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
+        .config(&[
+            ("http.receivepack", "true".into()),
+            ("http.getanyfile", "false".into()),
+            // Never a hook: whoever owns the repository, nothing of theirs runs for a sandbox's push.
+            ("core.hooksPath", "/dev/null".into()),
+            ("receive.maxInputSize", config.pushes.max_push_bytes.to_string()),
+        ]);
+    command.identity = identity;
     if let Some(content_type) = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()) {
-        command.env("CONTENT_TYPE", content_type);
+        command = command.env("CONTENT_TYPE", content_type);
     }
     if let Some(encoding) = headers.get(header::CONTENT_ENCODING).and_then(|v| v.to_str().ok()) {
-        command.env("HTTP_CONTENT_ENCODING", encoding);
+        command = command.env("HTTP_CONTENT_ENCODING", encoding);
     }
     if tail != "git-receive-pack"
         && let Some(protocol) = headers.get("git-protocol").and_then(|v| v.to_str().ok())
     {
-        command.env("GIT_PROTOCOL", protocol);
+        command = command.env("GIT_PROTOCOL", protocol);
     }
-    let mut child = match command.spawn() {
-        Ok(child) => child,
+    let spawned = match process::spawn(command, &config.processes.cgroup_procs).await {
+        Ok(spawned) => spawned,
         Err(error) => {
             tracing::error!(%error, "cannot run git http-backend");
             return plain(StatusCode::BAD_GATEWAY, "the git backend could not be started");
         }
     };
-    let (Some(mut stdin), Some(stdout), Some(mut stderr)) =
-        (child.stdin.take(), child.stdout.take(), child.stderr.take())
-    else {
-        return plain(StatusCode::BAD_GATEWAY, "the git backend has no pipes");
-    };
+    let process::Spawned {
+        mut child,
+        mut stdin,
+        stdout,
+        mut stderr,
+    } = spawned;
+    let idle = config.processes.body_idle_timeout;
     tokio::spawn(async move {
         if !prefix.is_empty() && stdin.write_all(&prefix).await.is_err() {
             return;
         }
         if let Some(body) = body {
             let mut stream = body.into_data_stream();
-            while let Some(Ok(chunk)) = stream.next().await {
+            // A body that stalls is cut off: its child then ends and frees its slot.
+            while let Ok(Some(Ok(chunk))) = tokio::time::timeout(idle, stream.next()).await {
                 if stdin.write_all(&chunk).await.is_err() {
                     return;
                 }
@@ -541,22 +858,40 @@ async fn cgi(git: &Path, repo: &Path, request: Forwarded<'_>) -> Response {
         let _ = stdin.shutdown().await;
     });
     tokio::spawn(async move {
-        let mut said = String::new();
-        let _ = stderr.read_to_string(&mut said).await;
+        let mut said = Vec::new();
+        let _ = (&mut stderr).take(64 << 10).read_to_end(&mut said).await;
+        let said = String::from_utf8_lossy(&said);
         if !said.trim().is_empty() {
             tracing::debug!(stderr = %said.trim(), "git http-backend");
         }
+    });
+    let lifetime = config.processes.max_lifetime;
+    tokio::spawn(async move {
+        if tokio::time::timeout(lifetime, child.wait()).await.is_err() {
+            tracing::warn!("git http-backend ran too long; killed");
+            let _ = child.kill().await;
+        }
+        drop(slot);
     });
 
     let mut reader = BufReader::new(stdout);
     let mut status = StatusCode::OK;
     let mut response_headers = HeaderMap::new();
+    let mut header_bytes = 0;
     loop {
-        let mut line = String::new();
-        match reader.read_line(&mut line).await {
+        let mut line = Vec::new();
+        match (&mut reader)
+            .take(MAX_CGI_HEADERS as u64)
+            .read_until(b'\n', &mut line)
+            .await
+        {
             Ok(0) | Err(_) => return plain(StatusCode::BAD_GATEWAY, "the git backend gave no answer"),
-            Ok(_) => {}
+            Ok(read) => header_bytes += read,
         }
+        if header_bytes > MAX_CGI_HEADERS {
+            return plain(StatusCode::BAD_GATEWAY, "the git backend's answer is not CGI");
+        }
+        let line = String::from_utf8_lossy(&line);
         let line = line.trim_end_matches(['\r', '\n']);
         if line.is_empty() {
             break;
@@ -585,9 +920,6 @@ async fn cgi(git: &Path, repo: &Path, request: Forwarded<'_>) -> Response {
             "the git backend asked for credentials or redirected; not relayed",
         );
     }
-    tokio::spawn(async move {
-        let _ = child.wait().await;
-    });
     let body = Body::from_stream(tokio_util::io::ReaderStream::new(reader));
     let mut response = Response::new(body);
     *response.status_mut() = status;

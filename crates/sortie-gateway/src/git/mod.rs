@@ -1,5 +1,10 @@
-//! Git smart HTTP: pkt-line framing and the receive-pack confinement rule.
+//! Git smart HTTP: pkt-line framing, the receive-pack confinement rule, the host-side git the proxy
+//! runs, the secret scan of pushed packs, the upstream's report-status and the proxy itself.
 
+pub mod config;
 pub mod http;
 pub mod pktline;
+pub(crate) mod process;
 pub mod receive_pack;
+pub mod report_status;
+pub mod scan;

@@ -25,12 +25,18 @@ pub enum Decision {
     /// The empty probe git sends before a large push: forward it.
     Probe,
     /// Forward the request: its commands touch only the session's branch. `side_band` says how
-    /// to answer should the upstream fail it.
-    Allow { updates: Vec<RefUpdate>, side_band: bool },
-    /// Refuse the whole push with this reason; answer with [`refusal`].
+    /// to answer should the upstream fail it; the pack starts at `pack_offset` (right after the
+    /// command section's flush).
+    Allow {
+        updates: Vec<RefUpdate>,
+        side_band: bool,
+        pack_offset: usize,
+    },
+    /// Refuse the whole push with this reason; answer with [`refusal`]. `updates` are the commands
+    /// read before the refusal (none when the first line was already refused).
     Refuse {
         reason: String,
-        refnames: Vec<String>,
+        updates: Vec<RefUpdate>,
         side_band: bool,
     },
 }
@@ -53,7 +59,7 @@ pub fn decide(body: &[u8], session_id: &str, complete: bool) -> Decision {
     let mut seen_command = false;
     let refuse = |reason: String, updates: &[RefUpdate], side_band: bool| Decision::Refuse {
         reason,
-        refnames: updates.iter().map(|u| u.refname.clone()).collect(),
+        updates: updates.to_vec(),
         side_band,
     };
     loop {
@@ -183,7 +189,18 @@ pub fn decide(body: &[u8], session_id: &str, complete: bool) -> Decision {
         // The pack's first bytes decide whether something else follows the flush.
         return Decision::NeedMore;
     }
-    Decision::Allow { updates, side_band }
+    Decision::Allow {
+        updates,
+        side_band,
+        pack_offset: offset,
+    }
+}
+
+impl Decision {
+    /// The refnames a refusal names (every command gets an `ng` line).
+    pub fn refnames(updates: &[RefUpdate]) -> Vec<String> {
+        updates.iter().map(|u| u.refname.clone()).collect()
+    }
 }
 
 fn truncate(text: &str) -> String {
@@ -293,6 +310,12 @@ mod tests {
             let decision = decide(&body(&commands, PACK), SESSION, true);
             assert!(matches!(decision, Decision::Allow { .. }), "{commands:?}: {decision:?}");
         }
+        // The pack starts right after the command section's flush.
+        let request = body(&[(A, B, own.as_str())], PACK);
+        let Decision::Allow { pack_offset, .. } = decide(&request, SESSION, true) else {
+            panic!("not allowed")
+        };
+        assert_eq!(&request[pack_offset..], PACK);
         // A shallow clone's push starts with shallow lines; a sha256 repository has longer oids.
         let mut shallow = pktline::encode(format!("shallow {A}\n").as_bytes());
         shallow.extend(body(&[(A, B, own.as_str())], PACK));
@@ -355,14 +378,14 @@ mod tests {
             let decision = decide(&body(&commands, PACK), SESSION, true);
             let Decision::Refuse {
                 reason: said,
-                refnames,
+                updates,
                 side_band,
             } = &decision
             else {
                 panic!("{commands:?} was not refused: {decision:?}")
             };
             assert!(said.contains(reason), "{commands:?}: {said}");
-            assert_eq!(refnames.len(), commands.len(), "every command gets an ng line");
+            assert_eq!(updates.len(), commands.len(), "every command gets an ng line");
             assert!(side_band);
         }
     }
@@ -479,12 +502,13 @@ mod tests {
         let body = body(&[(A, B, huge.as_str())], PACK);
         let Decision::Refuse {
             reason,
-            refnames,
+            updates,
             side_band,
         } = decide(&body, SESSION, true)
         else {
             panic!("not refused")
         };
+        let refnames = Decision::refnames(&updates);
         assert!(
             refnames == [huge.clone()],
             "refused for another reason: {}",

@@ -34,6 +34,25 @@ pub fn detect(root: &Path) -> Result<CgroupVersion, SandboxError> {
     )))
 }
 
+/// A cgroup for processes the host runs on a sandbox's behalf (a session's git proxy children and
+/// secret scans): under the same parent as sandboxes, with memory and pids limits of its own and no
+/// CPU quota; [`Cgroup::procs_files`] says where a process writes its pid to join it.
+pub fn create_for_host_processes(
+    root: &Path,
+    name: &str,
+    memory_bytes: u64,
+    pids: u64,
+) -> Result<Cgroup, SandboxError> {
+    let limits = Limits {
+        memory_bytes,
+        pids,
+        cpu_cores: None,
+        tmp_bytes: 0,
+        disk_bytes: 0,
+    };
+    Cgroup::create(detect(root)?, root, name, &limits)
+}
+
 pub struct Cgroup {
     version: CgroupVersion,
     /// v1: one directory per hierarchy (deduplicated when cpu and cpuacct are co-mounted); v2: one.

@@ -12,3 +12,6 @@ UPDATE sessions SET
 -- The nonce the host started a turn with at the driver; a worker that starts again follows the same
 -- turn with it (a turn the driver has under another nonce was not started by the host).
 ALTER TABLE turns ADD COLUMN driver_nonce TEXT;
+-- The session branch's head as the git proxy last saw the upstream take it (its own record of a push
+-- it forwarded, never the sandbox's word), kept across a restart of the worker.
+ALTER TABLE sessions ADD COLUMN pushed_head TEXT;

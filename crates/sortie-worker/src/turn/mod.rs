@@ -9,11 +9,12 @@
 mod provision;
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sortie_gateway::egress::registries::PhasedAllowlist;
+use sortie_gateway::git::config::{PushOutcome, PushRecords};
 use sortie_gateway::git::http::Upstream;
 use sortie_protocol::driver::{DriverErrorCode, DriverFailureCode, PrimingContext, StartTurn, TurnReport, TurnState};
 use sortie_protocol::sortie_data::{DeliveryData, DeliveryError, DiffStat, PhaseData, PrimingData, SortieData};
@@ -53,6 +54,10 @@ struct HandleInner {
     upstream: Arc<SessionUpstream>,
     /// The running turn's transcript, for the parts of sortie's own its proxies report.
     current: Arc<CurrentTurn>,
+    /// The git proxy's record of every push it decided on: what a turn delivered comes from here.
+    pushes: Arc<PushRecords>,
+    /// Object stores the host trusts for the session's delivered history.
+    trusted_objects: Vec<PathBuf>,
     proxy: tokio::task::JoinHandle<()>,
 }
 
@@ -223,8 +228,9 @@ async fn run_agent_turn(
 ) -> Option<SandboxHandle> {
     let driver = sandbox.driver();
     let n = turn.n;
-    // A refusal the vendor sent after the last turn ended belongs to no turn.
+    // A refusal the vendor sent, or a push decided, after the last turn ended belongs to no turn.
     let _ = sandbox.0.meter.take_rejection();
+    let _ = sandbox.0.pushes.take();
     if !fresh {
         refresh_warm_sandbox(context, session, &sandbox).await;
     }
@@ -547,6 +553,7 @@ fn outcome(
     report: &TurnReport,
     stop: Option<StopRequest>,
     watched: &Watched,
+    delivery_failure: Option<Failure>,
     turn_timeout: Duration,
 ) -> (TurnStatus, Option<Failure>) {
     let driver_failure = report
@@ -567,6 +574,8 @@ fn outcome(
         ))
     } else if let Some(reason) = &watched.limited {
         Some((FailureCode::AgentError, reason.clone()))
+    } else if delivery_failure.is_some() {
+        delivery_failure
     } else {
         driver_failure
     };
@@ -585,31 +594,117 @@ fn outcome(
     (status, failure)
 }
 
-/// What was delivered in the turn. FIXME(issue 15 item 2): taken from the driver's report until the
-/// git proxy's own record of the pushes it forwarded is wired in.
-fn delivered(session: &SessionRow, report: &TurnReport) -> (Option<String>, DeliveryData) {
-    let delivery = report.delivery.clone().unwrap_or_default();
-    let head_sha = delivery
-        .head_sha
-        .filter(|sha| delivery.pushed && sortie_protocol::driver::is_commit_id(sha));
-    let data = DeliveryData {
+/// What a turn delivered, as the host knows it.
+struct Delivered {
+    /// The branch's new head, when the upstream took a push of it in this turn.
+    head: Option<String>,
+    card: DeliveryData,
+    /// A delivery failure the host established: a push the gateway refused for a secret, or a push
+    /// the sandbox reports that the upstream never took.
+    failure: Option<Failure>,
+}
+
+/// What the turn delivered, from the git proxy's own record of the pushes it forwarded and what the
+/// upstream answered (DESIGN §9 invariant 9); the driver's report only ever adds a failure.
+async fn delivered(
+    context: &Arc<Context>,
+    session: &SessionRow,
+    sandbox: &SandboxHandle,
+    report: &TurnReport,
+) -> Delivered {
+    let records = sandbox.0.pushes.take();
+    let branch_ref = format!("refs/heads/{}", session.id.branch());
+    let secret = records.iter().find_map(|record| match &record.outcome {
+        PushOutcome::SecretDetected { reason } => Some(reason.clone()),
+        _ => None,
+    });
+    let accepted = records
+        .iter()
+        .rev()
+        .filter(|record| record.outcome == PushOutcome::Accepted)
+        .filter_map(|record| record.update.as_ref())
+        .find(|update| update.refname == branch_ref)
+        .map(|update| update.new.clone());
+    // A worker that started again after the push has it in the store, not in memory.
+    let branch_head = match accepted {
+        Some(head) => Some(head),
+        None => context.store.pushed_head(&session.id).await.ok().flatten(),
+    };
+    let head = branch_head
+        .clone()
+        .filter(|head| session.head_sha.as_deref() != Some(head.as_str()));
+    let claimed = report
+        .delivery
+        .as_ref()
+        .filter(|delivery| delivery.pushed)
+        .and_then(|delivery| delivery.head_sha.clone());
+    let unseen = claimed.filter(|claimed| branch_head.as_deref() != Some(claimed.as_str()));
+    let failure = match (secret, unseen) {
+        (Some(reason), _) => Some((
+            FailureCode::SecretDetected,
+            format!(
+                "the gateway refused a push: {}",
+                bounded(&reason, DRIVER_REASON_MAX_BYTES)
+            ),
+        )),
+        (None, Some(claimed)) => Some((
+            FailureCode::DeliveryFailed,
+            format!(
+                "the sandbox reports a push of {} that the git proxy never saw the repository take; nothing of it \
+                 counts as delivered",
+                bounded(&claimed, 64)
+            ),
+        )),
+        (None, None) => None,
+    };
+    let diff_stat = match &head {
+        Some(head) => {
+            let scratch = SessionDirs::new(&context.config.work_dir, &session.id)
+                .git_state
+                .join("stat");
+            sortie_gateway::git::scan::diff_stat(
+                &context.config.git_binary,
+                &scratch,
+                &sandbox.0.trusted_objects,
+                session.head_sha.as_deref(),
+                head,
+            )
+            .await
+            .map(|stat| DiffStat {
+                files: stat.files,
+                insertions: stat.insertions,
+                deletions: stat.deletions,
+            })
+            .unwrap_or_else(|error| {
+                tracing::warn!(session = %session.id, %error, "cannot read the delivery's diff stat");
+                DiffStat::default()
+            })
+        }
+        None => DiffStat::default(),
+    };
+    let card_error = failure.clone().or_else(|| {
+        report
+            .delivery
+            .as_ref()
+            .and_then(|delivery| delivery.error.as_ref())
+            .map(|error| {
+                (
+                    failure_code(error.code),
+                    bounded(&error.reason, DRIVER_REASON_MAX_BYTES),
+                )
+            })
+    });
+    let card = DeliveryData {
         branch: session.id.branch(),
-        pushed: head_sha.is_some(),
-        changed: delivery.changed,
-        head_sha: head_sha.clone(),
+        pushed: head.is_some(),
+        changed: head.is_some(),
+        head_sha: head.clone().or(branch_head),
         baseline: session.head_sha.clone(),
-        diff_stat: DiffStat {
-            files: delivery.files,
-            insertions: delivery.insertions,
-            deletions: delivery.deletions,
-        },
-        error: delivery.error.map(|error| DeliveryError {
-            code: failure_code(error.code),
-            reason: bounded(&error.reason, DRIVER_REASON_MAX_BYTES),
-        }),
+        diff_stat,
+        error: card_error.map(|(code, reason)| DeliveryError { code, reason }),
         pr_url: None,
     };
-    (head_sha, data)
+    Delivered { head, card, failure }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -630,8 +725,12 @@ async fn settle_turn(
         .await
         .ok()
         .and_then(|row| row.stop_requested);
-    let (mut status, mut failure) = outcome(&report, stop, &watched, context.config.turn_timeout);
-    let (head_sha, mut delivery) = delivered(session, &report);
+    let Delivered {
+        head: head_sha,
+        card: mut delivery,
+        failure: delivery_failure,
+    } = delivered(context, session, &sandbox, &report).await;
+    let (mut status, mut failure) = outcome(&report, stop, &watched, delivery_failure, context.config.turn_timeout);
     let mut delivering = watched.delivering;
     // The branch is on the remote when this turn pushed it or an earlier one did (a steer that
     // changed nothing still retries a pull request that failed to open).
@@ -952,6 +1051,8 @@ pub(crate) async fn adopt(context: &Arc<Context>, session: &SessionRow, name: &s
         meter: proxy.meter,
         upstream: proxy.upstream,
         current,
+        pushes: proxy.pushes,
+        trusted_objects: proxy.trusted_objects,
         proxy: proxy.task,
     })))
 }

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use sortie_gateway::egress::policy::Denial;
 use sortie_gateway::egress::proxy::{DenialHook, EgressProxy, SessionAllowlist};
 use sortie_gateway::egress::registries::PhasedAllowlist;
+use sortie_gateway::git::config::PushRecords;
 use sortie_gateway::git::http::{Upstream, Upstreams};
 use sortie_protocol::driver::SETUP_OUTPUT_TAIL_BYTES;
 use sortie_protocol::sortie_data::{EgressDeniedData, SortieData};
@@ -156,6 +157,10 @@ pub(super) struct SandboxProxy {
     pub allowlist: Arc<PhasedAllowlist>,
     pub meter: Arc<TurnMeter>,
     pub upstream: Arc<SessionUpstream>,
+    /// The git proxy's record of every push it decided on.
+    pub pushes: Arc<PushRecords>,
+    /// Object stores the host trusts for the session's delivered history (for its diff stat).
+    pub trusted_objects: Vec<PathBuf>,
     pub task: tokio::task::JoinHandle<()>,
 }
 
@@ -180,12 +185,14 @@ pub(super) fn serve_proxy(
         session_id: session.id.clone(),
         upstream: std::sync::RwLock::new(upstream),
     });
-    let git_routes = match &config.forge_http {
-        Some(http) => {
-            sortie_gateway::git::http::router_with_client(upstream.clone(), config.git_binary.clone(), http.clone())
-        }
-        None => sortie_gateway::git::http::router(upstream.clone(), config.git_binary.clone()),
-    };
+    let git = crate::git_proxy::build(context, session, dirs, upstream.clone()).map_err(start_failed)?;
+    let trusted_objects = [
+        vec![git.config.delivered_objects.clone()],
+        git.config.trusted_object_dirs.clone(),
+    ]
+    .concat();
+    let pushes = git.pushes.clone();
+    let git_routes = sortie_gateway::git::http::router(git.config);
     let meter = TurnMeter::new(context.store.clone(), session.id.clone(), current.clone());
     let model_routes = sortie_gateway::model::router(
         sortie_gateway::model::ModelProxyConfig {
@@ -220,6 +227,8 @@ pub(super) fn serve_proxy(
         allowlist,
         meter,
         upstream,
+        pushes,
+        trusted_objects,
         task: proxy_task,
     })
 }
@@ -295,6 +304,8 @@ pub(super) async fn provision(
         allowlist,
         meter,
         upstream,
+        pushes,
+        trusted_objects,
         task: proxy_task,
     } = serve_proxy(context, session, &dirs, upstream, &current)?;
 
@@ -386,6 +397,8 @@ pub(super) async fn provision(
         meter,
         upstream,
         current,
+        pushes,
+        trusted_objects,
         proxy: proxy_task,
     }));
     let _ = context

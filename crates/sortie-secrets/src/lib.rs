@@ -1,8 +1,10 @@
-//! What counts as a secret in a delivery's changes (DESIGN §7.3): well-known key formats found by a
-//! hand scan (fixed prefixes need no regex engine), and values the operator knows, compared by their
-//! SHA-256 digests. Pure: it reads lines of a patch and answers findings.
+//! What counts as a secret in pushed changes (DESIGN §7.3, §9 invariants 7 and 12): well-known key
+//! formats found by a hand scan (fixed prefixes need no regex engine), and values the operator knows,
+//! compared by their SHA-256 digests. Pure: it reads lines of a patch and answers findings; callers
+//! do the reading (the driver's early-warning scan inside the sandbox, the gateway's scan of every
+//! pushed pack on the host).
 //!
-//! It must never keep or show a secret value: a finding is a file and a kind.
+//! It must never keep or show a secret value (a finding is a file and a kind), and never do I/O.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -15,8 +17,6 @@ const FINDINGS_MAX: usize = 20;
 /// Why a digests file is not usable.
 #[derive(Debug, thiserror::Error)]
 pub enum SecretsError {
-    #[error("cannot read the secret digests {path}: {source}")]
-    Unreadable { path: PathBuf, source: std::io::Error },
     #[error("the secret digests {path}, line {line}: expected 64 lowercase hex digits (a SHA-256)")]
     Invalid { path: PathBuf, line: usize },
 }
@@ -28,7 +28,8 @@ pub struct KnownSecrets {
 }
 
 impl KnownSecrets {
-    /// Parses a digests file: one lowercase hex SHA-256 per line; blank lines and `#` comments skipped.
+    /// Parses a digests file's text (`path` only names it in errors): one lowercase hex SHA-256 per
+    /// line; blank lines and `#` comments skipped.
     pub fn parse(text: &str, path: &Path) -> Result<Self, SecretsError> {
         let mut digests = HashSet::new();
         for (index, line) in text.lines().enumerate() {
@@ -53,13 +54,21 @@ impl KnownSecrets {
         Ok(Self { digests })
     }
 
-    /// Reads and parses a digests file.
-    pub fn load(path: &Path) -> Result<Self, SecretsError> {
-        let text = std::fs::read_to_string(path).map_err(|source| SecretsError::Unreadable {
-            path: path.to_owned(),
-            source,
-        })?;
-        Self::parse(&text, path)
+    /// The digests of `values` (the gateway's list: the values stay in the host process, only
+    /// their digests are kept).
+    pub fn from_values<'v>(values: impl IntoIterator<Item = &'v [u8]>) -> Self {
+        let mut known = Self::default();
+        for value in values {
+            known.insert_value(value);
+        }
+        known
+    }
+
+    /// Adds the digest of `value`; an empty value is never a secret (it would match nothing useful).
+    pub fn insert_value(&mut self, value: &[u8]) {
+        if !value.is_empty() {
+            self.digests.insert(Sha256::digest(value).into());
+        }
     }
 
     /// Adds `other`'s digests (a list read again never loses what an earlier read had).
@@ -240,6 +249,8 @@ pub struct PatchScanner<'a> {
     file: String,
     old_left: u64,
     new_left: u64,
+    /// The last line handed in was an added line (its [`PatchScanner::continuation`]s are scanned).
+    last_added: bool,
     findings: Vec<Finding>,
 }
 
@@ -250,17 +261,26 @@ impl<'a> PatchScanner<'a> {
             file: String::new(),
             old_left: 0,
             new_left: 0,
+            last_added: false,
             findings: Vec::new(),
         }
+    }
+
+    /// Whether the scanner is inside a hunk (the next line is counted as the hunk's), so a caller
+    /// can tell a header line of its own format (a commit id) from a line of the patch.
+    pub fn in_hunk(&self) -> bool {
+        self.old_left > 0 || self.new_left > 0
     }
 
     /// One line of the patch, without its newline.
     pub fn line(&mut self, line: &[u8]) {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
+        self.last_added = false;
         if self.old_left > 0 || self.new_left > 0 {
             match line.first() {
                 Some(b'+') => {
                     self.new_left = self.new_left.saturating_sub(1);
+                    self.last_added = true;
                     self.scan(&line[1..]);
                 }
                 Some(b'-') => self.old_left = self.old_left.saturating_sub(1),
@@ -282,17 +302,46 @@ impl<'a> PatchScanner<'a> {
         }
     }
 
-    fn scan(&mut self, added: &[u8]) {
+    /// More of the last line, which was too long to hand in whole (a reader with a line cap hands
+    /// in the rest in pieces; each piece should repeat the end of the one before it, longer than any
+    /// key, so that a key cut in two is still whole in one piece). Scanned if that line was added.
+    pub fn continuation(&mut self, piece: &[u8]) {
+        if self.last_added {
+            self.scan(piece);
+        }
+    }
+
+    /// Scans `line` as added content found outside a patch (a commit's message), named `origin`.
+    pub fn added(&mut self, origin: &str, line: &[u8]) {
+        let kinds = self.kinds(line);
+        self.record(origin, kinds);
+    }
+
+    fn kinds(&self, added: &[u8]) -> Vec<SecretKind> {
         if self.findings.len() >= FINDINGS_MAX {
-            return;
+            return Vec::new();
         }
         let mut kinds = scan_key_formats(added);
         if contains_known_secret(added, self.known) {
             kinds.push(SecretKind::KnownSecret);
         }
+        kinds
+    }
+
+    fn scan(&mut self, added: &[u8]) {
+        let kinds = self.kinds(added);
+        let file = std::mem::take(&mut self.file);
+        self.record(&file, kinds);
+        self.file = file;
+    }
+
+    fn record(&mut self, file: &str, kinds: Vec<SecretKind>) {
         for kind in kinds {
+            if self.findings.len() >= FINDINGS_MAX {
+                return;
+            }
             let finding = Finding {
-                file: self.file.clone(),
+                file: file.to_owned(),
                 kind,
             };
             if !self.findings.contains(&finding) {
@@ -335,6 +384,19 @@ fn parse_hunk_header(line: &[u8]) -> Option<(u64, u64)> {
 
 /// The sentence a `SECRET_DETECTED` failure carries; `undone`: the delivery's own commit was taken back.
 pub fn secret_reason(findings: &[Finding], undone: bool) -> String {
+    let undone = if undone {
+        " and the turn's commit was undone (its files are still in the workspace)"
+    } else {
+        ""
+    };
+    format!(
+        "the changes seem to contain a secret: {}; nothing was pushed{undone}",
+        describe(findings)
+    )
+}
+
+/// What was found, for a person: `an AWS access key id in app.env, a private key in id_rsa and 2 more`.
+pub fn describe(findings: &[Finding]) -> String {
     let named: Vec<String> = findings
         .iter()
         .take(5)
@@ -352,15 +414,7 @@ pub fn secret_reason(findings: &[Finding], undone: bool) -> String {
     } else {
         String::new()
     };
-    let undone = if undone {
-        " and the turn's commit was undone (its files are still in the workspace)"
-    } else {
-        ""
-    };
-    format!(
-        "the changes seem to contain a secret: {}{more}; nothing was pushed{undone}",
-        named.join(", ")
-    )
+    format!("{}{more}", named.join(", "))
 }
 
 #[cfg(test)]
@@ -509,6 +563,47 @@ commit 4567\n\
                 && !reason.contains("AKIA")
                 && !reason.contains("s3cr3t"),
             "{reason}"
+        );
+    }
+
+    #[test]
+    fn known_values_are_kept_as_digests_only() {
+        let known = KnownSecrets::from_values([&b"sk-workspace-key-123"[..], b""]);
+        assert_eq!(known.len(), 1, "an empty value is no secret");
+        assert!(contains_known_secret(b"KEY=sk-workspace-key-123", &known));
+        assert!(!format!("{known:?}").contains("workspace-key"));
+        let mut from_file = self::known(&["other"]);
+        from_file.extend(&known);
+        assert_eq!(from_file.len(), 2);
+    }
+
+    #[test]
+    fn a_long_added_line_is_scanned_in_pieces_and_a_message_as_added_text() {
+        let known = KnownSecrets::default();
+        let mut scanner = PatchScanner::new(&known);
+        for line in ["diff --git a/blob.bin b/blob.bin", "+++ b/blob.bin", "@@ -0,0 +1,2 @@"] {
+            scanner.line(line.as_bytes());
+        }
+        assert!(scanner.in_hunk());
+        scanner.line(b"+xxxxxxxx");
+        scanner.continuation(b"xxxx AKIAZQ3DRSTUVWXY2345 xxxx");
+        assert_eq!(
+            scanner.findings(),
+            [Finding {
+                file: "blob.bin".into(),
+                kind: SecretKind::AwsAccessKeyId
+            }]
+        );
+        scanner.line(b" context line");
+        assert!(!scanner.in_hunk());
+        // The rest of a context line is not added content.
+        scanner.continuation(b"-----BEGIN RSA PRIVATE KEY-----");
+        assert_eq!(scanner.findings().len(), 1);
+        scanner.added("the message of commit 0123abc", b"-----BEGIN RSA PRIVATE KEY-----");
+        assert_eq!(scanner.findings()[1].file, "the message of commit 0123abc");
+        assert_eq!(
+            describe(scanner.findings()),
+            "an AWS access key id in blob.bin, a private key in the message of commit 0123abc"
         );
     }
 
