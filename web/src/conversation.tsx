@@ -114,7 +114,8 @@ const PRIMING: Record<string, string> = {
   none: 'The agent starts afresh: no earlier context could be given.',
 };
 
-/** The turn's token usage (`data-acp-usage` id `tokens`, cumulative) and context window (id `usage`). */
+/** The turn's token usage as the model proxy read it (`data-sortie-usage`, cumulative) and the agent's own
+ * context-window report (`data-acp-usage` id `usage`). */
 function UsageLine({ tokens, context }: { tokens?: Record<string, unknown>; context?: Record<string, unknown> }) {
   const n = (v: unknown) => (typeof v === 'number' ? v.toLocaleString('en-US') : '?');
   const bits: string[] = [];
@@ -180,12 +181,17 @@ export const PartView = memo(function PartView({ part, actions, repeats }: { par
       return (
         <div className="note priming" data-rung={rung}>
           {PRIMING[rung] ?? `Context: ${rung}`}
-          {data.load_error != null && <> (its saved session did not load: {str(data.load_error)})</>}
+          {data.loadError != null && <> (its saved session did not load: {str(data.loadError)})</>}
         </div>
       );
     }
+    case 'data-sortie-notice':
+      return <div className="note notice" role="status">{str(data.message)}</div>;
+    case 'data-sortie-truncated':
+      return <div className="note notice" role="status">{str(data.reason)}</div>;
     case 'step-start':
-    case 'data-acp-usage': // one line at the end of the message (UsageLine)
+    case 'data-sortie-usage': // one line at the end of the message (UsageLine)
+    case 'data-acp-usage':
     case 'data-acp-mode':
     case 'data-acp-commands':
       return null;
@@ -262,11 +268,11 @@ export const MessageView = memo(function MessageView({ message, actions }: { mes
       i = Math.max(j, i + 1);
     }
   }
-  const usage = (id: string) => parts.find((p) => p.type === 'data-acp-usage' && p.id === id)?.data as Record<string, unknown> | undefined;
+  const find = (type: string, id: string) => parts.find((p) => p.type === type && p.id === id)?.data as Record<string, unknown> | undefined;
   return (
     <div className="msg assistant" data-message-id={message.id}>
       {out}
-      <UsageLine tokens={usage('tokens')} context={usage('usage')} />
+      <UsageLine tokens={find('data-sortie-usage', 'tokens')} context={find('data-acp-usage', 'usage')} />
     </div>
   );
 });

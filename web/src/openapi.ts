@@ -459,6 +459,32 @@ export interface components {
             /** @description A title for people; the first line of the task when absent. */
             title?: string | null;
         };
+        DeliveryData: {
+            /** @description Where the branch was before the turn. */
+            baseline?: string | null;
+            branch: string;
+            /** @description The turn produced a commit. */
+            changed: boolean;
+            diffStat: components["schemas"]["DiffStat"];
+            error?: components["schemas"]["DeliveryError"] | null;
+            headSha?: string | null;
+            prUrl?: string | null;
+            /** @description The branch's head on the remote moved to `headSha` in this turn. */
+            pushed: boolean;
+        };
+        DeliveryError: {
+            /** @description `SECRET_DETECTED`, `PUSH_CONFLICT`, `DELIVERY_FAILED`, … */
+            code: components["schemas"]["FailureCode"];
+            reason: string;
+        };
+        DiffStat: {
+            /** Format: int64 */
+            deletions: number;
+            /** Format: int64 */
+            files: number;
+            /** Format: int64 */
+            insertions: number;
+        };
         /** @description The session's egress allowlist. */
         Egress: {
             allow: string[];
@@ -467,6 +493,12 @@ export interface components {
         EgressAmendment: {
             /** @description Exact public DNS names, at most 32. */
             allow: string[];
+        };
+        EgressDeniedData: {
+            host: string;
+            /** Format: int32 */
+            port: number;
+            reason: string;
         };
         /** @description The egress part of a create request. */
         EgressRequest: {
@@ -554,6 +586,33 @@ export interface components {
             /** Format: int64 */
             output_tokens: number;
         };
+        NoticeData: {
+            /** @description A stable code (`STREAM_PART_REFUSED`, `TRANSCRIPT_LIMIT`, …). */
+            code: string;
+            message: string;
+        };
+        PhaseData: {
+            /** @description What the phase waits for, when it waits. */
+            note?: string | null;
+            /** @description `running`, `delivering` or `done`. */
+            phase: string;
+            /**
+             * @description Milliseconds by phase (`queued`, `clone`, `sandbox`, `setup`, `first_part`, `agent_turn`,
+             *     `delivery`), all measured by the host.
+             */
+            timings: {
+                [key: string]: number;
+            };
+        };
+        PrimingData: {
+            loadError?: string | null;
+            rung: components["schemas"]["PrimingRung"];
+        };
+        /**
+         * @description The rung of the context ladder that primed a fresh agent (DESIGN §6.4).
+         * @enum {string}
+         */
+        PrimingRung: "session_load" | "transcript" | "task" | "none";
         /** @description The draft pull request of a session. */
         PullRequest: {
             /** Format: int64 */
@@ -651,6 +710,41 @@ export interface components {
             /** @description The one-time code of the link `sortie serve` printed (after `#`). */
             code: string;
         };
+        /** @description One part of sortie's own. */
+        SortieData: {
+            /** @description `data-sortie-phase` (id `phase`): where the turn is, and its timings so far in milliseconds. */
+            data: components["schemas"]["PhaseData"];
+            /** @enum {string} */
+            type: "data-sortie-phase";
+        } | {
+            /** @description `data-sortie-priming` (id `priming`): how a fresh agent got the session's context (§6.4). */
+            data: components["schemas"]["PrimingData"];
+            /** @enum {string} */
+            type: "data-sortie-priming";
+        } | {
+            /** @description `data-sortie-delivery` (id `delivery`): what reached the branch, from the git proxy's record. */
+            data: components["schemas"]["DeliveryData"];
+            /** @enum {string} */
+            type: "data-sortie-delivery";
+        } | {
+            /** @description `data-sortie-egress-denied`: a connection the egress proxy refused, as it happened. */
+            data: components["schemas"]["EgressDeniedData"];
+            /** @enum {string} */
+            type: "data-sortie-egress-denied";
+        } | {
+            /** @description `data-sortie-usage` (id `tokens`): the turn's tokens so far, as the model proxy read them. */
+            data: components["schemas"]["UsageData"];
+            /** @enum {string} */
+            type: "data-sortie-usage";
+        } | {
+            /**
+             * @description `data-sortie-notice`: something the host did to the turn that the user should know (a part of
+             *     the sandbox's stream refused, a cap reached).
+             */
+            data: components["schemas"]["NoticeData"];
+            /** @enum {string} */
+            type: "data-sortie-notice";
+        };
         /** @description `POST /v1/sessions/{id}/steer`. */
         SteerRequest: {
             mode?: components["schemas"]["TurnMode"] | null;
@@ -719,6 +813,15 @@ export interface components {
             input_tokens: number;
             /** Format: int64 */
             output_tokens: number;
+        };
+        UsageData: {
+            /** @description `anthropic`, `openai` or `gemini`. */
+            api: string;
+            /** Format: int64 */
+            inputTokens: number;
+            model: string;
+            /** Format: int64 */
+            outputTokens: number;
         };
         /** @description `GET /v1/usage`: one row per session and UTC day. */
         UsageReport: {

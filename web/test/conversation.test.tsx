@@ -90,7 +90,7 @@ describe('conversation renderer', () => {
     const denials = turn2.querySelectorAll('.egress');
     expect(denials).toHaveLength(1);
     expect(denials[0].textContent).toContain('Blocked connection to packages.example.net:443 (not in the allowlist) ×2');
-    // the turn's usage (data-acp-usage: cumulative tokens, updated in place, and the context window) as one line
+    // the turn's usage (data-sortie-usage: the proxy's cumulative tokens, updated in place; data-acp-usage: the context window) as one line
     expect(container.querySelectorAll('[aria-label="turn usage"]')).toHaveLength(1);
     expect(turn2.querySelector('.usage-line')?.textContent).toBe('3,456 in · 789 out tokens (claude-sonnet-4-5) · context 45,000 / 200,000 (23%)');
     // nothing falls through to the unknown-part note

@@ -77,7 +77,12 @@ pub struct ApiState {
 #[openapi(
     info(title = "sortie", description = "Control plane of sortie: sessions of coding agents in sandboxes, delivered as branches."),
     modifiers(&BearerAuth),
-    components(schemas(sortie_protocol::ErrorCode, sortie_protocol::FailureCode, sortie_protocol::api::Role))
+    components(schemas(
+        sortie_protocol::ErrorCode,
+        sortie_protocol::FailureCode,
+        sortie_protocol::api::Role,
+        sortie_protocol::sortie_data::SortieData
+    ))
 )]
 struct ApiDoc;
 

@@ -215,9 +215,9 @@ async fn agent_writes_a_file_through_the_model_proxy(agent: &str, vendor: Vendor
         diff["data"]["newText"].as_str().is_some_and(|t| t.contains("hello")),
         "{agent}: {diff:#}"
     );
-    // The model proxy's reading of each answer is in the turn too.
+    // The model proxy's reading of each answer is in the turn too, written by the host.
     assert!(
-        parts.iter().any(|p| p["type"] == "data-acp-usage"
+        parts.iter().any(|p| p["type"] == "data-sortie-usage"
             && p["id"] == "tokens"
             && p["data"]["inputTokens"]
                 .as_u64()
