@@ -631,7 +631,14 @@ async fn a_push_the_forge_refuses_or_redirects_is_not_relayed_and_changes_nothin
         let own = format!("refs/heads/sortie/{session}");
         let pushed = git(&work, &setup.root, &["push", "origin", &format!("HEAD:{own}")]);
         let said = String::from_utf8_lossy(&pushed.stderr);
-        assert!(!pushed.status.success() && said.contains(says), "{said}");
+        // A forge that answers before it has read the pack may close the connection while the proxy
+        // still sends it: the proxy then sees a broken request, not the answer. Either way the push is
+        // refused, said, and nothing of the forge's answer is relayed.
+        let broken_off = said.contains("the repository's forge did not answer");
+        assert!(
+            !pushed.status.success() && (said.contains(says) || broken_off),
+            "{said}"
+        );
         assert!(!said.contains("Username") && !said.contains("elsewhere"), "{said}");
         assert_eq!(
             rev(&setup.upstream, &setup.root, &own),

@@ -173,6 +173,9 @@ pub enum FailureCode {
     PrOpenFailed,
     /// The sandbox vanished.
     SandboxLost,
+    /// The session's disk (its `/workspace` and `$HOME`) is full: the agent's writes past its quota
+    /// failed. Free space in the workspace, or raise the disk limit, and steer the session.
+    DiskQuotaExceeded,
     /// A fault of sortie itself.
     Internal,
 }

@@ -31,6 +31,11 @@ pub struct PrepareError(pub String);
 #[derive(Clone, Debug)]
 pub struct SessionDirs {
     pub root: PathBuf,
+    /// The session's own filesystem (DESIGN §9 invariant 10, S10): a sparse image of the disk quota's
+    /// size, mounted at `disk`, which holds `/workspace` and `$HOME`. A session made before disks has
+    /// neither: its directories stay where they were, without a quota.
+    pub image: PathBuf,
+    pub disk: PathBuf,
     /// Becomes `/workspace`.
     pub workspace: PathBuf,
     /// Becomes `/home/agent`; kept across hibernation.
@@ -50,15 +55,25 @@ pub struct SessionDirs {
 impl SessionDirs {
     pub fn new(work_dir: &Path, session_id: &SessionId) -> Self {
         let root = work_dir.join("sessions").join(session_id.as_str());
+        let disk = root.join("disk");
+        let legacy = root.join("workspace").exists() && !root.join("disk.img").exists();
+        let within = if legacy { root.clone() } else { disk.clone() };
         Self {
-            workspace: root.join("workspace"),
-            home: root.join("home"),
+            image: root.join("disk.img"),
+            disk,
+            workspace: within.join("workspace"),
+            home: within.join("home"),
             host: root.join("host"),
             egress: root.join("egress"),
             known_secrets: root.join("known-secrets"),
             git_state: root.join("git"),
             root,
         }
+    }
+
+    /// Whether the session's directories are on a disk of its own (not a session made before disks).
+    pub fn has_disk(&self) -> bool {
+        self.workspace.starts_with(&self.disk)
     }
 
     pub fn driver_socket(&self) -> PathBuf {

@@ -291,6 +291,10 @@ pub struct WorkerArgs {
     /// Seconds a setup script may run.
     #[arg(long, env = env::SETUP_TIMEOUT, default_value_t = 600)]
     pub setup_timeout: u64,
+    /// MiB of each session's disk (its /workspace and $HOME together); writes past it fail with
+    /// ENOSPC and the turn with DISK_QUOTA_EXCEEDED. At least 16.
+    #[arg(long, env = env::SANDBOX_DISK_MIB, default_value_t = 10 * 1024, value_parser = clap::value_parser!(u64).range(16..))]
+    pub sandbox_disk_mib: u64,
     /// Seconds a sandbox runs on after `serve` is gone, waiting for the next `serve` to adopt it.
     #[arg(long, env = env::SANDBOX_ORPHAN_GRACE, default_value_t = 120)]
     pub sandbox_orphan_grace: u64,

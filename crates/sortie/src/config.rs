@@ -34,6 +34,9 @@ pub mod env {
     /// Seconds a warm sandbox may idle before its session is hibernated (`--idle-grace`).
     pub const IDLE_GRACE: &str = "SORTIE_IDLE_GRACE";
     pub const SANDBOX_ORPHAN_GRACE: &str = "SORTIE_SANDBOX_ORPHAN_GRACE";
+    /// MiB of each session's own disk, its `/workspace` and `$HOME` together (`--sandbox-disk-mib`);
+    /// a sparse image, so a session costs only what it writes. Needs root; without it, no quota.
+    pub const SANDBOX_DISK_MIB: &str = "SORTIE_SANDBOX_DISK_MIB";
     /// Seconds a setup script may run (`--setup-timeout`).
     pub const SETUP_TIMEOUT: &str = "SORTIE_SETUP_TIMEOUT";
     /// Hosts reachable during the setup phase only, comma-separated (`--setup-hosts`); default: the

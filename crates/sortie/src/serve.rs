@@ -263,6 +263,7 @@ fn build_worker(
     config.turn_timeout = std::time::Duration::from_secs(args.turn_timeout.max(1));
     config.idle_grace = std::time::Duration::from_secs(args.idle_grace);
     config.setup_timeout = std::time::Duration::from_secs(args.setup_timeout.max(1));
+    config.limits.disk_bytes = args.sandbox_disk_mib << 20;
     config.agent_profiles = args.agent_profiles.clone();
     config.agents_dir = Some(args.agents_dir.clone().unwrap_or_else(|| config::agents_dir(data_dir)));
     config.keyring = Some(keyring);

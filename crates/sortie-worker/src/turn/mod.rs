@@ -731,6 +731,14 @@ async fn settle_turn(
         failure: delivery_failure,
     } = delivered(context, session, &sandbox, &report).await;
     let (mut status, mut failure) = outcome(&report, stop, &watched, delivery_failure, context.config.turn_timeout);
+    // A full disk is why the agent's writes failed, whatever it said of them.
+    if let Some(full) = disk_full(&sandbox.0.dirs)
+        && failure
+            .as_ref()
+            .is_none_or(|(code, _)| matches!(code, FailureCode::AgentError | FailureCode::DeliveryFailed))
+    {
+        (status, failure) = (TurnStatus::Failed, Some((FailureCode::DiskQuotaExceeded, full)));
+    }
     let mut delivering = watched.delivering;
     // The branch is on the remote when this turn pushed it or an earlier one did (a steer that
     // changed nothing still retries a pull request that failed to open).
@@ -943,7 +951,11 @@ async fn settle_lost(
     if let Some(transcript) = transcript {
         if harvest {
             let dirs = SessionDirs::new(&context.config.work_dir, &session.id);
-            recorder::harvest(&dirs.home, &transcript).await;
+            // The sandbox is gone and its disk with it: mounted again for the log it left, then let go.
+            if provision::mount_disk(context, &dirs).await.is_ok() {
+                recorder::harvest(&dirs.home, &transcript).await;
+            }
+            unmount_disk(&dirs).await;
         }
         transcript
             .finish(Ending {
@@ -1013,6 +1025,30 @@ pub(crate) async fn destroy(context: &Arc<Context>, session_id: &SessionId, sand
     // Both sockets are the host's, in directories only the host writes.
     let _ = std::fs::remove_file(sandbox.0.dirs.egress_socket());
     let _ = std::fs::remove_file(sandbox.0.dirs.driver_socket());
+    unmount_disk(&sandbox.0.dirs).await;
+}
+
+/// Why the session's disk is full, if it is (read by the host from the filesystem itself).
+fn disk_full(dirs: &SessionDirs) -> Option<String> {
+    if !dirs.has_disk() {
+        return None;
+    }
+    let usage = sortie_sandbox::local::disk::filesystem_usage(&dirs.disk).ok()?;
+    usage.is_full().then(|| usage.describe())
+}
+
+/// Unmounts the session's disk once nothing of its sandbox runs (the image stays, for the next one).
+async fn unmount_disk(dirs: &SessionDirs) {
+    if !dirs.has_disk() {
+        return;
+    }
+    match sortie_sandbox::local::disk::unmount(&dirs.disk).await {
+        Ok(sortie_sandbox::local::disk::Unmounted::Detached) => {
+            tracing::info!(disk = %dirs.disk.display(), "the session's disk was busy; detached lazily");
+        }
+        Ok(_) => {}
+        Err(error) => tracing::warn!(disk = %dirs.disk.display(), %error, "cannot unmount the session's disk"),
+    }
 }
 
 /// Takes over the sandbox of `session` that an earlier process of this worker left running (its
@@ -1082,7 +1118,11 @@ pub(crate) async fn close_lost_transcript(
     let Ok(transcript) = Transcript::open(context.store.clone(), context.feeds.clone(), session_id, n).await else {
         return;
     };
-    recorder::harvest(home, &transcript).await;
+    let dirs = SessionDirs::new(&context.config.work_dir, session_id);
+    if provision::mount_disk(context, &dirs).await.is_ok() {
+        recorder::harvest(home, &transcript).await;
+    }
+    unmount_disk(&dirs).await;
     transcript
         .finish(Ending {
             failure: Some((FailureCode::SandboxLost, reason.to_owned())),

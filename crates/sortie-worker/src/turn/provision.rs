@@ -15,6 +15,7 @@ use sortie_gateway::git::http::{Upstream, Upstreams};
 use sortie_protocol::driver::SETUP_OUTPUT_TAIL_BYTES;
 use sortie_protocol::sortie_data::{EgressDeniedData, SortieData};
 use sortie_protocol::{FailureCode, SessionId};
+use sortie_sandbox::local::disk::{Quota, SessionDisk};
 use sortie_sandbox::{SandboxSpec, SandboxStatus, SandboxStdio, inside};
 use sortie_store::SessionRow;
 
@@ -269,7 +270,10 @@ pub(super) async fn provision(
             .await
             .map_err(|e| (FailureCode::CloneFailed, e.0))?
     };
-    for dir in [&dirs.root, &dirs.home, &dirs.egress] {
+    std::fs::create_dir_all(&dirs.root)
+        .map_err(|e| start_failed(format!("cannot create {}: {e}", dirs.root.display())))?;
+    mount_disk(context, &dirs).await?;
+    for dir in [&dirs.home, &dirs.egress] {
         std::fs::create_dir_all(dir).map_err(|e| start_failed(format!("cannot create {}: {e}", dir.display())))?;
     }
     let origin = format!(
@@ -492,4 +496,20 @@ fn tail_chars(text: &str, max: usize) -> String {
         start += 1;
     }
     text[start..].to_owned()
+}
+
+/// Mounts the session's disk (made on first use) where its workspace and home live, so a sandbox that
+/// fills them runs out of its own space, never the host's. Without root there is no quota: said once
+/// in the log, not a failure.
+pub(super) async fn mount_disk(context: &Arc<Context>, dirs: &SessionDirs) -> Result<(), Failure> {
+    if !dirs.has_disk() {
+        return Ok(());
+    }
+    let disk = SessionDisk::ensure(&dirs.image, &dirs.disk, context.config.limits.disk_bytes)
+        .await
+        .map_err(|error| start_failed(format!("the session's disk could not be mounted: {error}")))?;
+    if let Quota::Unenforced { reason } = disk.quota() {
+        tracing::warn!(disk = %dirs.disk.display(), %reason, "the session has no disk quota");
+    }
+    Ok(())
 }
