@@ -272,26 +272,19 @@ async fn submit(
 /// Answers turn `turn`'s stream: its stored parts, then the driver's live tail, then `[DONE]`.
 async fn turn_stream(state: &AttachState, session: &SessionId, workspace_id: &str, turn: &TurnRow) -> Response {
     let session = session.clone();
-    let stored: Vec<(u64, String)> = match state.store.parts(&session).await {
-        Ok(parts) => parts
-            .into_iter()
-            .filter(|p| p.turn == turn.n)
-            .map(|p| (u64::from(p.part_index), p.payload))
-            .collect(),
+    // The stored prefix is read slice by slice as the client takes it: one turn, never the session,
+    // and never a whole turn held at once. The first slice is read here, so a store that does not
+    // answer is a 503, not a broken stream.
+    let first = match state.store.turn_parts_after(&session, turn.n, None, STORED_SLICE).await {
+        Ok(parts) => parts,
         Err(_) => return refuse(ErrorCode::StoreUnavailable, "the store did not answer; try again"),
     };
-    let last_stored = stored.last().map(|(index, _)| *index);
-    let mut prefix = Vec::new();
-    for (index, json) in &stored {
-        write_sse_event(&mut prefix, *index, json);
-    }
     let ended = turn.status.is_terminal();
     let tail = live_tail(
         state.tails.clone(),
         session.clone(),
         turn.n,
-        last_stored,
-        ended && last_stored.is_some(),
+        Stored { first, ended },
         Pace {
             heartbeat: state.heartbeat,
             slow_client_limit: state.slow_client_limit,
@@ -299,8 +292,7 @@ async fn turn_stream(state: &AttachState, session: &SessionId, workspace_id: &st
         state.store.clone(),
         workspace_id.to_owned(),
     );
-    let body = futures::stream::once(async move { Ok::<_, std::io::Error>(Bytes::from(prefix)) }).chain(tail);
-    let mut response = Response::new(Body::from_stream(body));
+    let mut response = Response::new(Body::from_stream(tail));
     for (name, value) in STREAM_HEADERS {
         if let (Ok(name), Ok(value)) = (
             header::HeaderName::from_bytes(name.as_bytes()),
@@ -310,6 +302,18 @@ async fn turn_stream(state: &AttachState, session: &SessionId, workspace_id: &st
         }
     }
     response
+}
+
+/// One slice of a turn's stored parts, as attach reads them.
+const STORED_SLICE: sortie_store::PartsLimit = sortie_store::PartsLimit {
+    parts: 1024,
+    bytes: 4 << 20,
+};
+
+/// What the store had of the turn when the client came: its first slice, and whether the turn had ended.
+struct Stored {
+    first: Vec<sortie_store::StoredPart>,
+    ended: bool,
 }
 
 /// How a stream is paced: heartbeats while it is idle, and how long its client may take nothing.
@@ -333,8 +337,7 @@ fn live_tail(
     tails: Arc<dyn LiveTails>,
     session: SessionId,
     n: u32,
-    after: Option<u64>,
-    stored_whole: bool,
+    stored: Stored,
     pace: Pace,
     store: Arc<dyn Store>,
     workspace_id: String,
@@ -347,11 +350,37 @@ fn live_tail(
     let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mark_dropped = dropped.clone();
     tokio::spawn(async move {
-        if stored_whole {
+        // The stored prefix, slice by slice, at the client's pace (the same limit as the live tail).
+        let mut slice = stored.first;
+        let mut last: Option<u32> = None;
+        while !slice.is_empty() {
+            last = slice.last().map(|part| part.part_index);
+            let mut bytes = Vec::with_capacity(slice.iter().map(|p| p.payload.len() + 24).sum());
+            for part in &slice {
+                write_sse_event(&mut bytes, u64::from(part.part_index), &part.payload);
+            }
+            match tokio::time::timeout(slow_client_limit, sender.send(Bytes::from(bytes))).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return,
+                Err(_) => {
+                    mark_dropped.store(true, std::sync::atomic::Ordering::Release);
+                    return;
+                }
+            }
+            slice = match store.turn_parts_after(&session, n, last, STORED_SLICE).await {
+                Ok(next) => next,
+                Err(_) => {
+                    // The store went away mid-prefix: the stream breaks (the client attaches again).
+                    mark_dropped.store(true, std::sync::atomic::Ordering::Release);
+                    return;
+                }
+            };
+        }
+        if stored.ended && last.is_some() {
             let _ = sender.send(Bytes::from_static(SSE_DONE)).await;
             return;
         }
-        let mut relayed = Relayed::after(after);
+        let mut relayed = Relayed::after(last.map(u64::from));
         let mut quiet_since = std::time::Instant::now();
         loop {
             // Asked afresh each time: the turn's live copy may come up (or go) while the client waits.
@@ -407,18 +436,25 @@ fn live_tail(
             };
             if ended {
                 // Whatever the recorder stored after what was sent while we waited, then the end.
-                let mut rest = Vec::new();
-                if let Ok(parts) = store.parts(&session).await {
-                    let after = relayed.resume_after();
-                    for part in parts.iter().filter(|p| p.turn == n) {
-                        let index = u64::from(part.part_index);
-                        if after.is_none_or(|after| index > after) {
-                            write_sse_event(&mut rest, index, &part.payload);
-                        }
+                let mut after = relayed.resume_after().and_then(|index| u32::try_from(index).ok());
+                loop {
+                    let Ok(slice) = store.turn_parts_after(&session, n, after, STORED_SLICE).await else {
+                        mark_dropped.store(true, std::sync::atomic::Ordering::Release);
+                        return;
+                    };
+                    let Some(end) = slice.last().map(|part| part.part_index) else {
+                        break;
+                    };
+                    let mut rest = Vec::new();
+                    for part in &slice {
+                        write_sse_event(&mut rest, u64::from(part.part_index), &part.payload);
                     }
+                    if sender.send(Bytes::from(rest)).await.is_err() {
+                        return;
+                    }
+                    after = Some(end);
                 }
-                rest.extend_from_slice(SSE_DONE);
-                let _ = sender.send(Bytes::from(rest)).await;
+                let _ = sender.send(Bytes::from_static(SSE_DONE)).await;
                 return;
             }
             if quiet_since.elapsed() >= heartbeat {

@@ -26,10 +26,29 @@ pub fn assistant_text(parts: &[StoredPart], turn: u32) -> String {
 /// The earlier turns before `n` as a preamble, newest kept whole when they do not all fit; `None` if
 /// no earlier turn produced anything an agent could use.
 pub fn preamble(turns: &[TurnRow], parts: &[StoredPart], n: u32, limit: usize) -> Option<String> {
+    if parts.iter().all(|p| p.turn >= n) {
+        return None;
+    }
+    let answers: std::collections::BTreeMap<u32, String> = turns
+        .iter()
+        .filter(|t| t.n < n)
+        .map(|t| (t.n, assistant_text(parts, t.n)))
+        .collect();
+    preamble_of(turns, &answers, n, limit)
+}
+
+/// [`preamble`] from the assistant's text of each earlier turn (`answers`; a turn missing from it
+/// said nothing); `None` when no turn fits.
+pub fn preamble_of(
+    turns: &[TurnRow],
+    answers: &std::collections::BTreeMap<u32, String>,
+    n: u32,
+    limit: usize,
+) -> Option<String> {
     let mut blocks = Vec::new();
     let mut used = 0;
     for turn in turns.iter().filter(|t| t.n < n).rev() {
-        let answer = assistant_text(parts, turn.n);
+        let answer = answers.get(&turn.n).cloned().unwrap_or_default();
         let block = if answer.trim().is_empty() {
             format!("User: {}\n", turn.prompt)
         } else {
@@ -41,7 +60,7 @@ pub fn preamble(turns: &[TurnRow], parts: &[StoredPart], n: u32, limit: usize) -
         used += block.len();
         blocks.push(block);
     }
-    if blocks.is_empty() || parts.iter().all(|p| p.turn >= n) {
+    if blocks.is_empty() {
         return None;
     }
     blocks.reverse();

@@ -1138,8 +1138,40 @@ async fn priming_context(context: &Arc<Context>, session: &SessionRow, n: u32) -
         .turns(&session.workspace_id, &session.id)
         .await
         .unwrap_or_default();
-    let parts = context.store.parts(&session.id).await.unwrap_or_default();
-    let preamble = priming::preamble(&turns, &parts, n, priming::PREAMBLE_LIMIT);
+    // The assistant's text of the earlier turns, newest first, read slice by slice and only as far as
+    // the preamble can hold: never the whole transcript.
+    let mut answers = std::collections::BTreeMap::new();
+    let mut any_parts = false;
+    let mut used = 0;
+    for turn in turns.iter().filter(|t| t.n < n).rev() {
+        if used > priming::PREAMBLE_LIMIT {
+            break;
+        }
+        let mut text = String::new();
+        let mut after = None;
+        while text.len() <= priming::PREAMBLE_LIMIT {
+            let limit = sortie_store::PartsLimit {
+                parts: 1024,
+                bytes: 4 << 20,
+            };
+            let Ok(slice) = context.store.turn_parts_after(&session.id, turn.n, after, limit).await else {
+                break;
+            };
+            let Some(last) = slice.last().map(|part| part.part_index) else {
+                break;
+            };
+            any_parts = true;
+            text.push_str(&priming::assistant_text(&slice, turn.n));
+            after = Some(last);
+        }
+        used += text.len() + turn.prompt.len();
+        answers.insert(turn.n, text);
+    }
+    let preamble = if any_parts {
+        priming::preamble_of(&turns, &answers, n, priming::PREAMBLE_LIMIT)
+    } else {
+        None
+    };
     let task = turns.first().map(|t| t.prompt.clone());
     PrimingContext { preamble, task }
 }

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod world;
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
