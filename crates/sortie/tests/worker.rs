@@ -769,6 +769,9 @@ fn files_holding(dir: &Path, needle: &[u8]) -> Vec<PathBuf> {
             if kind.is_dir() {
                 pending.push(path);
             } else if kind.is_file()
+                // The session's raw disk image is sparse and gigabytes long; its files are read
+                // through the mount at `disk/` instead.
+                && path.file_name().is_none_or(|name| name != "disk.img")
                 && std::fs::read(&path).is_ok_and(|bytes| bytes.windows(needle.len()).any(|w| w == needle))
             {
                 found.push(path);
@@ -894,7 +897,9 @@ async fn a_repository_on_an_https_forge_is_delivered_with_a_token_no_sandbox_hol
 
     // The token is nowhere a sandbox (or anyone reading the session) could see it.
     let session_dir = world.data_dir.join("work/sessions").join(&id);
-    assert!(session_dir.join("workspace/.git").is_dir(), "{}", session_dir.display());
+    // The workspace lives on the session's own disk (mounted at `disk/` while its sandbox is warm).
+    let workspace = session_dir.join("disk/workspace");
+    assert!(workspace.join(".git").is_dir(), "{}", workspace.display());
     let holding = files_holding(&session_dir, TOKEN.as_bytes());
     assert!(holding.is_empty(), "the token is in {holding:?}");
     let mirrors = files_holding(&world.data_dir.join("work/mirrors"), TOKEN.as_bytes());
@@ -906,7 +911,7 @@ async fn a_repository_on_an_https_forge_is_delivered_with_a_token_no_sandbox_hol
     support::assert_not_in_sandbox(&id, TOKEN, "the forge token");
     let origin = std::process::Command::new("git")
         .args(["-c", "safe.directory=*", "-C"])
-        .arg(session_dir.join("workspace"))
+        .arg(&workspace)
         .args(["remote", "get-url", "origin"])
         .output()
         .expect("git remote");
