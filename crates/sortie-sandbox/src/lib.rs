@@ -95,7 +95,13 @@ pub struct SandboxExit {
     pub signal: Option<i32>,
     /// The kernel killed a process of the sandbox for exceeding its memory limit.
     pub out_of_memory: bool,
+    /// The end of what the command wrote to its stderr (at most [`LAST_WORDS_BYTES`], control
+    /// characters removed): the sandbox wrote it, so it is shown, never parsed.
+    pub last_words: String,
 }
+
+/// How much of a sandbox's stderr an exit carries.
+pub const LAST_WORDS_BYTES: usize = 2048;
 
 impl SandboxExit {
     /// A sentence for a failure reason.
@@ -103,10 +109,15 @@ impl SandboxExit {
         if self.out_of_memory {
             return "the sandbox ran out of memory: the kernel killed a process that passed its memory limit".into();
         }
-        match (self.code, self.signal) {
+        let how = match (self.code, self.signal) {
             (Some(code), _) => format!("exited with code {code}"),
             (None, Some(signal)) => format!("killed by signal {signal}"),
             (None, None) => "ended".into(),
+        };
+        if self.last_words.is_empty() {
+            how
+        } else {
+            format!("{how}; its last words: {}", self.last_words)
         }
     }
 }

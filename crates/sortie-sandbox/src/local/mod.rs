@@ -308,13 +308,46 @@ pub fn chown_tree(root: &Path, uid: u32, gid: u32) -> std::io::Result<()> {
     Ok(())
 }
 
-fn exit_of(status: std::process::ExitStatus, out_of_memory: bool) -> SandboxExit {
+fn exit_of(status: std::process::ExitStatus, out_of_memory: bool, stderr_file: &Path) -> SandboxExit {
     use std::os::unix::process::ExitStatusExt;
     SandboxExit {
         code: status.code(),
         signal: status.signal(),
         out_of_memory,
+        last_words: last_words(stderr_file),
     }
+}
+
+/// The last [`LAST_WORDS_BYTES`] of a stderr log the sandbox wrote, as one line of text: it may be
+/// gigabytes long and hold anything, so only its end is read and everything but printable text
+/// is dropped.
+fn last_words(stderr_file: &Path) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut file) = std::fs::File::open(stderr_file) else {
+        return String::new();
+    };
+    let length = file.metadata().map(|meta| meta.len()).unwrap_or(0);
+    let start = length.saturating_sub(crate::LAST_WORDS_BYTES as u64);
+    if file.seek(SeekFrom::Start(start)).is_err() {
+        return String::new();
+    }
+    let mut tail = Vec::with_capacity(crate::LAST_WORDS_BYTES);
+    if file
+        .take(crate::LAST_WORDS_BYTES as u64)
+        .read_to_end(&mut tail)
+        .is_err()
+    {
+        return String::new();
+    }
+    let text = String::from_utf8_lossy(&tail);
+    let lines: Vec<&str> = text.lines().map(str::trim).filter(|line| !line.is_empty()).collect();
+    // A cut first line is only a fragment; the next ones say more.
+    let lines = if start > 0 && lines.len() > 1 {
+        &lines[1..]
+    } else {
+        &lines[..]
+    };
+    lines.join(" | ").chars().filter(|c| !c.is_control()).collect()
 }
 
 /// The sandbox's pid 1 as bwrap reported it on its status fd, once the namespaces exist.
@@ -469,17 +502,19 @@ impl SandboxRuntime for LocalRuntime {
         let (spawned_tx, spawned) = std::sync::mpsc::channel();
         let (exit_tx, exit_rx) = watch::channel(None);
         let waiter_cgroup = cgroup.clone();
+        let waiter_stderr = stderr_file.clone();
         std::thread::Builder::new()
             .name(format!("sandbox-{name}"))
             .spawn(move || match command.spawn() {
                 Ok(mut child) => {
                     let _ = spawned_tx.send(Ok(child.id()));
                     let exit = match child.wait() {
-                        Ok(status) => exit_of(status, waiter_cgroup.out_of_memory()),
+                        Ok(status) => exit_of(status, waiter_cgroup.out_of_memory(), &waiter_stderr),
                         Err(_) => SandboxExit {
                             code: None,
                             signal: None,
                             out_of_memory: waiter_cgroup.out_of_memory(),
+                            last_words: last_words(&waiter_stderr),
                         },
                     };
                     exit_tx.send_replace(Some(exit));
@@ -511,10 +546,7 @@ impl SandboxRuntime for LocalRuntime {
                 let reason = match exit.code {
                     Some(97) => "cannot join the sandbox's cgroups".to_owned(),
                     Some(98) => "cannot open the sandbox's status file".to_owned(),
-                    _ => {
-                        let said = std::fs::read_to_string(&stderr_file).unwrap_or_default();
-                        format!("bwrap {}: {}", exit.describe(), said.trim())
-                    }
+                    _ => format!("bwrap {}", exit.describe()),
                 };
                 return Err(SandboxError::Start(reason));
             }
@@ -548,6 +580,7 @@ impl SandboxRuntime for LocalRuntime {
         // Not this process's child: it has ended when its cgroup is empty.
         let (exit_tx, exit_rx) = watch::channel(None);
         let watched = cgroup.clone();
+        let watched_stderr = state_dir.join("stderr.log");
         std::thread::Builder::new()
             .name(format!("sandbox-{name}"))
             .spawn(move || {
@@ -558,6 +591,7 @@ impl SandboxRuntime for LocalRuntime {
                     code: None,
                     signal: None,
                     out_of_memory: watched.out_of_memory(),
+                    last_words: last_words(&watched_stderr),
                 }));
             })
             .map_err(SandboxError::io("cannot watch the adopted sandbox"))?;
@@ -661,6 +695,7 @@ impl SandboxRuntime for LocalRuntime {
             code: None,
             signal: None,
             out_of_memory: false,
+            last_words: String::new(),
         }))
     }
 
@@ -727,6 +762,21 @@ impl SandboxRuntime for LocalRuntime {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn last_words_are_the_end_of_the_log_as_one_printable_line() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = dir.path().join("stderr.log");
+        assert_eq!(last_words(&log), "", "no log, no words");
+        std::fs::write(&log, "starting\nError: agent \"x\" is \u{1b}[31mmissing\u{7}\n\n").expect("write");
+        assert_eq!(last_words(&log), "starting | Error: agent \"x\" is [31mmissing");
+        // A log of megabytes is read from its end, and its cut first line is left out.
+        let mut long = "noise ".repeat(1 << 18);
+        long.push_str("\nthe reason\n");
+        std::fs::write(&log, long).expect("write");
+        let words = last_words(&log);
+        assert_eq!(words, "the reason");
+    }
 
     #[test]
     fn the_start_time_is_read_after_the_command_name() {
