@@ -1470,3 +1470,62 @@ async fn one_sessions_git_processes_are_capped_and_kept_in_its_cgroup_while_anot
     let again = setup.root.join("again");
     clone_session(&setup.root, &setup.base, &setup.session, &again);
 }
+
+/// Every process (any parent) whose environment names `root` as git's project root.
+fn processes_serving(root: &Path) -> Vec<(u32, String)> {
+    let marker = format!("GIT_PROJECT_ROOT={}", root.display());
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let environ = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+        if environ.split(|b| *b == 0).any(|var| var == marker.as_bytes()) {
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            found.push((pid, String::from_utf8_lossy(&cmdline).replace('\0', " ")));
+        }
+    }
+    found
+}
+
+/// `git http-backend` runs `git-http-backend` as a child: a backend killed for running too long
+/// takes that child with it instead of orphaning it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_killed_for_running_too_long_leaves_no_process_behind() {
+    let setup = setup_with(|config| {
+        config.processes.max_lifetime = Duration::from_millis(500);
+        config.processes.body_idle_timeout = Duration::from_secs(60);
+    })
+    .await;
+    let upstream_root = setup.upstream.parent().expect("root").to_owned();
+    let address = setup.base.trim_start_matches("http://").to_owned();
+    let path = format!("/_sortie/git/{}.git/git-upload-pack", setup.session);
+    use tokio::io::AsyncWriteExt;
+    let mut socket = tokio::net::TcpStream::connect(&address).await.expect("connect");
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/x-git-upload-pack-request\r\nContent-Length: 10000000\r\n\r\n0014command=ls-refs\n"
+    );
+    socket.write_all(head.as_bytes()).await.expect("write");
+
+    // The held request has its backend, the dashed child included...
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let serving = processes_serving(&upstream_root);
+        if serving.iter().any(|(_, cmdline)| cmdline.contains("git-http-backend")) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no backend started: {serving:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // ...and past its lifetime nothing of it is left, while the client still holds the request open.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let serving = processes_serving(&upstream_root);
+        if serving.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "left behind: {serving:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(socket);
+}

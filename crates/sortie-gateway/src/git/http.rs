@@ -869,7 +869,7 @@ async fn cgi(config: &GitProxyConfig, repo: &Path, request: Forwarded<'_>, slot:
     tokio::spawn(async move {
         if tokio::time::timeout(lifetime, child.wait()).await.is_err() {
             tracing::warn!("git http-backend ran too long; killed");
-            let _ = child.kill().await;
+            process::kill_all(&mut child).await;
         }
         drop(slot);
     });

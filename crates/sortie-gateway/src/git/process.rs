@@ -117,6 +117,9 @@ pub(crate) async fn spawn(command: GitCommand, procs: &[PathBuf]) -> Result<Spaw
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        // A group of its own: `git http-backend` runs `git-http-backend` as a child, which a kill of
+        // the first alone would orphan.
+        .process_group(0)
         .kill_on_drop(true);
     if let Some(identity) = command.identity {
         // gid first, then uid; as root, std also clears the supplementary groups (setgroups(0)).
@@ -149,6 +152,15 @@ pub(crate) async fn spawn(command: GitCommand, procs: &[PathBuf]) -> Result<Spaw
         stdout,
         stderr,
     })
+}
+
+/// Kills a child started by [`spawn`] and every process of its group (what git started for it),
+/// then reaps it.
+pub(crate) async fn kill_all(child: &mut tokio::process::Child) {
+    if let Some(pid) = child.id().and_then(|pid| i32::try_from(pid).ok()) {
+        let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+    }
+    let _ = child.kill().await;
 }
 
 /// The last lines of a child's stderr, for a reason (bounded).
