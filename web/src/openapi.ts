@@ -526,7 +526,7 @@ export interface components {
          * @description Why a session's last turn failed (`failure.code`, DESIGN §4.1).
          * @enum {string}
          */
-        FailureCode: "SANDBOX_START_FAILED" | "CLONE_FAILED" | "SETUP_FAILED" | "AGENT_START_FAILED" | "VENDOR_AUTH_REJECTED" | "TURN_TIMEOUT" | "AGENT_ERROR" | "SECRET_DETECTED" | "PUSH_CONFLICT" | "DELIVERY_FAILED" | "PR_OPEN_FAILED" | "SANDBOX_LOST" | "INTERNAL";
+        FailureCode: "SANDBOX_START_FAILED" | "CLONE_FAILED" | "SETUP_FAILED" | "AGENT_START_FAILED" | "VENDOR_AUTH_REJECTED" | "TURN_TIMEOUT" | "AGENT_ERROR" | "SECRET_DETECTED" | "PUSH_CONFLICT" | "DELIVERY_FAILED" | "PR_OPEN_FAILED" | "SANDBOX_LOST" | "DISK_QUOTA_EXCEEDED" | "INTERNAL";
         /** @description A forge connection as the control plane shows it. Never the token. */
         ForgeConnection: {
             /** @description Empty for a plain git host. */
