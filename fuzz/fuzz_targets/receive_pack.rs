@@ -209,9 +209,12 @@ fuzz_target!(|data: &[u8]| {
         }
         Decision::Refuse {
             reason,
-            refnames,
+            updates,
             side_band,
-        } => check_refusal(&reason, &refnames, side_band),
+        } => {
+            let refnames: Vec<String> = updates.into_iter().map(|update| update.refname).collect();
+            check_refusal(&reason, &refnames, side_band)
+        }
         Decision::NeedMore => assert!(!complete),
     }
 });
