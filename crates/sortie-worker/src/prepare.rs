@@ -80,6 +80,12 @@ impl SessionDirs {
         self.host.join("driver.sock")
     }
 
+    /// The commit the workspace was cloned at, written by the host beside (never inside) the
+    /// sandbox's directories.
+    pub fn start_commit(&self) -> PathBuf {
+        self.root.join("start-commit")
+    }
+
     pub fn egress_socket(&self) -> PathBuf {
         self.egress.join("egress.sock")
     }
@@ -262,7 +268,9 @@ pub async fn ensure_mirror(
     Ok(mirror)
 }
 
-/// Clones the session's workspace from the mirror unless it exists (a hibernated or retried session keeps it).
+/// Clones the session's workspace from the mirror unless it exists (a hibernated or retried session
+/// keeps it). A new workspace answers the commit it starts from, as the host's git read it from the
+/// mirror (the base the first delivery is counted against).
 pub async fn ensure_workspace(
     binary: &Path,
     mirror: &Path,
@@ -270,9 +278,9 @@ pub async fn ensure_workspace(
     branch: &str,
     base: Option<&str>,
     origin_url: &str,
-) -> Result<bool, PrepareError> {
+) -> Result<Option<String>, PrepareError> {
     if workspace.join(".git").exists() {
-        return Ok(false);
+        return Ok(None);
     }
     let partial = workspace.with_extension("partial");
     let _ = std::fs::remove_dir_all(&partial);
@@ -296,21 +304,21 @@ pub async fn ensure_workspace(
         Some(base) => format!("refs/remotes/origin/{base}"),
         None => "refs/remotes/origin/HEAD".to_owned(),
     };
-    if git(
+    let start_commit = format!("{start}^{{commit}}");
+    let Ok(start_commit) = git(
         binary,
         Some(&partial),
-        &["rev-parse", "--verify", "--quiet", &start],
+        &["rev-parse", "--verify", "--quiet", &start_commit],
         LOCAL_DEADLINE,
     )
     .await
-    .is_err()
-    {
+    else {
         let _ = std::fs::remove_dir_all(&partial);
         return Err(PrepareError(match base {
             Some(base) => format!("the repository has no branch {base:?} to start from"),
             None => "the repository has no default branch with a commit to start from".to_owned(),
         }));
-    }
+    };
     git(
         binary,
         Some(&partial),
@@ -327,7 +335,7 @@ pub async fn ensure_workspace(
     .await?;
     std::fs::rename(&partial, workspace)
         .map_err(|e| PrepareError(format!("cannot move the workspace into place: {e}")))?;
-    Ok(true)
+    Ok(Some(start_commit.trim().to_owned()))
 }
 
 #[cfg(test)]

@@ -99,6 +99,13 @@ async fn run_delivers_the_branch_and_the_transcript_is_what_a_live_client_saw(
         .find(|c| c["type"] == "data-sortie-delivery")
         .expect("delivery part");
     assert_eq!(delivery["data"]["headSha"].as_str(), Some(head.as_str()), "{delivery}");
+    // The first delivery is counted from the commit the session started at, as git counts it.
+    let shortstat = git(&world.upstream, &["diff", "--shortstat", "refs/heads/main", &head]);
+    assert_eq!(
+        delivery["data"]["diffStat"],
+        json!({"files": 1, "insertions": 1, "deletions": 0}),
+        "git says {shortstat}"
+    );
     // Every phase is timed by the host, on the turn body and in the phase part the live client saw last.
     let timings = turns[0]["timings"].as_object().expect("timings");
     let phases = [

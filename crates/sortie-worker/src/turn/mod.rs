@@ -659,14 +659,20 @@ async fn delivered(
     };
     let diff_stat = match &head {
         Some(head) => {
-            let scratch = SessionDirs::new(&context.config.work_dir, &session.id)
-                .git_state
-                .join("stat");
+            let dirs = SessionDirs::new(&context.config.work_dir, &session.id);
+            // Counted from the last delivery, or for the first from the commit the workspace was
+            // cloned at (as `git diff --shortstat <base> sortie/<id>` counts it).
+            let from = match &session.head_sha {
+                Some(delivered) => Some(delivered.clone()),
+                None => std::fs::read_to_string(dirs.start_commit())
+                    .ok()
+                    .map(|commit| commit.trim().to_owned()),
+            };
             sortie_gateway::git::scan::diff_stat(
                 &context.config.git_binary,
-                &scratch,
+                &dirs.git_state.join("stat"),
                 &sandbox.0.trusted_objects,
-                session.head_sha.as_deref(),
+                from.as_deref(),
                 head,
             )
             .await

@@ -281,7 +281,7 @@ pub(super) async fn provision(
         sortie_driver::relay::RELAY_ADDRESS,
         session.id
     );
-    prepare::ensure_workspace(
+    let started_at = prepare::ensure_workspace(
         &config.git_binary,
         &mirror,
         &dirs.workspace,
@@ -291,6 +291,10 @@ pub(super) async fn provision(
     )
     .await
     .map_err(|e| (FailureCode::CloneFailed, e.0))?;
+    if let Some(commit) = started_at {
+        std::fs::write(dirs.start_commit(), commit)
+            .map_err(|e| start_failed(format!("cannot record the workspace's start: {e}")))?;
+    }
     if let Some((uid, gid)) = context.runtime.host_owner() {
         for dir in [&dirs.workspace, &dirs.home] {
             sortie_sandbox::local::chown_tree(dir, uid, gid)
