@@ -111,7 +111,7 @@ fn main() {
         // Warm the agent up so the measured turn does not include its start.
         client
             .post("http://driver/turns")
-            .json(&serde_json::json!({"n": 1, "prompt": "#!scripted\nsay: warm"}))
+            .json(&serde_json::json!({"n": 1, "nonce": "warm", "prompt": "#!scripted\nsay: warm"}))
             .send()
             .await
             .expect("warm");
@@ -122,7 +122,7 @@ fn main() {
         let prompt = format!("#!scripted\nflood: {count}");
         client
             .post("http://driver/turns")
-            .json(&serde_json::json!({"n": 2, "prompt": prompt}))
+            .json(&serde_json::json!({"n": 2, "nonce": "flood", "prompt": prompt}))
             .send()
             .await
             .expect("turn");
