@@ -30,11 +30,11 @@ export type UiMessage = Schemas['UiMessage'];
 
 // Every phase of the API, in life order; a phase added to or dropped from the API fails the typecheck here.
 const PHASE_ORDER: Record<Phase, number> = {
-  queued: 0, provisioning: 1, running: 2, delivering: 3, idle: 4, hibernated: 5, failed: 6, canceled: 7,
+  queued: 0, provisioning: 1, running: 2, delivering: 3, idle: 4, hibernated: 5, failed: 6, canceling: 7, canceled: 8,
 };
 export const PHASES = (Object.keys(PHASE_ORDER) as Phase[]).sort((a, b) => PHASE_ORDER[a] - PHASE_ORDER[b]);
 /** The phases in which a turn is in flight (the stream has something to show). */
-export const LIVE: Phase[] = ['queued', 'provisioning', 'running', 'delivering'];
+export const LIVE: Phase[] = ['queued', 'provisioning', 'running', 'delivering', 'canceling'];
 
 export class ApiError extends Error {
   constructor(public status: number, public code: string, message: string, public details: Record<string, unknown> = {}) {

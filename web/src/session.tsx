@@ -92,7 +92,7 @@ function Header({ s, turns, onAction, busy, delivery }: { s: Session; turns: Tur
         <h1>{s.title || s.id}</h1>
         <div className="actions">
           <button onClick={() => onAction('stop')} disabled={busy || !live}>Stop</button>
-          <button onClick={() => onAction('cancel')} disabled={busy || s.phase === 'canceled'}>Cancel</button>
+          <button onClick={() => onAction('cancel')} disabled={busy || s.phase === 'canceled' || s.phase === 'canceling'}>Cancel</button>
           {s.phase === 'failed' && last && <button onClick={() => onAction('retry')} disabled={busy} title="Run the last prompt again">Retry</button>}
           {s.phase === 'hibernated' && <button onClick={() => onAction('resume')} disabled={busy}>Wake</button>}
           <button onClick={() => onAction('archive')} disabled={busy || s.archived}>{s.archived ? 'Archived' : 'Archive'}</button>

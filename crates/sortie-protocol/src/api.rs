@@ -110,6 +110,15 @@ pub struct AttachTicket {
     pub stream_url: String,
 }
 
+/// Whether a session holds a sandbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum SandboxState {
+    Live,
+    Released,
+}
+
 /// A session as the control plane shows it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -125,6 +134,10 @@ pub struct Session {
     pub model: Option<String>,
     pub title: String,
     pub phase: SessionPhase,
+    /// Whether the session holds a sandbox now (`live`) or not (`released`: never made yet, or given
+    /// back after the idle grace or for capacity; its workspace and agent state stay on disk). Apart
+    /// from `phase`, so a failed session stays `failed` when its sandbox goes.
+    pub sandbox: SandboxState,
     /// Why a queued session waits, e.g. `SANDBOX_CAPACITY_LIMIT`; null otherwise.
     pub queued_reason: Option<String>,
     /// How many turns the session has.

@@ -24,16 +24,20 @@ pub enum SessionPhase {
     Delivering,
     /// No turn runs; the sandbox is warm, so a steer starts at once.
     Idle,
-    /// No sandbox; the workspace and agent state are kept for a later steer or resume.
+    /// A finished session's sandbox was released; the workspace and agent state are kept for a later
+    /// steer or resume.
     Hibernated,
     /// The last turn failed; a steer retries.
     Failed,
-    /// Ended by the user. Terminal.
+    /// Canceled by the user while a turn was in flight: the worker stops it, delivers what it did and
+    /// tears the sandbox down, then says `canceled`.
+    Canceling,
+    /// Ended by the user; whatever work there was is on the branch. Terminal.
     Canceled,
 }
 
 impl SessionPhase {
-    pub const ALL: [SessionPhase; 8] = [
+    pub const ALL: [SessionPhase; 9] = [
         Self::Queued,
         Self::Provisioning,
         Self::Running,
@@ -41,6 +45,7 @@ impl SessionPhase {
         Self::Idle,
         Self::Hibernated,
         Self::Failed,
+        Self::Canceling,
         Self::Canceled,
     ];
 
@@ -53,6 +58,7 @@ impl SessionPhase {
             Self::Idle => "idle",
             Self::Hibernated => "hibernated",
             Self::Failed => "failed",
+            Self::Canceling => "canceling",
             Self::Canceled => "canceled",
         }
     }
@@ -66,7 +72,7 @@ impl SessionPhase {
     pub fn has_active_turn(self) -> bool {
         matches!(
             self,
-            Self::Queued | Self::Provisioning | Self::Running | Self::Delivering
+            Self::Queued | Self::Provisioning | Self::Running | Self::Delivering | Self::Canceling
         )
     }
 
@@ -81,7 +87,7 @@ impl SessionPhase {
         match self {
             Self::Queued | Self::Provisioning | Self::Running | Self::Delivering => Some(self),
             Self::Idle | Self::Hibernated | Self::Failed => Some(Self::Queued),
-            Self::Canceled => None,
+            Self::Canceling | Self::Canceled => None,
         }
     }
 }
@@ -101,14 +107,17 @@ pub const SESSION_TRANSITIONS: &[(SessionPhase, SessionPhase)] = {
         (Provisioning, Queued),
         (Provisioning, Failed),
         (Provisioning, Canceled),
+        (Provisioning, Canceling),
         (Running, Delivering),
         (Running, Failed),
         (Running, Canceled),
+        (Running, Canceling),
         (Delivering, Idle),
         // Another turn was queued behind the one just delivered.
         (Delivering, Queued),
         (Delivering, Failed),
         (Delivering, Canceled),
+        (Delivering, Canceling),
         // A steer (or a resume of a hibernated session) queues a turn.
         (Idle, Queued),
         (Idle, Hibernated),
@@ -116,8 +125,10 @@ pub const SESSION_TRANSITIONS: &[(SessionPhase, SessionPhase)] = {
         (Hibernated, Queued),
         (Hibernated, Canceled),
         (Failed, Queued),
-        (Failed, Hibernated),
+        // A failed session stays failed when its sandbox is released (the view says so apart).
         (Failed, Canceled),
+        // The canceled turn's delivery and teardown are done.
+        (Canceling, Canceled),
     ]
 };
 
@@ -281,12 +292,16 @@ mod tests {
     fn expected_session(from: P, to: P) -> bool {
         match from {
             P::Queued => matches!(to, P::Provisioning | P::Running | P::Canceled),
-            P::Provisioning => matches!(to, P::Running | P::Idle | P::Queued | P::Failed | P::Canceled),
-            P::Running => matches!(to, P::Delivering | P::Failed | P::Canceled),
-            P::Delivering => matches!(to, P::Idle | P::Queued | P::Failed | P::Canceled),
+            P::Provisioning => matches!(
+                to,
+                P::Running | P::Idle | P::Queued | P::Failed | P::Canceled | P::Canceling
+            ),
+            P::Running => matches!(to, P::Delivering | P::Failed | P::Canceled | P::Canceling),
+            P::Delivering => matches!(to, P::Idle | P::Queued | P::Failed | P::Canceled | P::Canceling),
             P::Idle => matches!(to, P::Queued | P::Hibernated | P::Canceled),
             P::Hibernated => matches!(to, P::Queued | P::Canceled),
-            P::Failed => matches!(to, P::Queued | P::Hibernated | P::Canceled),
+            P::Failed => matches!(to, P::Queued | P::Canceled),
+            P::Canceling => to == P::Canceled,
             P::Canceled => false,
         }
     }
@@ -325,7 +340,10 @@ mod tests {
                     from.has_active_turn(),
                     "{from} keeps its phase only with a turn in flight"
                 ),
-                None => assert!(from.is_terminal()),
+                None => assert!(
+                    matches!(from, P::Canceled | P::Canceling),
+                    "{from} refuses steers only once canceled"
+                ),
             }
         }
     }

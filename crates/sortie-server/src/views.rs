@@ -21,6 +21,11 @@ pub fn session(row: &SessionRow) -> api::Session {
         model: row.model.clone(),
         title: row.title.clone(),
         phase: row.phase,
+        sandbox: if row.has_sandbox {
+            api::SandboxState::Live
+        } else {
+            api::SandboxState::Released
+        },
         queued_reason: row.queued_reason.clone(),
         turns: row.n_turns,
         current_turn: row.current_turn,

@@ -81,6 +81,8 @@ pub struct SessionRow {
     pub output_tokens: u64,
     pub created_at: i64,
     pub updated_at: i64,
+    /// A sandbox of the session is recorded (made, live or being torn down).
+    pub has_sandbox: bool,
 }
 
 /// Why the worker should end a running turn early.

@@ -148,7 +148,8 @@ macro_rules! session_select {
             "SELECT s.id, s.workspace_id, w.name AS workspace_name, s.repo, s.base, s.agent, s.model, s.title, ",
             "s.phase, s.queued_reason, s.n_turns, s.n_waiting, s.current_turn, s.head_sha, s.pr_url, s.pr_number, ",
             "s.failure_code, s.failure_reason, s.egress_allow, s.setup, s.archived, s.resume_requested, ",
-            "s.prompts_bytes, s.compute_ms, s.input_tokens, s.output_tokens, s.created_at, s.updated_at ",
+            "s.prompts_bytes, s.compute_ms, s.input_tokens, s.output_tokens, s.created_at, s.updated_at, ",
+            "(SELECT COUNT(*) FROM sandboxes x WHERE x.session_id = s.id) AS sandboxes ",
             "FROM sessions s JOIN workspaces w ON w.id = s.workspace_id ",
             $tail
         )
@@ -277,6 +278,7 @@ fn session_from_row(row: &AnyRow) -> StoreResult<SessionRow> {
         output_tokens: get_u64(row, "output_tokens")?,
         created_at: row.try_get("created_at")?,
         updated_at: row.try_get("updated_at")?,
+        has_sandbox: row.try_get::<i64, _>("sandboxes")? > 0,
     })
 }
 
@@ -626,18 +628,26 @@ impl Store for SqlStore {
     async fn cancel(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow> {
         for _ in 0..CAS_ATTEMPTS {
             let session = self.fetch_session(workspace_id, session_id).await?;
-            if session.phase == SessionPhase::Canceled {
+            if matches!(session.phase, SessionPhase::Canceled | SessionPhase::Canceling) {
                 return Ok(session);
             }
+            // A turn in flight is stopped, delivered and torn down by its worker, which then says
+            // `canceled`; a resting session is canceled at once.
+            let to = if session.phase.has_active_turn() && session.phase != SessionPhase::Queued {
+                SessionPhase::Canceling
+            } else {
+                SessionPhase::Canceled
+            };
             let now = now_ms();
             let mut tx = self.begin_write().await?;
             let changed = sqlx::query(
-                "UPDATE sessions SET phase = 'canceled', n_waiting = 0, queued_reason = NULL, resume_requested = 0, \
+                "UPDATE sessions SET phase = $4, n_waiting = 0, queued_reason = NULL, resume_requested = 0, \
                  updated_at = $3 WHERE id = $1 AND phase = $2",
             )
             .bind(session_id.as_str())
             .bind(session.phase.as_str())
             .bind(now)
+            .bind(to.as_str())
             .execute(&mut *tx)
             .await?
             .rows_affected();
@@ -667,7 +677,7 @@ impl Store for SqlStore {
     async fn resume(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow> {
         for _ in 0..CAS_ATTEMPTS {
             let session = self.fetch_session(workspace_id, session_id).await?;
-            if session.phase.is_terminal() {
+            if matches!(session.phase, SessionPhase::Canceled | SessionPhase::Canceling) {
                 return Err(StoreError::NotSteerable("canceled"));
             }
             if session.archived {

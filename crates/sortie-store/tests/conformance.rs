@@ -503,13 +503,25 @@ async fn worker_finds_work_settles_sessions_and_counts_sandboxes(backend: TestBa
         Err(StoreError::IllegalTransition { .. })
     ));
 
-    // A resume without a prompt is claimed on its own.
-    assert!(
+    // A failed session stays failed when its sandbox goes; only a finished one hibernates.
+    assert!(matches!(
         f.store
             .transition_session(&first.id, SessionPhase::Failed, SessionPhase::Hibernated)
-            .await
-            .expect("cas")
-    );
+            .await,
+        Err(StoreError::IllegalTransition { .. })
+    ));
+    // A resume without a prompt is claimed on its own.
+    for (from, to) in [
+        (SessionPhase::Failed, SessionPhase::Queued),
+        (SessionPhase::Queued, SessionPhase::Provisioning),
+        (SessionPhase::Provisioning, SessionPhase::Idle),
+        (SessionPhase::Idle, SessionPhase::Hibernated),
+    ] {
+        assert!(
+            f.store.transition_session(&first.id, from, to).await.expect("cas"),
+            "{from} -> {to}"
+        );
+    }
     f.store.resume(&ws, &first.id).await.expect("resume");
     assert!(
         f.store

@@ -239,6 +239,12 @@ impl Worker {
                 tokio::spawn(async move {
                     let session_id = session.id.clone();
                     let keep = turn::resume(&context, session, turn, sandbox).await;
+                    if keep.is_none() {
+                        let _ = context
+                            .store
+                            .transition_session(&session_id, SessionPhase::Canceling, SessionPhase::Canceled)
+                            .await;
+                    }
                     let _ = events.send(Event::TurnEnded { session_id, keep });
                 });
             }
@@ -406,6 +412,14 @@ fn spawn_turn(
     tokio::spawn(async move {
         let session_id = session.id.clone();
         let keep = turn::run(&context, session, turn, sandbox).await;
+        if keep.is_none() {
+            // A cancel that came while the turn was in flight: its work is delivered and its sandbox
+            // gone now, so the session is `canceled` (a no-op for any other phase).
+            let _ = context
+                .store
+                .transition_session(&session_id, SessionPhase::Canceling, SessionPhase::Canceled)
+                .await;
+        }
         let _ = events.send(Event::TurnEnded { session_id, keep });
     });
 }
@@ -447,7 +461,7 @@ async fn retire_idle(context: &Arc<Context>, slots: &mut HashMap<SessionId, Slot
         let Ok(session) = context.store.session_by_id(&session_id).await else {
             continue;
         };
-        let ended = session.phase == SessionPhase::Canceled || session.archived;
+        let ended = matches!(session.phase, SessionPhase::Canceling | SessionPhase::Canceled) || session.archived;
         let expired = slots
             .get(&session_id)
             .is_some_and(|slot| slot.idle_since.elapsed() >= context.config.idle_grace);
@@ -457,29 +471,33 @@ async fn retire_idle(context: &Arc<Context>, slots: &mut HashMap<SessionId, Slot
             {
                 turn::destroy(context, &session_id, &sandbox).await;
             }
-        } else if expired && session.phase == SessionPhase::Idle {
+        } else if expired && matches!(session.phase, SessionPhase::Idle | SessionPhase::Failed) {
             hibernate(context, slots, &session_id).await;
         }
     }
 }
 
-/// `idle → hibernated`, then the sandbox is destroyed (workspace and home stay). `false` if the
-/// session was not idle any more (a steer won the race).
+/// Gives a resting session's sandbox back: an idle one becomes `hibernated` first; a failed one stays
+/// `failed` (its sandbox's absence is shown apart from the phase). Workspace and home stay. `false` if
+/// the session was not resting any more (a steer won the race).
 async fn hibernate(context: &Arc<Context>, slots: &mut HashMap<SessionId, Slot>, session_id: &SessionId) -> bool {
     let from = match context.store.session_by_id(session_id).await {
         Ok(session) => session.phase,
         Err(_) => return false,
     };
-    if !matches!(from, SessionPhase::Idle | SessionPhase::Failed) {
-        return false;
-    }
-    if !matches!(
-        context
-            .store
-            .transition_session(session_id, from, SessionPhase::Hibernated)
-            .await,
-        Ok(true)
-    ) {
+    let released = match from {
+        SessionPhase::Idle => matches!(
+            context
+                .store
+                .transition_session(session_id, from, SessionPhase::Hibernated)
+                .await,
+            Ok(true)
+        ),
+        // Nothing to change: a steer that comes now finds no warm slot and provisions afresh.
+        SessionPhase::Failed => true,
+        _ => false,
+    };
+    if !released {
         return false;
     }
     if let Some(slot) = slots.remove(session_id)
@@ -516,6 +534,7 @@ async fn reconcile(context: &Arc<Context>) -> Vec<Adopted> {
         SessionPhase::Provisioning,
         SessionPhase::Running,
         SessionPhase::Delivering,
+        SessionPhase::Canceling,
     ];
     if let Ok(sessions) = context.store.sessions_in_phases(&held).await {
         for session in sessions {
@@ -550,6 +569,14 @@ async fn reconcile(context: &Arc<Context>) -> Vec<Adopted> {
                 }
             }
             let mut from = session.phase;
+            if from == SessionPhase::Canceling {
+                // Its sandbox is gone with the process: the cancel is done.
+                let _ = context
+                    .store
+                    .transition_session(&session.id, from, SessionPhase::Canceled)
+                    .await;
+                continue;
+            }
             if from == SessionPhase::Running
                 && matches!(
                     context

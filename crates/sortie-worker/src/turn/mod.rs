@@ -824,14 +824,14 @@ async fn settle_turn(
             Err(_) => SessionPhase::Delivering,
         };
     }
-    if from == SessionPhase::Canceled {
+    if matches!(from, SessionPhase::Canceling | SessionPhase::Canceled) {
         destroy(context, &session.id, &sandbox).await;
         return None;
     }
     if let Ok(None) = context.store.settle_session(&session.id, from, failed).await
         && matches!(
             context.store.session_by_id(&session.id).await.map(|now| now.phase),
-            Ok(SessionPhase::Canceled)
+            Ok(SessionPhase::Canceling | SessionPhase::Canceled)
         )
     {
         // Canceled while it delivered: nothing of it may stay warm.
