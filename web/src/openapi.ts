@@ -509,7 +509,7 @@ export interface components {
          * @description A refusal the control plane answers with, and its HTTP status.
          * @enum {string}
          */
-        ErrorCode: "INVALID_REQUEST" | "UNSUPPORTED_MEDIA_TYPE" | "BODY_TOO_LARGE" | "UNAUTHORIZED" | "FORBIDDEN" | "SESSION_NOT_FOUND" | "NOT_FOUND" | "METHOD_NOT_ALLOWED" | "PROMPT_TOO_LARGE" | "SESSION_PROMPTS_TOO_LARGE" | "SETUP_TOO_LARGE" | "TITLE_TOO_LONG" | "EGRESS_ALLOWLIST_INVALID" | "AGENT_UNKNOWN" | "REPO_INVALID" | "REPO_NOT_ALLOWED" | "BASE_INVALID" | "MODEL_INVALID" | "TURN_QUEUE_FULL" | "SESSION_NOT_STEERABLE" | "NO_TURN_RUNNING" | "SESSION_ACTIVE" | "TICKET_INVALID" | "TICKET_EXPIRED" | "TICKET_REPLAYED" | "MODEL_API_UNKNOWN" | "MODEL_KEY_INVALID" | "MODEL_KEY_NOT_FOUND" | "FORGE_CONNECTION_INVALID" | "FORGE_CONNECTION_NOT_FOUND" | "STORE_UNAVAILABLE" | "INTERNAL";
+        ErrorCode: "INVALID_REQUEST" | "UNSUPPORTED_MEDIA_TYPE" | "BODY_TOO_LARGE" | "UNAUTHORIZED" | "FORBIDDEN" | "SESSION_NOT_FOUND" | "NOT_FOUND" | "METHOD_NOT_ALLOWED" | "PROMPT_TOO_LARGE" | "SESSION_PROMPTS_TOO_LARGE" | "SETUP_TOO_LARGE" | "TITLE_TOO_LONG" | "EGRESS_ALLOWLIST_INVALID" | "AGENT_UNKNOWN" | "AGENT_NOT_INSTALLED" | "REPO_INVALID" | "REPO_NOT_ALLOWED" | "BASE_INVALID" | "BASE_NOT_FOUND" | "REPO_NOT_READABLE" | "MODEL_INVALID" | "TURN_QUEUE_FULL" | "SESSION_NOT_STEERABLE" | "NO_TURN_RUNNING" | "SESSION_ACTIVE" | "TICKET_INVALID" | "TICKET_EXPIRED" | "TICKET_REPLAYED" | "MODEL_API_UNKNOWN" | "MODEL_KEY_INVALID" | "MODEL_KEY_NOT_FOUND" | "FORGE_CONNECTION_INVALID" | "FORGE_CONNECTION_NOT_FOUND" | "STORE_UNAVAILABLE" | "INTERNAL";
         /** @description One error: a stable code, a sentence for people, and structured details (an empty object if none). */
         ErrorDetail: {
             code: components["schemas"]["ErrorCode"];
@@ -624,6 +624,11 @@ export interface components {
          * @enum {string}
          */
         Role: "viewer" | "operator" | "admin";
+        /**
+         * @description Whether a session holds a sandbox.
+         * @enum {string}
+         */
+        SandboxState: "live" | "released";
         /** @description A session as the control plane shows it. */
         Session: {
             agent: string;
@@ -648,6 +653,12 @@ export interface components {
             /** @description Why a queued session waits, e.g. `SANDBOX_CAPACITY_LIMIT`; null otherwise. */
             queued_reason?: string | null;
             repo: string;
+            /**
+             * @description Whether the session holds a sandbox now (`live`) or not (`released`: never made yet, or given
+             *     back after the idle grace or for capacity; its workspace and agent state stay on disk). Apart
+             *     from `phase`, so a failed session stays `failed` when its sandbox goes.
+             */
+            sandbox: components["schemas"]["SandboxState"];
             title: string;
             /**
              * Format: int32
@@ -676,7 +687,7 @@ export interface components {
          * @description Where a session is in its life.
          * @enum {string}
          */
-        SessionPhase: "queued" | "provisioning" | "running" | "delivering" | "idle" | "hibernated" | "failed" | "canceled";
+        SessionPhase: "queued" | "provisioning" | "running" | "delivering" | "idle" | "hibernated" | "failed" | "canceling" | "canceled";
         /**
          * @description `PUT /v1/forge-connections/{host}`: the workspace's token for the forge at `host` (the authority of
          *     its repository URLs: `github.com`, `git.example.com:8443`), replacing any earlier one. Its
@@ -1399,7 +1410,7 @@ export interface operations {
                     "application/json": components["schemas"]["Session"];
                 };
             };
-            /** @description INVALID_REQUEST, EGRESS_ALLOWLIST_INVALID, AGENT_UNKNOWN, REPO_INVALID, BASE_INVALID, MODEL_INVALID, TITLE_TOO_LONG */
+            /** @description INVALID_REQUEST, EGRESS_ALLOWLIST_INVALID, AGENT_UNKNOWN, REPO_INVALID, REPO_NOT_READABLE, BASE_INVALID, BASE_NOT_FOUND, MODEL_INVALID, TITLE_TOO_LONG */
             400: {
                 headers: {
                     [name: string]: unknown;
@@ -1419,6 +1430,15 @@ export interface operations {
             };
             /** @description FORBIDDEN, REPO_NOT_ALLOWED */
             403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description AGENT_NOT_INSTALLED */
+            409: {
                 headers: {
                     [name: string]: unknown;
                 };

@@ -55,12 +55,20 @@ error_codes! {
     EgressAllowlistInvalid = 400,
     /// No agent profile has this id.
     AgentUnknown = 400,
+    /// The agent (named, or the default when none is) is not installed on this server; the message
+    /// says how to install it (`sortie agents install ID`) and which agents are installed.
+    AgentNotInstalled = 409,
     /// `repo` is neither an `https://` git URL nor an absolute path, or it carries credentials.
     RepoInvalid = 400,
     /// The repository is not allowed for this workspace.
     RepoNotAllowed = 403,
     /// `base` is not a valid branch name.
     BaseInvalid = 400,
+    /// The local repository has no branch `base`.
+    BaseNotFound = 400,
+    /// The server (or the repository's owner, who serves it to sortie) cannot read the local
+    /// repository; the message names the path and the permission that is missing.
+    RepoNotReadable = 400,
     /// `model` is empty, too long or has characters a model name never has.
     ModelInvalid = 400,
     /// The session already has the most turns waiting that it may have.
@@ -208,6 +216,9 @@ mod tests {
             (SessionPromptsTooLarge, 413),
             (EgressAllowlistInvalid, 400),
             (AgentUnknown, 400),
+            (AgentNotInstalled, 409),
+            (BaseNotFound, 400),
+            (RepoNotReadable, 400),
             (TurnQueueFull, 409),
             (SessionNotSteerable, 409),
             (NoTurnRunning, 409),

@@ -47,7 +47,7 @@ async fn list_agents(State(state): State<ApiState>, Viewer(_caller): Viewer) -> 
             .known
             .iter()
             .map(|id| {
-                let needs = state.agents.missing.get(id).cloned();
+                let needs = state.agents.needs(id);
                 AgentInfo {
                     id: id.clone(),
                     installed: needs.is_none(),

@@ -11,6 +11,7 @@ mod extract;
 mod forges;
 mod health;
 mod listener;
+mod local_repo;
 mod metrics_layer;
 mod model_keys;
 mod sessions;
@@ -39,15 +40,55 @@ pub use listener::{
 pub use metrics_layer::render as render_metrics;
 pub use tokens::Secret;
 
+/// Whether this host can run an agent, asked at every create (an install while the server runs counts).
+pub trait AgentProbe: Send + Sync {
+    /// What the host lacks to run agent `id` (how to install it, e.g. `sortie agents install codex`),
+    /// or `None` when it can run it.
+    fn needs(&self, id: &str) -> Option<String>;
+}
+
+/// A fixed answer: the agents named are missing, with what each needs; every other is installed.
+impl AgentProbe for std::collections::BTreeMap<String, String> {
+    fn needs(&self, id: &str) -> Option<String> {
+        self.get(id).cloned()
+    }
+}
+
 /// The agents a server accepts and the one it uses when a request names none.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct AgentCatalog {
     pub known: Vec<String>,
+    /// The agent of a request that names none, used only when it is installed (else the request must
+    /// name one).
     pub default: String,
-    /// The known agents this host cannot run yet, each with what it needs (how to install it). An
-    /// agent not named here is installed. A session may still name a missing one: the refusal then
-    /// comes from the worker that tries to start it, with the same hint.
-    pub missing: std::collections::BTreeMap<String, String>,
+    /// Which known agents this host can run; a session naming one it cannot is refused
+    /// `AGENT_NOT_INSTALLED` with what it needs.
+    pub probe: Arc<dyn AgentProbe>,
+}
+
+impl AgentCatalog {
+    /// What the host lacks to run `id`, or `None` when it can run it.
+    pub fn needs(&self, id: &str) -> Option<String> {
+        self.probe.needs(id)
+    }
+
+    /// The known agents this host can run.
+    pub fn installed(&self) -> Vec<String> {
+        self.known
+            .iter()
+            .filter(|id| self.needs(id).is_none())
+            .cloned()
+            .collect()
+    }
+}
+
+impl std::fmt::Debug for AgentCatalog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentCatalog")
+            .field("known", &self.known)
+            .field("default", &self.default)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for AgentCatalog {
@@ -55,7 +96,7 @@ impl Default for AgentCatalog {
         Self {
             known: BUILT_IN_AGENTS.iter().map(|id| (*id).to_owned()).collect(),
             default: DEFAULT_AGENT.to_owned(),
-            missing: std::collections::BTreeMap::new(),
+            probe: Arc::new(std::collections::BTreeMap::new()),
         }
     }
 }

@@ -1,8 +1,6 @@
 //! The session endpoints of DESIGN §4: create, list, read, steer, stop, cancel, resume, archive,
 //! attach tickets, and usage.
 
-use std::path::{Component, Path, PathBuf};
-
 use axum::Json;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -17,7 +15,7 @@ use sortie_protocol::limits::{
 use sortie_protocol::ticket::{TICKET_VERSION, TicketClaims};
 use sortie_protocol::validate::{self, RepoLocation};
 use sortie_protocol::{ApiErrorBody, ErrorCode, SessionId, SessionPhase, egress};
-use sortie_store::{NewSession, NewTurn, RepoAccess, SessionFilter, now_ms};
+use sortie_store::{NewSession, NewTurn, SessionFilter, now_ms};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -25,7 +23,7 @@ use crate::ApiState;
 use crate::error::ApiError;
 use crate::extract::{ApiJson, ApiQuery, NoInput, Operator, OptionalJson, SessionPath, Viewer};
 use crate::transcript::{self, PageStart};
-use crate::{tokens, views};
+use crate::{local_repo, tokens, views};
 
 pub fn routes() -> OpenApiRouter<ApiState> {
     OpenApiRouter::new()
@@ -48,9 +46,10 @@ pub fn routes() -> OpenApiRouter<ApiState> {
     post, path = "/v1/sessions", tag = "sessions", request_body = CreateSessionRequest, security(("bearer" = [])),
     responses(
         (status = 202, description = "Accepted; turn 1 waits for a worker", body = Session),
-        (status = 400, description = "INVALID_REQUEST, EGRESS_ALLOWLIST_INVALID, AGENT_UNKNOWN, REPO_INVALID, BASE_INVALID, MODEL_INVALID, TITLE_TOO_LONG", body = ApiErrorBody),
+        (status = 400, description = "INVALID_REQUEST, EGRESS_ALLOWLIST_INVALID, AGENT_UNKNOWN, REPO_INVALID, REPO_NOT_READABLE, BASE_INVALID, BASE_NOT_FOUND, MODEL_INVALID, TITLE_TOO_LONG", body = ApiErrorBody),
         (status = 401, description = "UNAUTHORIZED", body = ApiErrorBody),
         (status = 403, description = "FORBIDDEN, REPO_NOT_ALLOWED", body = ApiErrorBody),
+        (status = 409, description = "AGENT_NOT_INSTALLED", body = ApiErrorBody),
         (status = 413, description = "PROMPT_TOO_LARGE, SETUP_TOO_LARGE, BODY_TOO_LARGE", body = ApiErrorBody),
         (status = 415, description = "UNSUPPORTED_MEDIA_TYPE", body = ApiErrorBody),
     )
@@ -76,14 +75,7 @@ async fn create_session(
         )
         .with_details(serde_json::json!({ "entries": violations })));
     }
-    let agent = request.agent.unwrap_or_else(|| state.agents.default.clone());
-    if !state.agents.known.contains(&agent) {
-        return Err(ApiError::new(
-            ErrorCode::AgentUnknown,
-            format!("no agent profile {agent:?}; known: {}", state.agents.known.join(", ")),
-        )
-        .with_details(serde_json::json!({ "known": state.agents.known })));
-    }
+    let agent = choose_agent(&state.agents, request.agent)?;
     if let Some(base) = &request.base {
         validate::check_base(base)?;
     }
@@ -93,7 +85,13 @@ async fn create_session(
     let workspace = state.store.workspace(&caller.workspace_id).await?;
     let repo = match validate::check_repo(&request.repo)? {
         RepoLocation::Https(url) => url,
-        RepoLocation::LocalPath(path) => resolve_local_repo(&path, &workspace.repo_access).await?,
+        RepoLocation::LocalPath(path) => {
+            let resolved = local_repo::resolve(&path, &workspace.repo_access).await?;
+            if let Some(base) = &request.base {
+                local_repo::check_base(&resolved, base).await?;
+            }
+            resolved
+        }
     };
     let title = request.title.unwrap_or_else(|| validate::default_title(&request.task));
     let new = NewSession {
@@ -111,6 +109,53 @@ async fn create_session(
     let row = state.store.create_session(new).await?;
     metrics::counter!("sortie_sessions_created_total").increment(1);
     Ok((StatusCode::ACCEPTED, Json(views::session(&row))))
+}
+
+/// The agent a session runs: the one named, known and installed, or else the default if it is
+/// installed. What the server accepts, a worker on it can start (DESIGN §13).
+fn choose_agent(agents: &crate::AgentCatalog, named: Option<String>) -> Result<String, ApiError> {
+    let installed = agents.installed();
+    let details =
+        |agent: &str, install: &str| serde_json::json!({ "agent": agent, "install": install, "installed": installed });
+    match named {
+        Some(agent) => {
+            if !agents.known.contains(&agent) {
+                return Err(ApiError::new(
+                    ErrorCode::AgentUnknown,
+                    format!("no agent profile {agent:?}; known: {}", agents.known.join(", ")),
+                )
+                .with_details(serde_json::json!({ "known": agents.known })));
+            }
+            match agents.needs(&agent) {
+                None => Ok(agent),
+                Some(install) => Err(ApiError::new(
+                    ErrorCode::AgentNotInstalled,
+                    format!(
+                        "agent {agent:?} is not installed on this server: `{install}` installs it (installed: {})",
+                        list_or_none(&installed)
+                    ),
+                )
+                .with_details(details(&agent, &install))),
+            }
+        }
+        None => match agents.needs(&agents.default) {
+            None => Ok(agents.default.clone()),
+            Some(install) => Err(ApiError::new(
+                ErrorCode::AgentNotInstalled,
+                format!(
+                    "no agent named, and the default agent {:?} is not installed on this server: name one of the \
+                     installed agents ({}), or `{install}`",
+                    agents.default,
+                    list_or_none(&installed)
+                ),
+            )
+            .with_details(details(&agents.default, &install))),
+        },
+    }
+}
+
+fn list_or_none(ids: &[String]) -> String {
+    if ids.is_empty() { "none".into() } else { ids.join(", ") }
 }
 
 fn check_allowlist(allow: &[String]) -> Result<(), ApiError> {
@@ -148,59 +193,6 @@ async fn amend_egress(
         .set_egress_allow(&caller.workspace_id, &id, &request.allow)
         .await?;
     Ok(Json(views::session(&row)))
-}
-
-/// Resolves a local repository path: inside the workspace's roots (checked before and after symlinks
-/// are resolved, so that neither `..` nor a link leads out), existing, and a git repository.
-async fn resolve_local_repo(path: &str, access: &RepoAccess) -> Result<String, ApiError> {
-    let not_allowed = || {
-        ApiError::new(
-            ErrorCode::RepoNotAllowed,
-            format!("repo {path:?} is not under a local root this workspace may use"),
-        )
-    };
-    let requested = Path::new(path);
-    if requested
-        .components()
-        .any(|c| matches!(c, Component::ParentDir | Component::CurDir))
-    {
-        return Err(ApiError::new(
-            ErrorCode::RepoInvalid,
-            format!("repo {path:?} has '.' or '..' components: give the plain absolute path"),
-        ));
-    }
-    let within_roots =
-        |candidate: &Path| access.any_local_path || access.allowed_roots.iter().any(|root| candidate.starts_with(root));
-    // Checked before touching the file system, so a workspace learns nothing about paths outside its roots.
-    if !within_roots(requested) {
-        return Err(not_allowed());
-    }
-    let resolved: PathBuf = tokio::fs::canonicalize(requested).await.map_err(|_| {
-        ApiError::new(
-            ErrorCode::RepoInvalid,
-            format!("repo {path:?} does not exist or the server cannot read it"),
-        )
-    })?;
-    if !within_roots(&resolved) {
-        return Err(not_allowed());
-    }
-    let is_work_tree = tokio::fs::metadata(resolved.join(".git")).await.is_ok();
-    let is_bare = tokio::fs::metadata(resolved.join("HEAD"))
-        .await
-        .is_ok_and(|m| m.is_file())
-        && tokio::fs::metadata(resolved.join("objects"))
-            .await
-            .is_ok_and(|m| m.is_dir());
-    if !is_work_tree && !is_bare {
-        return Err(ApiError::new(
-            ErrorCode::RepoInvalid,
-            format!("repo {path:?} is not a git repository"),
-        ));
-    }
-    resolved
-        .into_os_string()
-        .into_string()
-        .map_err(|_| ApiError::new(ErrorCode::RepoInvalid, format!("repo {path:?} is not valid UTF-8")))
 }
 
 /// The query of `GET /v1/sessions`.

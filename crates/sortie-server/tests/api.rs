@@ -631,14 +631,15 @@ async fn create_accepts_a_valid_session(h: Harness) {
         .post(
             "/v1/sessions",
             &h.operator,
-            json!({"repo": h.repo, "task": "a".repeat(PROMPT_MAX_BYTES), "title": "t", "agent": "codex"}),
+            json!({"repo": h.repo, "task": "a".repeat(PROMPT_MAX_BYTES), "title": "t", "agent": "gemini"}),
         )
         .await;
     assert_eq!(full.status, StatusCode::ACCEPTED, "{}", full.body);
     assert_eq!(
         (full.body["title"].clone(), full.body["agent"].clone()),
-        (json!("t"), json!("codex"))
+        (json!("t"), json!("gemini"))
     );
+    assert_eq!(full.body["sandbox"], "released", "no sandbox yet");
     // A bare repository is a repository too.
     let bare = h.dir.path().join("bare.git");
     let status = std::process::Command::new("git")
@@ -714,6 +715,16 @@ async fn create_refuses_each_invalid_field_and_writes_nothing(h: Harness) {
         ),
         (with("base", json!("a..b")), StatusCode::BAD_REQUEST, "BASE_INVALID"),
         (
+            with("base", json!("no-such-branch")),
+            StatusCode::BAD_REQUEST,
+            "BASE_NOT_FOUND",
+        ),
+        (
+            with("agent", json!("codex")),
+            StatusCode::CONFLICT,
+            "AGENT_NOT_INSTALLED",
+        ),
+        (
             with("model", json!("bad model")),
             StatusCode::BAD_REQUEST,
             "MODEL_INVALID",
@@ -782,6 +793,20 @@ async fn create_refuses_each_invalid_field_and_writes_nothing(h: Harness) {
         .await;
     assert_error(&over, StatusCode::BAD_REQUEST, "EGRESS_ALLOWLIST_INVALID");
     assert_eq!(over.body["error"]["details"]["entries"][0]["entry"], "h32.example.com");
+
+    // What the server cannot run it does not accept, and it says how to fix that.
+    let uninstalled = h.post("/v1/sessions", &h.operator, with("agent", json!("codex"))).await;
+    assert!(
+        uninstalled.body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("sortie agents install codex")),
+        "{}",
+        uninstalled.body
+    );
+    assert_eq!(
+        uninstalled.body["error"]["details"]["install"],
+        "sortie agents install codex"
+    );
 
     let unknown_agent = h.post("/v1/sessions", &h.operator, with("agent", json!("nope"))).await;
     assert!(

@@ -72,13 +72,27 @@ pub enum Payload {
     },
 }
 
+/// A repository with one commit on `main` (a session's `base` must name a branch it has).
 pub fn git_init(path: &std::path::Path) {
-    let status = std::process::Command::new("git")
-        .args(["init", "-q"])
-        .arg(path)
-        .status()
-        .expect("run git");
-    assert!(status.success(), "git init failed");
+    let git = |args: &[&str]| {
+        let status = std::process::Command::new("git")
+            .args([
+                "-c",
+                "init.defaultBranch=main",
+                "-c",
+                "user.name=t",
+                "-c",
+                "user.email=t@sortie.invalid",
+            ])
+            .args(args)
+            .env("GIT_CONFIG_NOSYSTEM", "1")
+            .status()
+            .expect("run git");
+        assert!(status.success(), "git {args:?} failed");
+    };
+    let text = path.to_str().expect("utf-8");
+    git(&["init", "-q", text]);
+    git(&["-C", text, "commit", "-q", "--allow-empty", "-m", "first"]);
 }
 
 impl Harness {
@@ -132,7 +146,10 @@ impl Harness {
             store: store.clone(),
             // One known agent this "host" lacks, as `sortie serve` reports an uninstalled one.
             agents: Arc::new(AgentCatalog {
-                missing: [("codex".to_owned(), "sortie agents install codex".to_owned())].into(),
+                probe: Arc::new(std::collections::BTreeMap::from([(
+                    "codex".to_owned(),
+                    "sortie agents install codex".to_owned(),
+                )])),
                 ..AgentCatalog::default()
             }),
             ticket_secret: Secret::new(TICKET_SECRET.to_vec()),
