@@ -3,7 +3,7 @@
 // of a session page, light and dark (SORTIE_E2E_SCREENSHOTS, default ../docs), and prints the budgets'
 // figures.
 //
-//   node e2e/run.mjs            # needs target/debug/sortie and sortie-scripted-agent built, and root
+//   node e2e/run.mjs            # needs target/debug/sortie built (the scripted agent is in it), and root
 //
 // Env: SORTIE_BIN (default ../target/debug/sortie), CHROMIUM (default /usr/bin/chromium), SORTIE_E2E_KEEP=1
 // keeps the scratch dir (repository, data dir) for a look afterwards.

@@ -298,9 +298,11 @@ pub fn built_in() -> Vec<AgentProfile> {
             ..base("opencode", "opencode", ModelApi::Anthropic)
         },
         AgentProfile {
+            // Built into the `sortie` binary, so an install of sortie alone can run it.
+            args: strings(&["scripted-agent"]),
             mode: some("yolo"),
             state_dirs: strings(&[".scripted-agent"]),
-            ..base("scripted", "sortie-scripted-agent", ModelApi::None)
+            ..base("scripted", "sortie", ModelApi::None)
         },
     ]
 }

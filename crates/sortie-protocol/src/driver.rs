@@ -23,6 +23,10 @@ pub const STREAM_LINE_MAX_BYTES: usize = 16 * 1024 * 1024 + 64 * 1024;
 pub const NONCE_MAX_BYTES: usize = 64;
 /// How much of a setup script's output the driver keeps.
 pub const SETUP_OUTPUT_TAIL_BYTES: usize = 8 * 1024;
+/// The exit code of a driver that cannot find its agent's program (`EX_CONFIG`): the host reports
+/// `AGENT_START_FAILED` with the driver's last words instead of a failed sandbox. Only a label: the
+/// words are the sandbox's and are shown as such.
+pub const EXIT_AGENT_NOT_FOUND: u8 = 78;
 
 /// `POST /turns`: the host starts turn `n`. Idempotent on `(n, nonce)`; the same `n` with another
 /// nonce is refused ([`DriverErrorCode::TurnNotOurs`]): a turn the host did not start never runs

@@ -56,9 +56,9 @@ pub async fn workspace(client: &ClientArgs, command: WorkspaceCommand) -> anyhow
                 Err(other) => return Err(other.into()),
             };
             if client.json {
-                println!("{}", serde_json::json!({"id": created.id, "name": created.name}));
+                say!("{}", serde_json::json!({"id": created.id, "name": created.name}));
             } else {
-                println!("created workspace {}", created.name);
+                say!("created workspace {}", created.name);
             }
             store.close().await;
             Ok(ExitCode::SUCCESS)
@@ -85,7 +85,7 @@ pub async fn token(client: &ClientArgs, command: TokenCommand) -> anyhow::Result
                 .create_token(&workspace.id, role, &hash, label.as_deref())
                 .await
                 .context("cannot store the token")?;
-            println!("{token}");
+            say!("{token}");
             store.close().await;
             Ok(ExitCode::SUCCESS)
         }

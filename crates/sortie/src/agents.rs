@@ -60,7 +60,7 @@ async fn install(agents_dir: &Path, agent: &AgentProfile) -> anyhow::Result<Exit
     anyhow::ensure!(status.success(), "npm install {package} failed ({status})");
     let installed = profile::installed_command(agents_dir, agent)
         .with_context(|| format!("{package} installed no {:?} program", agent.command))?;
-    println!("installed {} ({package}): {}", agent.id, installed.display());
+    say!("installed {} ({package}): {}", agent.id, installed.display());
     Ok(ExitCode::SUCCESS)
 }
 
@@ -82,6 +82,21 @@ pub fn locate(agents_dir: &Path, agent: &AgentProfile) -> Option<PathBuf> {
         .and_then(|exe| exe.parent().map(ToOwned::to_owned));
     profile::installed_command(agents_dir, agent)
         .or_else(|| profile::resolve_command(&agent.command, beside.as_deref(), Some(&path)))
+}
+
+/// The agents this host can run, looked up at each question (an install while `serve` runs counts).
+pub struct HostAgents {
+    pub profiles: Vec<AgentProfile>,
+    pub agents_dir: PathBuf,
+}
+
+impl sortie_server::AgentProbe for HostAgents {
+    fn needs(&self, id: &str) -> Option<String> {
+        let profile = self.profiles.iter().find(|p| p.id == id)?;
+        locate(&self.agents_dir, profile)
+            .is_none()
+            .then(|| install_hint(profile))
+    }
 }
 
 /// What a host without `agent` does to get it.
@@ -108,7 +123,7 @@ fn list(agents_dir: &Path, profiles: &[AgentProfile], json: bool) -> anyhow::Res
         }));
     }
     if json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        say!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(ExitCode::SUCCESS);
     }
     for row in &rows {
@@ -123,7 +138,7 @@ fn list(agents_dir: &Path, profiles: &[AgentProfile], json: bool) -> anyhow::Res
         } else {
             format!("not installed ({})", row["install"].as_str().unwrap_or(""))
         };
-        println!(
+        say!(
             "{:<12} {:<40} needs {}",
             row["id"].as_str().unwrap_or(""),
             state,

@@ -25,14 +25,15 @@ pub struct Cli {
 /// Options of the client commands (they talk to a running server).
 #[derive(Debug, Args)]
 pub struct ClientArgs {
-    /// The sortie server.
-    #[arg(long, global = true, env = env::SERVER, default_value = "http://127.0.0.1:7700")]
-    pub server: String,
+    /// The sortie server; default: the one `sortie login` saved, else http://127.0.0.1:7700.
+    #[arg(long, global = true, env = env::SERVER)]
+    pub server: Option<String>,
     /// Print JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,
     /// Data directory: the embedded database and the admin token the client commands use when
-    /// SORTIE_TOKEN is unset. Default `$XDG_DATA_HOME/sortie` or `~/.local/share/sortie`.
+    /// SORTIE_TOKEN is unset. Default `/var/lib/sortie` as root, else `$XDG_DATA_HOME/sortie` or
+    /// `~/.local/share/sortie`.
     #[arg(long, global = true, env = env::DATA_DIR)]
     pub data_dir: Option<PathBuf>,
 }
@@ -49,6 +50,9 @@ pub enum Command {
     /// Inside a sandbox: relay 127.0.0.1:3128 to the egress socket while running a command.
     #[command(hide = true)]
     Relay(RelayArgs),
+    /// The scripted agent: an ACP agent on stdin/stdout whose prompts are scripts (no model needed);
+    /// the `scripted` profile runs it.
+    ScriptedAgent,
     /// Manage workspaces (works on the store directly).
     #[command(subcommand)]
     Workspace(WorkspaceCommand),
@@ -58,6 +62,11 @@ pub enum Command {
     /// Install and list coding agents (their pinned npm packages, under the data dir).
     #[command(subcommand)]
     Agents(AgentsCommand),
+    /// Save a token (read from stdin) and the server for this user's client commands, after checking
+    /// that the server takes it. An admin makes one with `sortie token create`.
+    Login,
+    /// Check this host for what sortie needs (sandboxes, git, agents, keys) and say how to fix each miss.
+    Doctor(DoctorArgs),
     /// Start a session: an agent works on TASK in a sandbox and delivers a branch.
     Run(RunArgs),
     /// List sessions, newest first.
@@ -103,6 +112,21 @@ pub enum AgentsCommand {
         #[arg(long, env = env::AGENTS_DIR)]
         agents_dir: Option<PathBuf>,
     },
+}
+
+#[derive(Debug, Args)]
+pub struct DoctorArgs {
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// Where installed agents live; default `<data dir>/agents`.
+    #[arg(long, env = env::AGENTS_DIR)]
+    pub agents_dir: Option<PathBuf>,
+    /// An agent manifest (TOML) adding or overriding profiles.
+    #[arg(long, env = env::AGENT_PROFILES)]
+    pub agent_profiles: Option<PathBuf>,
+    /// The host uid sandboxes run as.
+    #[arg(long, env = env::SANDBOX_UID, default_value_t = 61000)]
+    pub sandbox_uid: u32,
 }
 
 #[derive(Debug, Args)]

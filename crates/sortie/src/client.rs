@@ -31,30 +31,61 @@ enum Answer<T> {
     Refused(ApiErrorBody),
 }
 
+/// What `sortie login` saved for this user.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+struct Login {
+    server: String,
+    token: String,
+}
+
+fn saved_login() -> Option<Login> {
+    let text = std::fs::read_to_string(config::login_file()?).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
 impl Client {
+    /// The server: `--server` (or `SORTIE_SERVER`), else the saved login's, else the default. The token:
+    /// `SORTIE_TOKEN`, else the saved login's, else the data dir's admin token (the user who runs
+    /// `sortie serve` has it).
     fn new(args: &ClientArgs) -> anyhow::Result<Self> {
+        let login = saved_login();
+        let server = args
+            .server
+            .clone()
+            .filter(|s| !s.trim().is_empty())
+            .or_else(|| login.as_ref().map(|l| l.server.clone()))
+            .unwrap_or_else(|| config::DEFAULT_SERVER.to_owned());
         let token = match std::env::var(env::TOKEN) {
             Ok(token) if !token.trim().is_empty() => token.trim().to_owned(),
-            _ => {
-                let path = config::data_dir(args.data_dir.clone()).join(ADMIN_TOKEN_FILE);
-                std::fs::read_to_string(&path)
-                    .with_context(|| {
-                        format!(
-                            "no token: set {} or start `sortie serve` once so that {} exists",
-                            env::TOKEN,
-                            path.display()
-                        )
-                    })?
-                    .trim()
-                    .to_owned()
-            }
+            _ => match login {
+                Some(login) if !login.token.is_empty() => login.token,
+                _ => {
+                    let path = config::data_dir(args.data_dir.clone()).join(ADMIN_TOKEN_FILE);
+                    std::fs::read_to_string(&path)
+                        .with_context(|| {
+                            format!(
+                                "no token: set {}, or save one with `sortie login` (an admin makes it with \
+                                 `sortie token create --workspace default --role operator`); the user who runs \
+                                 `sortie serve` uses {} ",
+                                env::TOKEN,
+                                path.display()
+                            )
+                        })?
+                        .trim()
+                        .to_owned()
+                }
+            },
         };
-        Ok(Self {
+        Ok(Self::with(server, token, args.json))
+    }
+
+    fn with(server: String, token: String, json: bool) -> Self {
+        Self {
             http: reqwest::Client::new(),
-            server: args.server.trim_end_matches('/').to_owned(),
+            server: server.trim_end_matches('/').to_owned(),
             token,
-            json: args.json,
-        })
+            json,
+        }
     }
 
     async fn call<T: DeserializeOwned>(
@@ -101,6 +132,9 @@ impl Client {
 }
 
 pub async fn run(args: ClientArgs, command: Command) -> anyhow::Result<ExitCode> {
+    if matches!(command, Command::Login) {
+        return login(&args).await;
+    }
     let client = Client::new(&args)?;
     match command {
         Command::Run(run) => create(&client, run).await,
@@ -137,6 +171,9 @@ pub async fn run(args: ClientArgs, command: Command) -> anyhow::Result<ExitCode>
         | Command::Driver(_)
         | Command::Sandbox(_)
         | Command::Relay(_)
+        | Command::ScriptedAgent
+        | Command::Login
+        | Command::Doctor(_)
         | Command::Workspace(_)
         | Command::Token(_)
         | Command::Agents(_) => unreachable_command(),
@@ -152,9 +189,9 @@ fn finish<T>(client: &Client, answer: Answer<T>, describe: impl FnOnce(&T) -> St
     match answer {
         Answer::Ok(value, raw) => {
             if client.json {
-                println!("{raw}");
+                say!("{raw}");
             } else {
-                println!("{}", describe(&value));
+                say!("{}", describe(&value));
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -272,11 +309,11 @@ async fn show(client: &Client, id: &str) -> anyhow::Result<ExitCode> {
     if client.json {
         let mut combined = raw_session;
         combined["turn_list"] = raw_turns["turns"].clone();
-        println!("{combined}");
+        say!("{combined}");
         return Ok(ExitCode::SUCCESS);
     }
-    println!("{}  {}", session.id, session.title);
-    println!(
+    say!("{}  {}", session.id, session.title);
+    say!(
         "  phase    {}{}",
         session.phase,
         session
@@ -285,22 +322,27 @@ async fn show(client: &Client, id: &str) -> anyhow::Result<ExitCode> {
             .map(|r| format!(" ({r})"))
             .unwrap_or_default()
     );
-    println!("  repo     {}", session.repo);
-    println!("  base     {}", session.base.as_deref().unwrap_or("(default branch)"));
-    println!("  branch   {}", session.branch);
-    println!(
+    let sandbox = match session.sandbox {
+        sortie_protocol::api::SandboxState::Live => "live",
+        sortie_protocol::api::SandboxState::Released => "released",
+    };
+    say!("  sandbox  {sandbox}");
+    say!("  repo     {}", session.repo);
+    say!("  base     {}", session.base.as_deref().unwrap_or("(default branch)"));
+    say!("  branch   {}", session.branch);
+    say!(
         "  agent    {}{}",
         session.agent,
         session.model.as_deref().map(|m| format!(" / {m}")).unwrap_or_default()
     );
     if let Some(sha) = &session.head_sha {
-        println!("  head     {sha}");
+        say!("  head     {sha}");
     }
     if let Some(pr) = &session.pr {
-        println!("  pr       #{} {}", pr.number, pr.url);
+        say!("  pr       #{} {}", pr.number, pr.url);
     }
     if let Some(failure) = &session.failure {
-        println!(
+        say!(
             "  failure  {}: {}",
             serde_json::to_value(failure.code)
                 .unwrap_or_default()
@@ -310,13 +352,13 @@ async fn show(client: &Client, id: &str) -> anyhow::Result<ExitCode> {
         );
     }
     if !session.egress.allow.is_empty() {
-        println!("  egress   {}", session.egress.allow.join(", "));
+        say!("  egress   {}", session.egress.allow.join(", "));
     }
-    println!("  created  {}", session.created_at);
-    println!("turns:");
+    say!("  created  {}", session.created_at);
+    say!("turns:");
     for turn in &turns.turns {
         let first_line = turn.prompt.lines().next().unwrap_or_default();
-        println!(
+        say!(
             "  {:>3}  {:<10}  {}",
             turn.n,
             turn.status.as_str(),
@@ -379,9 +421,9 @@ async fn keys(client: &Client, command: KeysCommand) -> anyhow::Result<ExitCode>
             match answer {
                 Answer::Ok(..) => {
                     if client.json {
-                        println!("{}", json!({"api": api, "removed": true}));
+                        say!("{}", json!({"api": api, "removed": true}));
                     } else {
-                        println!("removed {api} key");
+                        say!("removed {api} key");
                     }
                     Ok(ExitCode::SUCCESS)
                 }
@@ -455,9 +497,9 @@ async fn forge(client: &Client, command: ForgeCommand) -> anyhow::Result<ExitCod
             match answer {
                 Answer::Ok(..) => {
                     if client.json {
-                        println!("{}", json!({"host": host, "removed": true}));
+                        say!("{}", json!({"host": host, "removed": true}));
                     } else {
-                        println!("removed the connection to {host}");
+                        say!("removed the connection to {host}");
                     }
                     Ok(ExitCode::SUCCESS)
                 }
@@ -503,6 +545,60 @@ fn refuse_mismatch(actual: &str, expected: &str) -> anyhow::Result<()> {
         env::TOKEN
     );
     Ok(())
+}
+
+/// `sortie login`: the token on stdin is checked against the server, then saved (0600) with it.
+async fn login(args: &ClientArgs) -> anyhow::Result<ExitCode> {
+    use std::io::Write;
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    let path = config::login_file().context("no HOME: cannot tell where to save the login")?;
+    let server = args
+        .server
+        .clone()
+        .filter(|s| !s.trim().is_empty())
+        .unwrap_or_else(|| config::DEFAULT_SERVER.to_owned());
+    if std::io::stdin().is_terminal() {
+        eprintln!("paste the token, then Enter and Ctrl-D:");
+    }
+    let token = read_secret(
+        std::io::stdin().lock(),
+        "token",
+        "sortie token create --workspace default --role operator | sortie login",
+    )?;
+    let token = token.trim().to_owned();
+    let client = Client::with(server.clone(), token.clone(), args.json);
+    if let Answer::Refused(refusal) = client.call::<Value>(Method::GET, "/v1/agents", None).await? {
+        anyhow::bail!(
+            "{} refused the token: {}: {}",
+            client.server,
+            refusal.error.code,
+            refusal.error.message
+        );
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    let body = serde_json::to_vec_pretty(&Login {
+        server: client.server.clone(),
+        token,
+    })?;
+    let partial = path.with_extension("partial");
+    let _ = std::fs::remove_file(&partial);
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&partial)
+        .with_context(|| format!("cannot write {}", partial.display()))?;
+    file.write_all(&body)?;
+    file.sync_all()?;
+    std::fs::rename(&partial, &path).with_context(|| format!("cannot write {}", path.display()))?;
+    say!("logged in to {} (saved in {})", client.server, path.display());
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The key from stdin: one trailing newline dropped, never empty, at most the server's limit.

@@ -69,13 +69,33 @@ pub fn agents_dir(data_dir: &Path) -> PathBuf {
     data_dir.join("agents")
 }
 
+/// Where `sortie login` keeps a user's server and token: `$XDG_CONFIG_HOME/sortie/login.json`, else
+/// `~/.config/sortie/login.json` (mode 0600).
+pub fn login_file() -> Option<PathBuf> {
+    let base = match std::env::var_os("XDG_CONFIG_HOME").filter(|v| !v.is_empty()) {
+        Some(xdg) => PathBuf::from(xdg),
+        None => PathBuf::from(std::env::var_os("HOME").filter(|v| !v.is_empty())?).join(".config"),
+    };
+    Some(base.join("sortie/login.json"))
+}
+
+/// The server the client commands talk to when neither `--server` nor `sortie login` names one.
+pub const DEFAULT_SERVER: &str = "http://127.0.0.1:7700";
+
 /// The file `serve` writes the first admin token to.
 pub const ADMIN_TOKEN_FILE: &str = "admin-token";
 /// The embedded database's file name in the data dir.
 pub const DATABASE_FILE: &str = "sortie.db";
 
-/// `$XDG_DATA_HOME/sortie`, else `~/.local/share/sortie`.
+/// The data dir of a server run as root: sandboxes run as an unprivileged uid that must reach the
+/// work dir inside it, which a home (0700 on most systems) would not let it.
+pub const SYSTEM_DATA_DIR: &str = "/var/lib/sortie";
+
+/// As root [`SYSTEM_DATA_DIR`]; otherwise `$XDG_DATA_HOME/sortie`, else `~/.local/share/sortie`.
 pub fn default_data_dir() -> PathBuf {
+    if nix::unistd::geteuid().is_root() {
+        return PathBuf::from(SYSTEM_DATA_DIR);
+    }
     if let Some(xdg) = std::env::var_os("XDG_DATA_HOME").filter(|v| !v.is_empty()) {
         return PathBuf::from(xdg).join("sortie");
     }

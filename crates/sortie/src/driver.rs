@@ -33,15 +33,18 @@ pub async fn run(args: DriverArgs) -> anyhow::Result<ExitCode> {
         .agents_dir
         .as_deref()
         .and_then(|dir| profile::installed_command(dir, &profile));
-    let command = installed
-        .or_else(|| profile::resolve_command(&profile.command, beside.as_deref(), Some(&path)))
-        .with_context(|| {
-            format!(
-                "agent {:?}: cannot find {:?} among the installed agents, next to sortie or on PATH \
-                 (sortie agents install {})",
-                profile.id, profile.command, profile.id
-            )
-        })?;
+    let Some(command) =
+        installed.or_else(|| profile::resolve_command(&profile.command, beside.as_deref(), Some(&path)))
+    else {
+        eprintln!(
+            "error: agent {:?}: cannot find {:?} among the installed agents, next to sortie or on PATH \
+             ({})",
+            profile.id,
+            profile.command,
+            crate::agents::install_hint(&profile)
+        );
+        return Ok(ExitCode::from(sortie_protocol::driver::EXIT_AGENT_NOT_FOUND));
+    };
     let workspace = std::fs::canonicalize(&args.workspace)
         .with_context(|| format!("--workspace {} does not exist", args.workspace.display()))?;
     std::fs::create_dir_all(&args.home).with_context(|| format!("cannot create --home {}", args.home.display()))?;

@@ -2,11 +2,27 @@
 //! the client commands talk to a running server over REST. `main` parses, sets up logging and hands
 //! off; each command lives in its own module.
 
+/// `println!` for the client commands: a reader that went away (`sortie ls | head -1`) ends the
+/// command quietly, as an ordinary end, instead of the panic `println!` makes of a closed pipe.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(error) = writeln!(std::io::stdout().lock(), $($arg)*) {
+            if error.kind() == std::io::ErrorKind::BrokenPipe {
+                std::process::exit(0);
+            }
+            eprintln!("error: cannot write to stdout: {error}");
+            std::process::exit(1);
+        }
+    }};
+}
+
 mod admin;
 mod agents;
 mod cli;
 mod client;
 mod config;
+mod doctor;
 mod driver;
 mod sandbox;
 mod serve;
@@ -41,6 +57,8 @@ fn main() -> ExitCode {
             Command::Driver(args) => driver::run(args).await,
             Command::Sandbox(command) => sandbox::run(command).await,
             Command::Relay(args) => sandbox::relay(args).await,
+            Command::ScriptedAgent => scripted_agent().await,
+            Command::Doctor(args) => doctor::run(&cli.client, args).await,
             Command::Workspace(command) => admin::workspace(&cli.client, command).await,
             Command::Token(command) => admin::token(&cli.client, command).await,
             Command::Agents(command) => agents::run(&cli.client, command).await,
@@ -56,6 +74,19 @@ fn main() -> ExitCode {
     }
 }
 
+/// `sortie scripted-agent`: ACP on stdin/stdout until the client goes. It exits without dropping the
+/// runtime: that would wait for the thread blocked on stdin and for turns still running (a `hang:`).
+async fn scripted_agent() -> ! {
+    let code = match sortie_scripted_agent::serve_stdio().await {
+        Ok(()) => 0,
+        Err(error) => {
+            eprintln!("sortie scripted-agent: {error:#}");
+            1
+        }
+    };
+    std::process::exit(code)
+}
+
 /// Logs go to stderr; `SORTIE_LOG` (or `RUST_LOG`) sets the filter. Client commands log only warnings.
 fn init_tracing(serving: bool) {
     use tracing_subscriber::EnvFilter;
@@ -65,8 +96,11 @@ fn init_tracing(serving: bool) {
         .ok()
         .and_then(|text| EnvFilter::try_new(text).ok())
         .unwrap_or_else(|| EnvFilter::new(default));
+    // Colour only for a person at a terminal: a log file or the journal gets plain text.
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none();
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colour)
         .with_writer(std::io::stderr)
         .init();
 }

@@ -1,7 +1,7 @@
 //! `sortie serve`: opens the store, bootstraps the first workspace and admin token, binds the
 //! listener and runs the api role until Ctrl-C or SIGTERM.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -41,16 +41,15 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
         .agents_dir
         .clone()
         .unwrap_or_else(|| config::agents_dir(&data_dir));
-    for profile in profiles {
-        if crate::agents::locate(&agents_dir, &profile).is_none() {
-            agents
-                .missing
-                .insert(profile.id.clone(), crate::agents::install_hint(&profile));
-        }
+    for profile in &profiles {
         if !agents.known.contains(&profile.id) {
-            agents.known.push(profile.id);
+            agents.known.push(profile.id.clone());
         }
     }
+    agents.probe = Arc::new(crate::agents::HostAgents {
+        profiles: profiles.clone(),
+        agents_dir: agents_dir.clone(),
+    });
     if let Some(default_agent) = args.default_agent {
         anyhow::ensure!(
             agents.known.contains(&default_agent),
@@ -58,6 +57,23 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
             agents.known.join(", ")
         );
         agents.default = default_agent;
+    }
+
+    // The same host checks as `sortie doctor`: what is missing is said once, at start.
+    let work_dir = args.worker.work_dir.clone().unwrap_or_else(|| data_dir.join("work"));
+    let checks = crate::doctor::host_checks(&crate::doctor::HostInputs {
+        data_dir: &data_dir,
+        work_dir: work_dir.clone(),
+        sandbox_uid: args.worker.sandbox_uid,
+        agents_dir: &agents_dir,
+        profiles: &profiles,
+    });
+    for check in checks.iter().filter(|c| !c.ok) {
+        if check.required && args.roles.contains(&ServeRole::Worker) {
+            tracing::warn!(check = check.name, "{}", check.says);
+        } else {
+            tracing::info!(check = check.name, "{}", check.says);
+        }
     }
 
     create_private_dir(&data_dir).with_context(|| format!("cannot create the data dir {}", data_dir.display()))?;
@@ -215,6 +231,12 @@ fn build_worker(
     keyring: Arc<sortie_store::KeyRing>,
 ) -> anyhow::Result<Worker> {
     use std::os::unix::fs::PermissionsExt;
+    anyhow::ensure!(
+        nix::unistd::geteuid().is_root(),
+        "the worker runs sandboxes, which needs root: sortie joins each sandbox's cgroups and drops it to an \
+         unprivileged uid itself. Run `sudo sortie serve`, or `sortie serve --roles api,gateway` to serve \
+         without the worker (a worker elsewhere runs the sessions)"
+    );
     let work_dir = args.work_dir.clone().unwrap_or_else(|| data_dir.join("work"));
     if work_dir.starts_with(data_dir) {
         // The sandbox uid must pass through the data dir to its workspace: searchable, not listable.
@@ -231,6 +253,10 @@ fn build_worker(
     std::fs::create_dir_all(&work_dir).with_context(|| format!("cannot create {}", work_dir.display()))?;
     std::fs::set_permissions(&work_dir, std::fs::Permissions::from_mode(0o755))?;
     let mut local = LocalConfig::new(work_dir.join("state"));
+    // The tools the operator's PATH names, as `sortie doctor` finds them.
+    for (tool, slot) in [("bwrap", &mut local.bwrap), ("setpriv", &mut local.setpriv)] {
+        *slot = crate::doctor::on_path(tool).unwrap_or_else(|| PathBuf::from(tool));
+    }
     local.sandbox_uid = args.sandbox_uid;
     local.sandbox_gid = args.sandbox_uid;
     // Sandboxes outlive a restart of serve (the next one adopts them), for this long at most.
@@ -239,22 +265,30 @@ fn build_worker(
         args: vec!["sandbox".into(), "keep".into()],
         orphan_grace: std::time::Duration::from_secs(args.sandbox_orphan_grace.max(1)),
     });
-    let runtime = LocalRuntime::new(local)
-        .context("the worker cannot run sandboxes on this host (run `sortie serve --roles api,gateway` without it)")?;
+    let runtime = LocalRuntime::new(local).context(
+        "the worker cannot run sandboxes on this host (`sortie doctor` says what is missing; \
+         `sortie serve --roles api,gateway` runs without the worker)",
+    )?;
+    // Refused here, once, rather than as SANDBOX_START_FAILED on every session.
+    if let Some(blocked) = runtime.unreachable_parent(&work_dir.join("sessions")) {
+        anyhow::bail!(
+            "the work dir {} is not reachable by the sandbox uid {}: {} is not searchable by it. Use the default \
+             data dir as root ({}), put --data-dir or --work-dir under a directory others may search, or `chmod o+x {}`",
+            work_dir.display(),
+            args.sandbox_uid,
+            blocked.display(),
+            config::SYSTEM_DATA_DIR,
+            blocked.display()
+        );
+    }
 
     let mut exe = std::env::current_exe().context("cannot find the sortie binary")?;
     if !runtime.is_reachable(&exe) {
-        // The sandbox uid cannot reach where this binary lives (a private checkout): use copies, with
-        // the agents installed beside it.
+        // The sandbox uid cannot reach where this binary lives (`~/.cargo/bin` under a 0700 home, a
+        // private checkout): the sandboxes run a copy (the scripted agent is in it).
         let bin = work_dir.join("bin");
         std::fs::create_dir_all(&bin)?;
-        let from = exe.parent().context("the sortie binary has no directory")?.to_owned();
-        for name in ["sortie", "sortie-scripted-agent"] {
-            if from.join(name).is_file() {
-                std::fs::copy(from.join(name), bin.join(name))
-                    .with_context(|| format!("cannot copy {name} for the sandboxes"))?;
-            }
-        }
+        std::fs::copy(&exe, bin.join("sortie")).context("cannot copy sortie for the sandboxes")?;
         exe = bin.join("sortie");
     }
 

@@ -51,7 +51,12 @@ fn client_commands_work_with_no_token_setup() {
     let temp = tempfile::tempdir().expect("temp");
     let data_dir = temp.path().join("data");
     let repo = git_repo(temp.path(), "repo");
-    let server = Server::start(temp.path(), &data_dir, None);
+    let server = Server::start_with(
+        temp.path(),
+        &data_dir,
+        None,
+        &["--roles", "api,gateway", "--default-agent", "scripted"],
+    );
     let run = |args: &[&str]| server.client(temp.path(), &data_dir, args);
 
     let created = run(&[
@@ -83,7 +88,7 @@ fn client_commands_work_with_no_token_setup() {
     assert!(relative.status.success(), "{}", stderr(&relative));
     let second: Value = serde_json::from_slice(&relative.stdout).expect("json");
     assert_eq!(second["repo"], Value::String(repo.to_string_lossy().into_owned()));
-    assert_eq!(second["agent"], "claude-code");
+    assert_eq!(second["agent"], "scripted", "the server's --default-agent");
 
     let listed = run(&["ls"]);
     assert!(listed.status.success());
@@ -165,6 +170,8 @@ fn admin_commands_make_workspaces_and_tokens() {
                 "run",
                 "--repo",
                 team_repo.to_str().expect("utf-8"),
+                "--agent",
+                "scripted",
                 "default's task",
             ],
         );
@@ -227,6 +234,8 @@ fn admin_commands_make_workspaces_and_tokens() {
         "run",
         "--repo",
         team_repo.to_str().expect("utf-8"),
+        "--agent",
+        "scripted",
         "team task",
     ]);
     assert!(ours.status.success(), "{}", stderr(&ours));
@@ -235,7 +244,14 @@ fn admin_commands_make_workspaces_and_tokens() {
         "team"
     );
     let outside = git_repo(temp.path(), "elsewhere");
-    let refused = as_team(&["run", "--repo", outside.to_str().expect("utf-8"), "x"]);
+    let refused = as_team(&[
+        "run",
+        "--repo",
+        outside.to_str().expect("utf-8"),
+        "--agent",
+        "scripted",
+        "x",
+    ]);
     assert!(stderr(&refused).contains("REPO_NOT_ALLOWED"), "{}", stderr(&refused));
     let foreign = as_team(&["show", &default_session]);
     assert!(
@@ -261,7 +277,15 @@ fn serve_runs_on_postgres_too() {
     let created = server.client(
         temp.path(),
         &data_dir,
-        &["--json", "run", "--repo", "https://github.com/o/r.git", "remote task"],
+        &[
+            "--json",
+            "run",
+            "--repo",
+            "https://github.com/o/r.git",
+            "--agent",
+            "scripted",
+            "remote task",
+        ],
     );
     assert!(created.status.success(), "{}", stderr(&created));
     let listed: Value =
@@ -272,7 +296,14 @@ fn serve_runs_on_postgres_too() {
     let refused = server.client(
         temp.path(),
         &data_dir,
-        &["run", "--repo", local.to_str().expect("utf-8"), "x"],
+        &[
+            "run",
+            "--repo",
+            local.to_str().expect("utf-8"),
+            "--agent",
+            "scripted",
+            "x",
+        ],
     );
     assert!(stderr(&refused).contains("REPO_NOT_ALLOWED"), "{}", stderr(&refused));
     drop(server);
@@ -297,7 +328,7 @@ fn serve_answers_the_stream_with_single_use_tickets() {
         let created: Value = client
             .post(format!("{}/v1/sessions", server.url))
             .bearer_auth(&token)
-            .json(&serde_json::json!({"repo": "https://github.com/o/r.git", "task": "watch me"}))
+            .json(&serde_json::json!({"repo": "https://github.com/o/r.git", "task": "watch me", "agent": "scripted"}))
             .send()
             .await
             .expect("create")

@@ -32,7 +32,7 @@ fn create_then_kill(database_url: Option<&str>) {
                 let reply = client
                     .post(format!("{url}/v1/sessions"))
                     .bearer_auth(&token)
-                    .json(&json!({"repo": repo, "task": format!("task {i}")}))
+                    .json(&json!({"repo": repo, "task": format!("task {i}"), "agent": "scripted"}))
                     .send()
                     .await
                     .expect("create");

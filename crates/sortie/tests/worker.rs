@@ -233,9 +233,20 @@ async fn steer_interrupt_stop_and_cancel() {
         )
         .await;
     world.wait_said(&id, "written e").await;
-    world.post(&id, "cancel").await;
+    let (_, answer) = world
+        .call(reqwest::Method::POST, &format!("/v1/sessions/{id}/cancel"), None)
+        .await;
+    assert_eq!(
+        answer["phase"], "canceling",
+        "a turn in flight is canceled by its worker: {answer:#}"
+    );
     let (session, turns) = world.settled(&id, 6).await;
     assert_eq!(session["phase"], "canceled");
+    // `canceled` is said after the delivery and the teardown: no wait from here.
+    assert!(
+        !live_sandboxes().contains(&id) && !cgroup_has_processes(&id),
+        "the sandbox of a session that reads canceled still runs"
+    );
     assert_eq!(status_of(&turns, 6), "canceled", "{turns:#?}");
     let delivered: Vec<Value> = world
         .messages(&id)
@@ -680,6 +691,58 @@ async fn a_manifest_agent_installed_outside_usr_runs_from_its_read_only_path() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_removed_after_create_fails_to_start_with_the_drivers_words() {
+    // An operator's agent that is there when the session is accepted and gone when its sandbox starts.
+    let install = tempfile::tempdir().expect("temp");
+    let agent_dir = install.path().join("my-agent");
+    std::fs::create_dir(&agent_dir).expect("mkdir");
+    for dir in [install.path(), agent_dir.as_path()] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    }
+    let program = agent_dir.join("agent");
+    std::fs::copy(
+        Path::new(support::BINARY).with_file_name("sortie-scripted-agent"),
+        &program,
+    )
+    .expect("copy");
+    let manifest = install.path().join("agents.toml");
+    std::fs::write(
+        &manifest,
+        format!(
+            "[[agent]]\nid = \"mine\"\ncommand = \"{}\"\nread_only_paths = [\"{}\"]\n",
+            program.display(),
+            agent_dir.display()
+        ),
+    )
+    .expect("manifest");
+    // One sandbox at a time: the second session waits while the first holds it.
+    let world = World::start(&[
+        "--agent-profiles",
+        manifest.to_str().expect("utf-8"),
+        "--sandboxes-per-workspace",
+        "1",
+    ]);
+    let holder = world.create("#!scripted\nsleep: 60000", json!({})).await;
+    world
+        .wait(&holder, 60, |session, _| session["phase"] == "running")
+        .await;
+    let waiting = world.create("#!scripted\nsay: never", json!({"agent": "mine"})).await;
+    world
+        .wait(&waiting, 60, |session, _| session["queued_reason"].is_string())
+        .await;
+    std::fs::remove_file(&program).expect("remove the agent");
+    world.post(&holder, "stop").await;
+    let (session, turns) = world.settled(&waiting, 1).await;
+    assert_eq!(status_of(&turns, 1), "failed", "{session:#}");
+    assert_eq!(code_of(&session), "AGENT_START_FAILED", "{session:#}");
+    let reason = session["failure"]["reason"].as_str().unwrap_or("");
+    assert!(
+        reason.contains("cannot find") && reason.contains("agent"),
+        "the driver's own words: {session:#}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_repositorys_setup_script_runs_unless_the_session_names_one() {
     let world = World::start(&[]);
     let local = world.clone_upstream("with-setup");
@@ -962,7 +1025,7 @@ async fn a_repository_on_an_https_forge_is_delivered_with_a_token_no_sandbox_hol
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_sandbox_holds_the_sortie_binary_and_its_agent_not_their_directory() {
+async fn the_sandbox_holds_the_sortie_binary_which_is_the_scripted_agent_too_not_its_directory() {
     let world = World::start(&[]);
     // The step's shell is the driver's child: the driver's binary is `sortie`, bound where it lives.
     let id = world
@@ -983,7 +1046,7 @@ async fn the_sandbox_holds_the_sortie_binary_and_its_agent_not_their_directory()
     let listing = listing.join("\n");
     let names: HashSet<&str> = listing.lines().collect();
     assert!(
-        names.contains("sortie") && names.contains("sortie-scripted-agent"),
+        names.contains("sortie") && !names.contains("sortie-scripted-agent"),
         "{listing:?} in {messages:#?}"
     );
     for build_tree in ["deps", "build", ".fingerprint", "incremental"] {

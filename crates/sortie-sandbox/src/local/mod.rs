@@ -204,19 +204,16 @@ impl LocalRuntime {
     /// Whether the sandbox uid can reach `path` (bwrap opens every bind source as that uid): every
     /// ancestor directory must be searchable by it.
     pub fn is_reachable(&self, path: &Path) -> bool {
+        self.unreachable_parent(path).is_none()
+    }
+
+    /// The first directory above `path` the sandbox uid may not search: what keeps it from `path`.
+    /// `None` when it can reach it, or when sandboxes run as this user.
+    pub fn unreachable_parent(&self, path: &Path) -> Option<PathBuf> {
         if !self.as_root {
-            return true;
+            return None;
         }
-        let (uid, gid) = (self.config.sandbox_uid, self.config.sandbox_gid);
-        path.ancestors().skip(1).all(|dir| match std::fs::metadata(dir) {
-            Ok(meta) => {
-                let mode = meta.permissions().mode();
-                (meta.uid() == uid && mode & 0o100 != 0)
-                    || (meta.gid() == gid && mode & 0o010 != 0)
-                    || mode & 0o001 != 0
-            }
-            Err(_) => false,
-        })
+        unreachable_parent(self.config.sandbox_uid, self.config.sandbox_gid, path)
     }
 
     fn validate(&self, spec: &SandboxSpec) -> Result<(), SandboxError> {
@@ -269,6 +266,24 @@ impl LocalRuntime {
         }
         Ok(())
     }
+}
+
+/// The first directory above `path` that `uid`/`gid` (without supplementary groups) may not search,
+/// or `None`. A directory that does not exist yet is passed over: whoever makes it chooses its mode.
+pub fn unreachable_parent(uid: u32, gid: u32, path: &Path) -> Option<PathBuf> {
+    path.ancestors()
+        .skip(1)
+        .filter(|dir| !dir.as_os_str().is_empty())
+        .find(|dir| match std::fs::metadata(dir) {
+            Ok(meta) => {
+                let mode = meta.permissions().mode();
+                !((meta.uid() == uid && mode & 0o100 != 0)
+                    || (meta.gid() == gid && mode & 0o010 != 0)
+                    || mode & 0o001 != 0)
+            }
+            Err(error) => error.kind() != std::io::ErrorKind::NotFound,
+        })
+        .map(Path::to_path_buf)
 }
 
 /// When each of `pids` started; a pid that is gone is left out.

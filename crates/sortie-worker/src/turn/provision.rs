@@ -425,10 +425,11 @@ pub(super) async fn provision(
         }
         if let Ok(SandboxStatus::Exited(exit)) = context.runtime.status(&name).await {
             destroy(context, &session.id, &handle).await;
-            return Err(start_failed(format!(
-                "the sandbox's driver {} before it answered",
-                exit.describe()
-            )));
+            let what = format!("the sandbox's driver {} before it answered", exit.describe());
+            if exit.code == Some(i32::from(sortie_protocol::driver::EXIT_AGENT_NOT_FOUND)) {
+                return Err((FailureCode::AgentStartFailed, what));
+            }
+            return Err(start_failed(what));
         }
         if Instant::now() >= ready_by {
             destroy(context, &session.id, &handle).await;
