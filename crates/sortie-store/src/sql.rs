@@ -181,23 +181,31 @@ fn get_u32(row: &AnyRow, column: &str) -> StoreResult<u32> {
 /// PostgreSQL's 65,535 bound values per statement.
 const INSERT_PARTS_PER_STATEMENT: usize = 1000;
 
-/// `INSERT` of `rows` parts: `$1` session, `$2` turn, `$3` time, then index, seq and payload per row;
-/// a part index already stored is left as it is.
-fn insert_parts_sql(rows: usize) -> String {
+/// `INSERT` of `rows` parts: on PostgreSQL `$1` session, `$2` turn, `$3` time, then index, seq, payload
+/// and driver index per row; on SQLite the same seven values per row, each an anonymous `?`: SQLite
+/// looks every `$N` up by name in a list as it parses and binds, which made a statement of many rows
+/// cost the square of its parameters (most of a flood's time went there). A part index already
+/// stored is left as it is.
+fn insert_parts_sql(backend: Backend, rows: usize) -> String {
     let mut sql = String::from(
         "INSERT INTO parts (session_id, turn, created_at, part_index, seq, payload, driver_index) VALUES ",
     );
     for row in 0..rows {
-        let first = 4 + 4 * row;
         if row > 0 {
             sql.push_str(", ");
         }
-        sql.push_str(&format!(
-            "($1, $2, $3, ${first}, ${}, ${}, ${})",
-            first + 1,
-            first + 2,
-            first + 3
-        ));
+        match backend {
+            Backend::Sqlite => sql.push_str("(?, ?, ?, ?, ?, ?, ?)"),
+            Backend::Postgres => {
+                let first = 4 + 4 * row;
+                sql.push_str(&format!(
+                    "($1, $2, $3, ${first}, ${}, ${}, ${})",
+                    first + 1,
+                    first + 2,
+                    first + 3
+                ));
+            }
+        }
     }
     sql.push_str(" ON CONFLICT (session_id, turn, part_index) DO NOTHING RETURNING part_index");
     sql
@@ -1130,12 +1138,15 @@ impl Store for SqlStore {
         // recorder's batch (and a long turn's harvest) cost as many round trips as parts. The rows it
         // added come back, so a replayed part counts neither in the session's parts nor its bytes.
         for slice in parts.chunks(INSERT_PARTS_PER_STATEMENT) {
-            let mut query = sqlx::query(sqlx::AssertSqlSafe(insert_parts_sql(slice.len())))
-                .persistent(false)
-                .bind(session_id.as_str())
-                .bind(i64::from(turn))
-                .bind(now);
+            let mut query =
+                sqlx::query(sqlx::AssertSqlSafe(insert_parts_sql(self.backend, slice.len()))).persistent(false);
+            if self.backend == Backend::Postgres {
+                query = query.bind(session_id.as_str()).bind(i64::from(turn)).bind(now);
+            }
             for (offset, part) in (0_i64..).zip(slice) {
+                if self.backend == Backend::Sqlite {
+                    query = query.bind(session_id.as_str()).bind(i64::from(turn)).bind(now);
+                }
                 query = query
                     .bind(i64::from(part.part_index))
                     .bind(first_seq + offset)
@@ -1143,9 +1154,11 @@ impl Store for SqlStore {
                     .bind(part.driver_index.map(i64::from));
             }
             let added = query.fetch_all(&mut *tx).await?;
+            let by_index: std::collections::HashMap<u32, &NewPart> =
+                slice.iter().map(|part| (part.part_index, part)).collect();
             for row in &added {
                 let index = get_u32(row, "part_index")?;
-                if let Some(part) = slice.iter().find(|part| part.part_index == index) {
+                if let Some(part) = by_index.get(&index) {
                     inserted += 1;
                     inserted_bytes += i64::try_from(part.payload.len()).map_err(internal)?;
                 }

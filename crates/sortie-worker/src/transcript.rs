@@ -3,7 +3,9 @@
 //! [`AgentStream`] has checked them and written them out again from their type, adds sortie's own
 //! parts ([`SortieData`]: phase, priming, usage, egress denials, delivery, notices) and the message's
 //! envelope (`start`, `error`, `finish`) itself, numbers every part, publishes it at once to the
-//! turn's live feed (what attach serves) and stores it in batches (32 parts, 1 MiB or 100 ms).
+//! turn's live feed (what attach serves) and stores it in batches (32 parts, 1 MiB or 100 ms) through a
+//! task of its own, so the live feed never waits for the store (batches that queue meanwhile are
+//! written together).
 //!
 //! Bounded: a turn keeps at most [`TURN_PARTS_MAX`] parts and [`TURN_BYTES_MAX`] bytes, a session
 //! [`SESSION_PARTS_MAX`] and [`SESSION_BYTES_MAX`]; past a cap the sandbox's parts are dropped, one
@@ -127,7 +129,6 @@ pub struct Transcript {
 
 /// What the writer task owns.
 struct Writer {
-    store: Arc<dyn Store>,
     feeds: Arc<Feeds>,
     session_id: SessionId,
     n: u32,
@@ -139,7 +140,9 @@ struct Writer {
     batch: Vec<NewPart>,
     batch_bytes: usize,
     batch_since: Option<tokio::time::Instant>,
-    retry_at: Option<tokio::time::Instant>,
+    /// The store task's queue: full batches go there, so the live feed never waits for the store.
+    /// Unbounded, yet bounded by the caps: only parts counted under them are queued.
+    jobs: mpsc::UnboundedSender<StoreJob>,
     turn_parts: u64,
     turn_bytes: u64,
     session_parts: u64,
@@ -185,8 +188,18 @@ impl Transcript {
             }
         }
         let (tx, rx) = mpsc::channel(QUEUE);
+        let (jobs_tx, jobs_rx) = mpsc::unbounded_channel();
+        tokio::spawn(
+            StoreTask {
+                store,
+                session_id: session_id.clone(),
+                n,
+                pending: Vec::new(),
+                retry_at: None,
+            }
+            .run(jobs_rx),
+        );
         let writer = Writer {
-            store,
             feeds: feeds.clone(),
             session_id: session_id.clone(),
             n,
@@ -197,7 +210,7 @@ impl Transcript {
             batch: Vec::new(),
             batch_bytes: 0,
             batch_since: None,
-            retry_at: None,
+            jobs: jobs_tx,
             turn_parts: progress.turn_parts,
             turn_bytes: progress.turn_bytes,
             session_parts: progress.session_parts,
@@ -309,16 +322,12 @@ impl Writer {
             );
         }
         loop {
-            let wake = match (self.batch_since, self.retry_at) {
-                (_, Some(retry)) => Some(retry),
-                (Some(since), None) => Some(since + BATCH_DELAY),
-                (None, None) => None,
-            };
+            let wake = self.batch_since.map(|since| since + BATCH_DELAY);
             let next = match wake {
                 Some(at) => match tokio::time::timeout_at(at, rx.recv()).await {
                     Ok(next) => next,
                     Err(_) => {
-                        self.flush().await;
+                        self.send_batch();
                         continue;
                     }
                 },
@@ -328,8 +337,8 @@ impl Writer {
                 Some(Write::Agent { driver_index, json }) => self.agent(driver_index, &json),
                 Some(Write::Host(chunk)) => self.push(chunk, None, false),
                 Some(Write::Barrier(done)) => {
-                    self.flush().await;
-                    let _ = done.send(());
+                    self.send_batch();
+                    let _ = self.jobs.send(StoreJob::Barrier(done));
                 }
                 Some(Write::Finish { ending, done }) => {
                     self.finish(ending).await;
@@ -339,14 +348,33 @@ impl Writer {
                 None => {
                     // Every handle is gone without a finish (the worker is stopping): what is kept is
                     // stored; the live feed stays open for the next worker's recorder to go on from.
-                    self.flush().await;
+                    self.send_batch();
+                    self.stored().await;
                     self.feeds.remove(&self.session_id, self.n, &self.hub);
                     return;
                 }
             }
-            if self.batch_due() && self.retry_at.is_none() {
-                self.flush().await;
+            if self.batch_due() {
+                self.send_batch();
             }
+        }
+    }
+
+    /// Hands the batch to the store task.
+    fn send_batch(&mut self) {
+        self.batch_since = None;
+        if self.batch.is_empty() {
+            return;
+        }
+        self.batch_bytes = 0;
+        let _ = self.jobs.send(StoreJob::Batch(std::mem::take(&mut self.batch)));
+    }
+
+    /// Waits until the store task has tried everything queued before.
+    async fn stored(&self) {
+        let (done, stored) = oneshot::channel();
+        if self.jobs.send(StoreJob::Barrier(done)).is_ok() {
+            let _ = stored.await;
         }
     }
 
@@ -458,29 +486,6 @@ impl Writer {
         self.batch.len() >= BATCH_PARTS || self.batch_bytes >= BATCH_BYTES
     }
 
-    /// Writes the batch; a refused one is kept and tried again after [`RETRY_DELAY`].
-    async fn flush(&mut self) -> bool {
-        if self.batch.is_empty() {
-            self.batch_since = None;
-            self.retry_at = None;
-            return true;
-        }
-        match self.store.append_parts(&self.session_id, self.n, &self.batch).await {
-            Ok(_) => {
-                self.batch.clear();
-                self.batch_bytes = 0;
-                self.batch_since = None;
-                self.retry_at = None;
-                true
-            }
-            Err(error) => {
-                tracing::warn!(%error, session = %self.session_id, turn = self.n, "storing parts failed; trying again");
-                self.retry_at = Some(tokio::time::Instant::now() + RETRY_DELAY);
-                false
-            }
-        }
-    }
-
     async fn finish(&mut self, ending: Ending) {
         let ended_at = sortie_protocol::api::rfc3339_from_epoch_ms(sortie_store::now_ms());
         for chunk in self.stream.close(Some(&ended_at)) {
@@ -506,18 +511,121 @@ impl Writer {
             None,
             true,
         );
-        let mut attempts = 0;
-        while !self.flush().await {
-            attempts += 1;
-            if attempts >= FINAL_ATTEMPTS {
-                self.written.lost = self.batch.len() as u64;
-                tracing::error!(session = %self.session_id, turn = self.n, lost = self.batch.len(), "the store did not take the turn's last parts");
-                break;
-            }
-            tokio::time::sleep(RETRY_DELAY).await;
+        self.send_batch();
+        let (done, lost) = oneshot::channel();
+        if self.jobs.send(StoreJob::Final(done)).is_ok() {
+            self.written.lost = lost.await.unwrap_or_default();
         }
         self.hub.finish();
         self.feeds.remove(&self.session_id, self.n, &self.hub);
+    }
+}
+
+/// What the writer asks of the store task, in order.
+enum StoreJob {
+    Batch(Vec<NewPart>),
+    /// Answered once everything queued before was tried (stored, or kept to be tried again).
+    Barrier(oneshot::Sender<()>),
+    /// The turn's last job: what is kept is tried [`FINAL_ATTEMPTS`] times; the answer is how many
+    /// parts the store never took.
+    Final(oneshot::Sender<u64>),
+}
+
+/// Stores a turn's parts behind its writer, so that the live feed runs at the agent's pace, not at
+/// the store's: batches that queue up while one is written go in together.
+struct StoreTask {
+    store: Arc<dyn Store>,
+    session_id: SessionId,
+    n: u32,
+    /// Parts not stored yet, in order.
+    pending: Vec<NewPart>,
+    /// When a write the store refused is tried again (`None`: the store took the last one).
+    retry_at: Option<tokio::time::Instant>,
+}
+
+/// The most parts one write takes when batches have queued up.
+const COALESCE_PARTS: usize = 8 * BATCH_PARTS;
+
+impl StoreTask {
+    async fn run(mut self, mut jobs: mpsc::UnboundedReceiver<StoreJob>) {
+        let mut held = None;
+        loop {
+            let job = match held.take() {
+                Some(job) => Some(job),
+                None => match self.retry_at {
+                    Some(at) => match tokio::time::timeout_at(at, jobs.recv()).await {
+                        Ok(job) => job,
+                        Err(_) => {
+                            self.write().await;
+                            continue;
+                        }
+                    },
+                    None => jobs.recv().await,
+                },
+            };
+            match job {
+                Some(StoreJob::Batch(batch)) => {
+                    self.pending.extend(batch);
+                    while self.pending.len() < COALESCE_PARTS {
+                        match jobs.try_recv() {
+                            Ok(StoreJob::Batch(more)) => self.pending.extend(more),
+                            Ok(other) => {
+                                held = Some(other);
+                                break;
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                    // A store that refused the last write is asked again at its time, not sooner.
+                    if self.retry_at.is_none() {
+                        self.write().await;
+                    }
+                }
+                Some(StoreJob::Barrier(done)) => {
+                    if !self.pending.is_empty() {
+                        self.write().await;
+                    }
+                    let _ = done.send(());
+                }
+                Some(StoreJob::Final(done)) => {
+                    let mut attempts = 0;
+                    while !self.write().await {
+                        attempts += 1;
+                        if attempts >= FINAL_ATTEMPTS {
+                            tracing::error!(session = %self.session_id, turn = self.n, lost = self.pending.len(), "the store did not take the turn's last parts");
+                            break;
+                        }
+                        tokio::time::sleep(RETRY_DELAY).await;
+                    }
+                    let _ = done.send(self.pending.len() as u64);
+                    return;
+                }
+                None => {
+                    self.write().await;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Writes what is pending; a refused write is kept and tried again after [`RETRY_DELAY`].
+    async fn write(&mut self) -> bool {
+        if self.pending.is_empty() {
+            self.retry_at = None;
+            return true;
+        }
+        match self.store.append_parts(&self.session_id, self.n, &self.pending).await {
+            Ok(_) => {
+                self.pending.clear();
+                self.retry_at = None;
+                true
+            }
+            Err(error) => {
+                tracing::warn!(%error, session = %self.session_id, turn = self.n, "storing parts failed; trying again");
+                self.retry_at = Some(tokio::time::Instant::now() + RETRY_DELAY);
+                false
+            }
+        }
     }
 }
 
