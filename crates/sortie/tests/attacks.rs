@@ -379,14 +379,15 @@ async fn s6_one_sandbox_cannot_make_the_host_run_hundreds_of_git_processes() {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut most = 0;
     let mut crowd = Vec::new();
-    // A backend is `git http-backend` and the `git-http-backend` it runs; the first holds the
-    // proxy's slot until both have ended, so counting the first is exact even though /proc is not
-    // read in one instant (the pair's child may be seen beside the next pair).
+    // A backend is `git http-backend`, a child of the server, and the `git-http-backend` it runs; the
+    // first holds the proxy's slot until both have ended, so counting the server's own children is
+    // exact even though /proc is not read in one instant (the pair's child may be seen beside the next
+    // pair, and for an instant after its fork it still reads `git http-backend`).
     let mut count = |most: &mut usize| {
         let now = git_children(pid);
         let backends = now
             .iter()
-            .filter(|(_, _, cmdline)| cmdline.split(' ').nth(1) == Some("http-backend"))
+            .filter(|(_, ppid, cmdline)| *ppid == pid && cmdline.split(' ').nth(1) == Some("http-backend"))
             .count();
         if backends > *most {
             *most = backends;
