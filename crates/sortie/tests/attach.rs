@@ -53,6 +53,8 @@ struct World {
     recorders: std::sync::Mutex<HashMap<u32, tokio::task::JoinHandle<()>>>,
     store: Arc<SqlStore>,
     workspace_id: String,
+    /// The agent's working directory (the driver runs on the host here).
+    workspace_dir: PathBuf,
     session: SessionId,
     base: String,
     client: reqwest::Client,
@@ -145,6 +147,7 @@ impl World {
             recorders: std::sync::Mutex::new(HashMap::new()),
             store,
             workspace_id: workspace.id,
+            workspace_dir,
             session,
             base,
             client: support::http_client(),
@@ -379,14 +382,41 @@ async fn clients_joining_at_any_moment_get_the_whole_turn_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_clients_attach_to_one_turn() {
     let world = Arc::new(World::start().await);
-    world.run_turn(1, "sleep: 1500\nflood: 200\nsay: done").await;
+    // The turn waits at a gate until every client is attached (a sleep would race 1,000 attaches on a
+    // loaded machine), then floods.
+    world
+        .run_turn(
+            1,
+            "run: while [ ! -e gate ]; do sleep 0.02; done\nflood: 200\nsay: done",
+        )
+        .await;
+    let (attached_tx, mut attached) = tokio::sync::mpsc::channel(1000);
     let mut readers = Vec::new();
     for client in 0..1000 {
-        let world = world.clone();
-        readers.push(tokio::spawn(
-            async move { world.attach(&format!("client-{client}")).await },
-        ));
+        let (world, attached_tx) = (world.clone(), attached_tx.clone());
+        readers.push(tokio::spawn(async move {
+            let reply = world
+                .client
+                .get(world.url())
+                .header(
+                    "authorization",
+                    format!("Ticket {}", world.ticket(&format!("client-{client}"))),
+                )
+                .send()
+                .await
+                .expect("get");
+            let status = reply.status().as_u16();
+            let _ = attached_tx.send(()).await;
+            (status, reply.text().await.expect("body"))
+        }));
     }
+    for _ in 0..1000 {
+        tokio::time::timeout(Duration::from_secs(120), attached.recv())
+            .await
+            .expect("every client attaches")
+            .expect("a reader");
+    }
+    std::fs::write(world.workspace_dir.join("gate"), "").expect("open the gate");
     let total = world.host_parts(1).await;
     for reader in readers {
         let (status, body) = reader.await.expect("join");
