@@ -444,10 +444,30 @@ try {
   assert.equal(await page.getByRole('button', { name: 'Cancel' }).isDisabled(), true);
   step('canceled');
 
-  // Stop a running turn, then archive.
+  // A steer from another client: the page hears the control plane's event (it does not poll) and
+  // enables Stop within 200 ms of the steer's answer.
+  const eventsOpen = page.waitForResponse((r) => new URL(r.url()).pathname === '/v1/events' && r.status() === 200);
   await page.goto(sessionUrl);
-  await page.getByLabel('Steer the agent').fill(['#!scripted', 'say: Long work.', 'sleep: 60000', 'say: never'].join('\n'));
-  await page.getByRole('button', { name: 'Send' }).click();
+  await eventsOpen;
+  await badge('idle').waitFor();
+  assert.equal(await page.getByRole('button', { name: 'Stop' }).isDisabled(), true);
+  await page.evaluate(() => {
+    window.stopEnabledAt = null;
+    const check = () => {
+      const stop = [...document.querySelectorAll('button')].find((b) => b.textContent === 'Stop');
+      if (stop && !stop.disabled && window.stopEnabledAt === null) window.stopEnabledAt = Date.now();
+    };
+    new MutationObserver(check).observe(document.body, { subtree: true, childList: true, attributes: true, characterData: true });
+  });
+  const steer = await rest('POST', `/v1/sessions/${id}/steer`, { prompt: ['#!scripted', 'say: Long work.', 'sleep: 60000', 'say: never'].join('\n') });
+  const steeredAt = Date.now();
+  assert.ok(steer.n, JSON.stringify(steer));
+  const enabledAt = await until('Stop enabled', () => page.evaluate(() => window.stopEnabledAt), 10000);
+  const stopLag = Math.max(0, enabledAt - steeredAt);
+  step(`Stop enabled ${stopLag} ms after another client's steer (budget 200 ms)`);
+  assert.ok(stopLag < 200, `Stop took ${stopLag} ms to enable`);
+
+  // Stop a running turn, then archive.
   await page.getByText('Long work.', { exact: true }).waitFor({ timeout: 30000 });
   // Interrupt: the running turn stops and the new prompt runs at once.
   await page.getByLabel('Interrupt').check();

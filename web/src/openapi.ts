@@ -109,6 +109,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/events": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * The workspace's changes as they happen: one SSE event per change (`id` = its `seq`, `data` = an
+         *     [`Event`]), a comment every 15 s while nothing happens.
+         */
+        get: operations["events"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/forge-connections": {
         parameters: {
             query?: never;
@@ -509,13 +529,38 @@ export interface components {
          * @description A refusal the control plane answers with, and its HTTP status.
          * @enum {string}
          */
-        ErrorCode: "INVALID_REQUEST" | "UNSUPPORTED_MEDIA_TYPE" | "BODY_TOO_LARGE" | "UNAUTHORIZED" | "FORBIDDEN" | "SESSION_NOT_FOUND" | "NOT_FOUND" | "METHOD_NOT_ALLOWED" | "PROMPT_TOO_LARGE" | "SESSION_PROMPTS_TOO_LARGE" | "SETUP_TOO_LARGE" | "TITLE_TOO_LONG" | "EGRESS_ALLOWLIST_INVALID" | "AGENT_UNKNOWN" | "AGENT_NOT_INSTALLED" | "REPO_INVALID" | "REPO_NOT_ALLOWED" | "BASE_INVALID" | "BASE_NOT_FOUND" | "REPO_NOT_READABLE" | "MODEL_INVALID" | "TURN_QUEUE_FULL" | "SESSION_NOT_STEERABLE" | "NO_TURN_RUNNING" | "SESSION_ACTIVE" | "TICKET_INVALID" | "TICKET_EXPIRED" | "TICKET_REPLAYED" | "MODEL_API_UNKNOWN" | "MODEL_KEY_INVALID" | "MODEL_KEY_NOT_FOUND" | "FORGE_CONNECTION_INVALID" | "FORGE_CONNECTION_NOT_FOUND" | "STORE_UNAVAILABLE" | "INTERNAL";
+        ErrorCode: "INVALID_REQUEST" | "UNSUPPORTED_MEDIA_TYPE" | "BODY_TOO_LARGE" | "UNAUTHORIZED" | "FORBIDDEN" | "SESSION_NOT_FOUND" | "NOT_FOUND" | "METHOD_NOT_ALLOWED" | "PROMPT_TOO_LARGE" | "SESSION_PROMPTS_TOO_LARGE" | "SETUP_TOO_LARGE" | "TITLE_TOO_LONG" | "EGRESS_ALLOWLIST_INVALID" | "AGENT_UNKNOWN" | "AGENT_NOT_INSTALLED" | "REPO_INVALID" | "REPO_NOT_ALLOWED" | "BASE_INVALID" | "BASE_NOT_FOUND" | "REPO_NOT_READABLE" | "MODEL_INVALID" | "TURN_QUEUE_FULL" | "SESSION_NOT_STEERABLE" | "NO_TURN_RUNNING" | "SESSION_ACTIVE" | "TICKET_INVALID" | "TICKET_EXPIRED" | "TICKET_REPLAYED" | "MODEL_API_UNKNOWN" | "MODEL_KEY_INVALID" | "MODEL_KEY_NOT_FOUND" | "FORGE_CONNECTION_INVALID" | "FORGE_CONNECTION_NOT_FOUND" | "EVENTS_PRUNED" | "STORE_UNAVAILABLE" | "INTERNAL";
         /** @description One error: a stable code, a sentence for people, and structured details (an empty object if none). */
         ErrorDetail: {
             code: components["schemas"]["ErrorCode"];
             details: Record<string, never>;
             message: string;
         };
+        /** @description One change of the control plane (`GET /v1/events`, DESIGN §14; the body of a webhook delivery). */
+        Event: {
+            /** @description When the change was made, RFC 3339 UTC. */
+            at: string;
+            failure?: components["schemas"]["Failure"] | null;
+            phase?: components["schemas"]["SessionPhase"] | null;
+            /**
+             * Format: int64
+             * @description Increasing in the order the changes were made; the SSE `id`, and what `Last-Event-ID` names.
+             */
+            seq: number;
+            session: components["schemas"]["SessionId"];
+            status?: components["schemas"]["TurnStatus"] | null;
+            /**
+             * Format: int32
+             * @description The turn, for `turn.status`.
+             */
+            turn?: number | null;
+            type: components["schemas"]["EventKind"];
+        };
+        /**
+         * @description What a control-plane event announces.
+         * @enum {string}
+         */
+        EventKind: "session.phase" | "turn.status";
         /** @description Why a session or turn failed. */
         Failure: {
             code: components["schemas"]["FailureCode"];
@@ -1005,6 +1050,62 @@ export interface operations {
                     [name: string]: unknown;
                 };
                 content?: never;
+            };
+        };
+    };
+    events: {
+        parameters: {
+            query?: {
+                /**
+                 * @description Start after this event (as `Last-Event-ID` does, which wins when both are given); `0` replays
+                 *     every event the server still keeps. Without either, the stream starts with the next change.
+                 */
+                after?: number;
+            };
+            header?: {
+                /** @description Resume after this event's `seq` */
+                "Last-Event-ID"?: string | null;
+            };
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description A text/event-stream; each event's data is one Event */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "text/event-stream": components["schemas"]["Event"];
+                };
+            };
+            /** @description INVALID_REQUEST: Last-Event-ID is not a number */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description UNAUTHORIZED */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description EVENTS_PRUNED: the events after Last-Event-ID are no longer kept */
+            410: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
             };
         };
     };

@@ -3,6 +3,7 @@ import { useChat } from '@ai-sdk/react';
 import { DefaultChatTransport, type UIMessage } from 'ai';
 import { ApiError, client, LIVE, type MessagesPage, type Session, type Turn, type UiMessage } from './api';
 import { Conversation, type Message } from './conversation';
+import { subscribeEvents } from './events';
 import { PhaseBadge } from './sessions';
 import { age, files, ms } from './util';
 
@@ -296,20 +297,24 @@ export function SessionPage({ id }: { id: string }) {
   useEffect(() => {
     let live = true;
     let timer: ReturnType<typeof setTimeout> | undefined;
+    // Reads may overlap (events come in bursts); only the newest one started may set the state.
+    let latest = 0;
     const load = async () => {
+      const mine = ++latest;
       try {
         const [s, t] = await Promise.all([client.session(id), client.turns(id)]);
-        if (!live) return;
+        if (!live || mine !== latest) return;
         setSession(s);
         setTurns(t.turns);
         setError(null);
-        timer = setTimeout(load, LIVE.includes(s.phase) ? 1500 : 8000);
       } catch (e) {
-        if (live) { setError(`${(e as ApiError).code}: ${(e as ApiError).message}`); timer = setTimeout(load, 5000); }
+        if (live && mine === latest) { setError(`${(e as ApiError).code}: ${(e as ApiError).message}`); clearTimeout(timer); timer = setTimeout(load, 5000); }
       }
     };
     void load();
-    return () => { live = false; clearTimeout(timer); };
+    // The control plane says when the session or one of its turns changes: no polling.
+    const off = subscribeEvents((event) => { if (!event || event.session === id) void load(); });
+    return () => { live = false; clearTimeout(timer); off(); };
   }, [id, tick]);
   const onAction = async (a: Action) => {
     if (a === 'cancel' && !confirm('Cancel this session? It takes no more turns.')) return;

@@ -1,6 +1,7 @@
 import { useEffect, useState } from 'react';
 import { ApiError, client, LIVE, PHASES, type Phase, type Session } from './api';
 import { Link } from './app';
+import { subscribeEvents } from './events';
 import { age } from './util';
 
 export function PhaseBadge({ phase }: { phase: string }) {
@@ -27,16 +28,21 @@ export function Sessions() {
   useEffect(() => {
     let live = true;
     let timer: ReturnType<typeof setTimeout> | undefined;
-    const load = () => client.sessions({ phase, repo, archived }).then((r) => {
-      if (!live) return;
-      setSessions(r.sessions);
-      setRepos((old) => (r.sessions.every((x) => old.includes(x.repo)) ? old : [...new Set([...old, ...r.sessions.map((x) => x.repo)])].sort()));
-      setError(null);
-      // Poll while anything is live; slowly otherwise.
-      timer = setTimeout(load, r.sessions.some((s) => LIVE.includes(s.phase)) ? 1500 : 10000);
-    }).catch((e: ApiError) => { if (live) { setError(`${e.code}: ${e.message}`); timer = setTimeout(load, 5000); } });
-    load();
-    return () => { live = false; clearTimeout(timer); };
+    let latest = 0;
+    const load = () => {
+      const mine = ++latest;
+      return client.sessions({ phase, repo, archived }).then((r) => {
+        if (!live || mine !== latest) return;
+        setSessions(r.sessions);
+        setRepos((old) => (r.sessions.every((x) => old.includes(x.repo)) ? old : [...new Set([...old, ...r.sessions.map((x) => x.repo)])].sort()));
+        setError(null);
+      }).catch((e: ApiError) => { if (live && mine === latest) { setError(`${e.code}: ${e.message}`); clearTimeout(timer); timer = setTimeout(load, 5000); } });
+    };
+    void load();
+    // Any change in the workspace may move a row: read the list again once a burst of events settles.
+    let burst: ReturnType<typeof setTimeout> | undefined;
+    const off = subscribeEvents(() => { clearTimeout(burst); burst = setTimeout(load, 100); });
+    return () => { live = false; clearTimeout(timer); clearTimeout(burst); off(); };
   }, [phase, repo, archived, tick]);
   return (
     <main>

@@ -156,6 +156,55 @@ pub struct Session {
     pub updated_at: String,
 }
 
+/// What a control-plane event announces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub enum EventKind {
+    /// A session's phase changed (`phase`).
+    #[serde(rename = "session.phase")]
+    SessionPhase,
+    /// A turn's status changed (`turn`, `status`).
+    #[serde(rename = "turn.status")]
+    TurnStatus,
+}
+
+impl EventKind {
+    pub const ALL: [Self; 2] = [Self::SessionPhase, Self::TurnStatus];
+
+    /// The kind as it appears on the wire, e.g. `session.phase`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::SessionPhase => "session.phase",
+            Self::TurnStatus => "turn.status",
+        }
+    }
+}
+
+/// One change of the control plane (`GET /v1/events`, DESIGN §14; the body of a webhook delivery).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Event {
+    /// Increasing in the order the changes were made; the SSE `id`, and what `Last-Event-ID` names.
+    pub seq: u64,
+    #[serde(rename = "type")]
+    pub kind: EventKind,
+    pub session: SessionId,
+    /// The turn, for `turn.status`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn: Option<u32>,
+    /// The session's new phase, for `session.phase`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<SessionPhase>,
+    /// The turn's new status, for `turn.status`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<TurnStatus>,
+    /// Why, when the new phase or status is `failed`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<Failure>,
+    /// When the change was made, RFC 3339 UTC.
+    pub at: String,
+}
+
 /// The draft pull request of a session.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

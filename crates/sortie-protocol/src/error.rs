@@ -95,6 +95,9 @@ error_codes! {
     ForgeConnectionInvalid = 400,
     /// The workspace has no connection to this forge host.
     ForgeConnectionNotFound = 404,
+    /// `Last-Event-ID` is older than the events the server still keeps: some were lost. Read the
+    /// sessions again and reconnect without it.
+    EventsPruned = 410,
     /// The store did not answer; try again.
     StoreUnavailable = 503,
     /// A fault of the server; the log has the detail.
@@ -230,6 +233,7 @@ mod tests {
             (ModelKeyNotFound, 404),
             (ForgeConnectionInvalid, 400),
             (ForgeConnectionNotFound, 404),
+            (EventsPruned, 410),
             (Internal, 500),
         ];
         for (code, status) in expected {

@@ -7,6 +7,7 @@
 
 mod agents;
 pub mod error;
+pub mod events;
 mod extract;
 mod forges;
 mod health;
@@ -122,6 +123,7 @@ pub struct ApiState {
         sortie_protocol::ErrorCode,
         sortie_protocol::FailureCode,
         sortie_protocol::api::Role,
+        sortie_protocol::api::Event,
         sortie_protocol::sortie_data::SortieData
     ))
 )]
@@ -143,6 +145,7 @@ impl utoipa::Modify for BearerAuth {
 fn api_routes() -> OpenApiRouter<ApiState> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .merge(sessions::routes())
+        .merge(events::routes())
         .merge(model_keys::routes())
         .merge(forges::routes())
         .merge(signin::routes())

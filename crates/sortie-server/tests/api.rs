@@ -67,6 +67,7 @@ on_every_server!(
     model_keys_refuse_bad_apis_and_bad_keys_and_write_nothing,
     model_keys_stay_in_their_workspace_and_sealed_at_rest,
     forge_connections_are_set_listed_and_removed_by_admins_only,
+    events_tell_the_workspaces_changes_in_order_and_resume_after_the_last_seen,
 );
 
 /// Security review S8 over a real socket, on each database (the flood is stored once per test).
@@ -2103,4 +2104,141 @@ async fn cancel_racing_steers_keeps_the_ledger_consistent(h: Harness) {
         turns.iter().all(|t| t["status"] == "canceled"),
         "no turn waits in a canceled session: {turns:?}"
     );
+}
+
+/// Server-sent events as they arrive: `(id, data)` of each complete event, comments skipped.
+struct Events {
+    body: futures::stream::BoxStream<'static, Vec<u8>>,
+    buffer: Vec<u8>,
+}
+
+impl Events {
+    async fn open(h: &Harness, path: &str, token: &str, extra: &[(&str, &str)]) -> Self {
+        let (status, body) = h.open_stream(path, token, extra).await;
+        assert_eq!(status, StatusCode::OK);
+        Self {
+            body,
+            buffer: Vec::new(),
+        }
+    }
+
+    /// The next event, or a failure after a deadline (the stream never ends by itself).
+    async fn next(&mut self) -> (u64, Value) {
+        use futures::StreamExt;
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            if let Some(end) = self.buffer.windows(2).position(|w| w == b"\n\n") {
+                let block = String::from_utf8(self.buffer.drain(..end + 2).collect()).expect("utf-8");
+                let id = block.lines().find_map(|l| l.strip_prefix("id: "));
+                let data = block.lines().find_map(|l| l.strip_prefix("data: "));
+                if let (Some(id), Some(data)) = (id, data) {
+                    return (
+                        id.parse().expect("numeric id"),
+                        serde_json::from_str(data).expect("json"),
+                    );
+                }
+                continue;
+            }
+            let chunk = tokio::time::timeout_at(deadline, self.body.next())
+                .await
+                .expect("an event within 20 s")
+                .expect("the stream went on");
+            self.buffer.extend(chunk);
+        }
+    }
+
+    /// The next `n` events as `"<session|turn N> <state>"` lines, with the last one's id.
+    async fn said(&mut self, n: usize) -> (Vec<String>, Vec<Value>, u64) {
+        let mut said = Vec::new();
+        let mut events = Vec::new();
+        let mut last = 0;
+        for _ in 0..n {
+            let (id, event) = self.next().await;
+            assert_eq!(event["seq"], json!(id), "the SSE id is the event's seq");
+            assert!(id > last, "ids increase");
+            last = id;
+            said.push(match event["type"].as_str() {
+                Some("session.phase") => format!("session {}", event["phase"].as_str().expect("phase")),
+                Some("turn.status") => format!("turn {} {}", event["turn"], event["status"].as_str().expect("status")),
+                other => panic!("an event of type {other:?}"),
+            });
+            events.push(event);
+        }
+        (said, events, last)
+    }
+}
+
+async fn events_tell_the_workspaces_changes_in_order_and_resume_after_the_last_seen(h: Harness) {
+    // A viewer's stream starts with the next change; another workspace's changes never reach it.
+    let mut events = Events::open(&h, "/v1/events", &h.viewer, &[]).await;
+    let foreign = h
+        .post(
+            "/v1/sessions",
+            &h.other_operator,
+            json!({"repo": "https://example.com/a.git", "task": "t", "agent": "scripted"}),
+        )
+        .await;
+    assert_eq!(foreign.status, StatusCode::ACCEPTED, "{}", foreign.body);
+    let id = h.create("t").await;
+    h.post(
+        &format!("/v1/sessions/{id}/steer"),
+        &h.operator,
+        json!({"prompt": "more"}),
+    )
+    .await;
+    let (said, seen, third) = events.said(3).await;
+    assert_eq!(said, ["session queued", "turn 1 accepted", "turn 2 accepted"]);
+    assert!(seen.iter().all(|e| e["session"] == json!(id)), "{seen:?}");
+    assert!(seen[0]["at"].as_str().is_some_and(|at| at.ends_with('Z')));
+    drop(events);
+
+    // While nobody listens: a cancel. Resuming after the last event seen loses nothing.
+    let cancel = h
+        .send(
+            Method::POST,
+            &format!("/v1/sessions/{id}/cancel"),
+            Some(&h.operator),
+            Payload::Empty,
+        )
+        .await;
+    assert_eq!(cancel.status, StatusCode::ACCEPTED);
+    let third = third.to_string();
+    let mut resumed = Events::open(&h, "/v1/events", &h.viewer, &[("last-event-id", &third)]).await;
+    let (said, _, _) = resumed.said(3).await;
+    assert_eq!(said, ["session canceled", "turn 1 canceled", "turn 2 canceled"]);
+    // `?after=0` replays what is kept, from the start.
+    let mut replay = Events::open(&h, "/v1/events?after=0", &h.viewer, &[]).await;
+    let (said, _, _) = replay.said(4).await;
+    assert_eq!(
+        said,
+        [
+            "session queued",
+            "turn 1 accepted",
+            "turn 2 accepted",
+            "session canceled"
+        ]
+    );
+
+    assert_error(
+        &h.send(Method::GET, "/v1/events", None, Payload::Empty).await,
+        StatusCode::UNAUTHORIZED,
+        "UNAUTHORIZED",
+    );
+    let (status, _) = h
+        .open_stream("/v1/events", &h.viewer, &[("last-event-id", "soon")])
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+
+    // Once pruned, an old Last-Event-ID is told it lost events, with a code to act on.
+    h.store.prune_events(sortie_store::now_ms() + 1).await.expect("prune");
+    let (status, mut body) = h
+        .open_stream("/v1/events", &h.viewer, &[("last-event-id", &third)])
+        .await;
+    assert_eq!(status, StatusCode::GONE);
+    let mut raw = Vec::new();
+    while let Some(chunk) = futures::StreamExt::next(&mut body).await {
+        raw.extend(chunk);
+    }
+    let refusal: Value = serde_json::from_slice(&raw).expect("json");
+    assert_eq!(refusal["error"]["code"], "EVENTS_PRUNED", "{refusal}");
 }

@@ -133,6 +133,21 @@ pub trait Store: Send + Sync + 'static {
     /// Records the session's pull request, once: `false` if it already has one (which is kept).
     async fn set_session_pr(&self, session_id: &SessionId, url: &str, number: u64) -> StoreResult<bool>;
 
+    // Events: every change of a session's phase or a turn's status, written in the transaction that
+    // makes it (DESIGN §14).
+
+    /// Changes (to a new value) whenever this process commits an event. Events another process writes
+    /// are seen only by reading, so a reader also reads on a slow timer.
+    fn event_signal(&self) -> tokio::sync::watch::Receiver<u64>;
+    /// The newest event's number, of any workspace (0 when there is none): where a reader that wants
+    /// only what happens from now on starts.
+    async fn latest_event(&self) -> StoreResult<u64>;
+    /// The workspace's events numbered above `after`, oldest first, at most `limit`; with `None` for
+    /// the workspace, every workspace's (the webhook outbox).
+    async fn events_after(&self, workspace_id: Option<&str>, after: u64, limit: u32) -> StoreResult<EventPage>;
+    /// Forgets events older than `before_ms`; returns how many.
+    async fn prune_events(&self, before_ms: i64) -> StoreResult<u64>;
+
     // Live sandboxes (counted for the per-workspace limit, found again after a restart).
 
     async fn put_sandbox(

@@ -273,3 +273,35 @@ pub struct ModelKeyRow {
     pub label: Option<String>,
     pub created_at: i64,
 }
+
+/// What an event says changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventChange {
+    /// A session's phase became this.
+    Phase(SessionPhase),
+    /// A turn's status became this.
+    Status(TurnStatus),
+}
+
+/// One change of a session's phase or a turn's status, written with the change itself.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EventRow {
+    /// Increasing in commit order, across every workspace.
+    pub seq: u64,
+    pub workspace_id: String,
+    pub session_id: SessionId,
+    /// The turn of a status change.
+    pub turn: Option<u32>,
+    pub change: EventChange,
+    /// Why, when the change is to `failed`.
+    pub failure: Option<(FailureCode, String)>,
+    pub at_ms: i64,
+}
+
+/// The events after a reader's last one.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EventPage {
+    pub events: Vec<EventRow>,
+    /// The newest event number pruned: a reader whose last event is older has lost the ones between.
+    pub pruned_through: u64,
+}

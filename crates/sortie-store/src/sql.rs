@@ -48,6 +48,8 @@ const CAS_ATTEMPTS: usize = 200;
 pub struct SqlStore {
     pool: AnyPool,
     backend: Backend,
+    /// Bumped after every commit that wrote an event ([`Store::event_signal`]).
+    events: tokio::sync::watch::Sender<u64>,
 }
 
 impl SqlStore {
@@ -81,7 +83,11 @@ impl SqlStore {
             }
             Backend::Postgres => options.max_connections(16).connect(url).await?,
         };
-        let store = Self { pool, backend };
+        let store = Self {
+            pool,
+            backend,
+            events: tokio::sync::watch::channel(0).0,
+        };
         store.migrate().await?;
         Ok(store)
     }
@@ -110,6 +116,52 @@ impl SqlStore {
             Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await?,
             Backend::Postgres => self.pool.begin().await?,
         })
+    }
+
+    /// Writes an event about `session_id` in `tx`. Call it after the transaction's other writes: on
+    /// PostgreSQL it takes the events lock (held to the commit), so numbers commit in order and a reader
+    /// that saw number n never sees a smaller one appear later.
+    async fn record_event(
+        &self,
+        tx: &mut Transaction<'static, Any>,
+        session_id: &SessionId,
+        turn: Option<u32>,
+        change: EventChange,
+        failure: Option<(&str, &str)>,
+        at: i64,
+    ) -> StoreResult<()> {
+        if self.backend == Backend::Postgres {
+            sqlx::query("LOCK TABLE events IN SHARE ROW EXCLUSIVE MODE")
+                .execute(&mut **tx)
+                .await?;
+        }
+        let (kind, state) = match change {
+            EventChange::Phase(phase) => (EVENT_SESSION_PHASE, phase.as_str()),
+            EventChange::Status(status) => (EVENT_TURN_STATUS, status.as_str()),
+        };
+        // A session that failed says why from its own row; a failed turn's reason comes with it.
+        sqlx::query(
+            "INSERT INTO events (workspace_id, session_id, turn, kind, state, failure_code, failure_reason, at) \
+             SELECT workspace_id, id, $2, $3, $4, CASE WHEN $4 = 'failed' THEN COALESCE($5, failure_code) END, \
+             CASE WHEN $4 = 'failed' THEN COALESCE($6, failure_reason) END, $7 FROM sessions WHERE id = $1",
+        )
+        .bind(session_id.as_str())
+        .bind(turn.map(i64::from))
+        .bind(kind)
+        .bind(state)
+        .bind(failure.map(|(code, _)| code))
+        .bind(failure.map(|(_, reason)| reason))
+        .bind(at)
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+
+    /// Commits a transaction that wrote events and wakes this process's readers.
+    async fn commit_events(&self, tx: Transaction<'static, Any>) -> StoreResult<()> {
+        tx.commit().await?;
+        self.events.send_modify(|n| *n = n.wrapping_add(1));
+        Ok(())
     }
 
     async fn fetch_session(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow> {
@@ -167,6 +219,29 @@ macro_rules! turn_select {
     };
 }
 use turn_select;
+
+const EVENT_SESSION_PHASE: &str = "session.phase";
+const EVENT_TURN_STATUS: &str = "turn.status";
+
+fn event_from_row(row: &AnyRow) -> StoreResult<EventRow> {
+    let kind: String = row.try_get("kind")?;
+    let state: String = row.try_get("state")?;
+    let change = match kind.as_str() {
+        EVENT_SESSION_PHASE => EventChange::Phase(SessionPhase::from_str(&state).map_err(internal)?),
+        EVENT_TURN_STATUS => EventChange::Status(TurnStatus::from_str(&state).map_err(internal)?),
+        other => return Err(internal(format!("an event of unknown kind {other:?}"))),
+    };
+    let id: String = row.try_get("session_id")?;
+    Ok(EventRow {
+        seq: get_u64(row, "seq")?,
+        workspace_id: row.try_get("workspace_id")?,
+        session_id: SessionId::parse(&id).map_err(internal)?,
+        turn: get_opt_u32(row, "turn")?,
+        change,
+        failure: parse_failure(row.try_get("failure_code")?, row.try_get("failure_reason")?)?,
+        at_ms: row.try_get("at")?,
+    })
+}
 
 fn internal(what: impl std::fmt::Display) -> StoreError {
     StoreError::Internal(what.to_string())
@@ -499,7 +574,25 @@ impl Store for SqlStore {
             .bind(now)
             .execute(&mut *tx)
             .await?;
-        tx.commit().await?;
+        self.record_event(
+            &mut tx,
+            &new.id,
+            None,
+            EventChange::Phase(SessionPhase::Queued),
+            None,
+            now,
+        )
+        .await?;
+        self.record_event(
+            &mut tx,
+            &new.id,
+            Some(1),
+            EventChange::Status(TurnStatus::Accepted),
+            None,
+            now,
+        )
+        .await?;
+        self.commit_events(tx).await?;
         self.fetch_session(&new.workspace_id, &new.id).await
     }
 
@@ -600,8 +693,22 @@ impl Store for SqlStore {
                     .execute(&mut *tx)
                     .await?;
             }
-            tx.commit().await?;
-            return self.fetch_turn(session_id, u32::try_from(n).map_err(internal)?).await;
+            let n = u32::try_from(n).map_err(internal)?;
+            if next_phase != session.phase {
+                self.record_event(&mut tx, session_id, None, EventChange::Phase(next_phase), None, now)
+                    .await?;
+            }
+            self.record_event(
+                &mut tx,
+                session_id,
+                Some(n),
+                EventChange::Status(TurnStatus::Accepted),
+                None,
+                now,
+            )
+            .await?;
+            self.commit_events(tx).await?;
+            return self.fetch_turn(session_id, n).await;
         }
         Err(StoreError::Conflict(
             "the session changed too often while steering; try again".into(),
@@ -663,18 +770,37 @@ impl Store for SqlStore {
                 tx.rollback().await?;
                 continue;
             }
-            sqlx::query(
-                "UPDATE turns SET status = 'canceled', completed_at = $2 WHERE session_id = $1 AND status = 'accepted'",
+            let dropped = sqlx::query(
+                "UPDATE turns SET status = 'canceled', completed_at = $2 WHERE session_id = $1 AND status = 'accepted' \
+                 RETURNING n",
             )
             .bind(session_id.as_str())
             .bind(now)
-            .execute(&mut *tx)
+            .fetch_all(&mut *tx)
             .await?;
             sqlx::query("UPDATE turns SET stop_requested = 'cancel' WHERE session_id = $1 AND status = 'running'")
                 .bind(session_id.as_str())
                 .execute(&mut *tx)
                 .await?;
-            tx.commit().await?;
+            self.record_event(&mut tx, session_id, None, EventChange::Phase(to), None, now)
+                .await?;
+            let mut dropped = dropped
+                .iter()
+                .map(|row| get_u32(row, "n"))
+                .collect::<StoreResult<Vec<u32>>>()?;
+            dropped.sort_unstable();
+            for n in dropped {
+                self.record_event(
+                    &mut tx,
+                    session_id,
+                    Some(n),
+                    EventChange::Status(TurnStatus::Canceled),
+                    None,
+                    now,
+                )
+                .await?;
+            }
+            self.commit_events(tx).await?;
             return self.fetch_session(workspace_id, session_id).await;
         }
         Err(StoreError::Conflict(
@@ -694,18 +820,31 @@ impl Store for SqlStore {
             if session.phase != SessionPhase::Hibernated {
                 return Ok(session);
             }
+            let now = now_ms();
+            let mut tx = self.begin_write().await?;
             let changed = sqlx::query(
                 "UPDATE sessions SET phase = 'queued', resume_requested = 1, updated_at = $2 \
                  WHERE id = $1 AND phase = 'hibernated' AND archived = 0",
             )
             .bind(session_id.as_str())
-            .bind(now_ms())
-            .execute(&self.pool)
+            .bind(now)
+            .execute(&mut *tx)
             .await?
             .rows_affected();
             if changed == 1 {
+                self.record_event(
+                    &mut tx,
+                    session_id,
+                    None,
+                    EventChange::Phase(SessionPhase::Queued),
+                    None,
+                    now,
+                )
+                .await?;
+                self.commit_events(tx).await?;
                 return self.fetch_session(workspace_id, session_id).await;
             }
+            tx.rollback().await?;
         }
         Err(StoreError::Conflict(
             "the session changed too often while resuming; try again".into(),
@@ -829,10 +968,20 @@ impl Store for SqlStore {
             tx.rollback().await?;
             return Ok(None);
         }
-        tx.commit().await?;
-        Ok(Some(
-            self.fetch_turn(session_id, u32::try_from(n).map_err(internal)?).await?,
-        ))
+        let n = u32::try_from(n).map_err(internal)?;
+        self.record_event(&mut tx, session_id, None, EventChange::Phase(to), None, now)
+            .await?;
+        self.record_event(
+            &mut tx,
+            session_id,
+            Some(n),
+            EventChange::Status(TurnStatus::Running),
+            None,
+            now,
+        )
+        .await?;
+        self.commit_events(tx).await?;
+        Ok(Some(self.fetch_turn(session_id, n).await?))
     }
 
     async fn transition_session(
@@ -847,15 +996,24 @@ impl Store for SqlStore {
                 to: to.to_string(),
             });
         }
+        let now = now_ms();
+        let mut tx = self.begin_write().await?;
         let changed = sqlx::query("UPDATE sessions SET phase = $3, updated_at = $4 WHERE id = $1 AND phase = $2")
             .bind(session_id.as_str())
             .bind(from.as_str())
             .bind(to.as_str())
-            .bind(now_ms())
-            .execute(&self.pool)
+            .bind(now)
+            .execute(&mut *tx)
             .await?
             .rows_affected();
-        Ok(changed == 1)
+        if changed != 1 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        self.record_event(&mut tx, session_id, None, EventChange::Phase(to), None, now)
+            .await?;
+        self.commit_events(tx).await?;
+        Ok(true)
     }
 
     async fn claimable_sessions(&self, limit: u32) -> StoreResult<Vec<SessionRow>> {
@@ -916,6 +1074,8 @@ impl Store for SqlStore {
                 });
             }
         }
+        let now = now_ms();
+        let mut tx = self.begin_write().await?;
         let row = sqlx::query(
             "UPDATE sessions SET phase = CASE WHEN n_waiting > 0 THEN 'queued' WHEN $3 = 1 THEN 'failed' ELSE 'idle' END, \
              updated_at = $4 WHERE id = $1 AND phase = $2 RETURNING phase",
@@ -923,29 +1083,48 @@ impl Store for SqlStore {
         .bind(session_id.as_str())
         .bind(from.as_str())
         .bind(i64::from(failed))
-        .bind(now_ms())
-        .fetch_optional(&self.pool)
+        .bind(now)
+        .fetch_optional(&mut *tx)
         .await?;
-        match row {
-            None => Ok(None),
-            Some(row) => {
-                let phase: String = row.try_get("phase")?;
-                Ok(Some(SessionPhase::from_str(&phase).map_err(internal)?))
-            }
-        }
+        let Some(row) = row else {
+            tx.rollback().await?;
+            return Ok(None);
+        };
+        let phase: String = row.try_get("phase")?;
+        let phase = SessionPhase::from_str(&phase).map_err(internal)?;
+        self.record_event(&mut tx, session_id, None, EventChange::Phase(phase), None, now)
+            .await?;
+        self.commit_events(tx).await?;
+        Ok(Some(phase))
     }
 
     async fn claim_resume(&self, session_id: &SessionId) -> StoreResult<bool> {
+        let now = now_ms();
+        let mut tx = self.begin_write().await?;
         let changed = sqlx::query(
             "UPDATE sessions SET phase = 'provisioning', resume_requested = 0, queued_reason = NULL, updated_at = $2 \
              WHERE id = $1 AND phase = 'queued' AND resume_requested = 1 AND n_waiting = 0",
         )
         .bind(session_id.as_str())
-        .bind(now_ms())
-        .execute(&self.pool)
+        .bind(now)
+        .execute(&mut *tx)
         .await?
         .rows_affected();
-        Ok(changed == 1)
+        if changed != 1 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        self.record_event(
+            &mut tx,
+            session_id,
+            None,
+            EventChange::Phase(SessionPhase::Provisioning),
+            None,
+            now,
+        )
+        .await?;
+        self.commit_events(tx).await?;
+        Ok(true)
     }
 
     async fn set_turn_details(
@@ -1020,6 +1199,77 @@ impl Store for SqlStore {
         Ok(updated > 0)
     }
 
+    fn event_signal(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.events.subscribe()
+    }
+
+    async fn latest_event(&self) -> StoreResult<u64> {
+        let row = sqlx::query("SELECT COALESCE(MAX(seq), 0) AS seq FROM events")
+            .fetch_one(&self.pool)
+            .await?;
+        get_u64(&row, "seq")
+    }
+
+    async fn events_after(&self, workspace_id: Option<&str>, after: u64, limit: u32) -> StoreResult<EventPage> {
+        let after = i64::try_from(after).unwrap_or(i64::MAX);
+        // The horizon is read first: an event pruned after this read was still there to be read.
+        let horizon = sqlx::query("SELECT pruned_through FROM event_horizon WHERE id = 1")
+            .fetch_one(&self.pool)
+            .await?;
+        let pruned_through = get_u64(&horizon, "pruned_through")?;
+        let rows = match workspace_id {
+            Some(workspace_id) => {
+                sqlx::query(
+                    "SELECT seq, workspace_id, session_id, turn, kind, state, failure_code, failure_reason, at \
+                     FROM events WHERE workspace_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+                )
+                .bind(workspace_id)
+                .bind(after)
+                .bind(i64::from(limit))
+                .fetch_all(&self.pool)
+                .await?
+            }
+            None => {
+                sqlx::query(
+                    "SELECT seq, workspace_id, session_id, turn, kind, state, failure_code, failure_reason, at \
+                     FROM events WHERE seq > $1 ORDER BY seq LIMIT $2",
+                )
+                .bind(after)
+                .bind(i64::from(limit))
+                .fetch_all(&self.pool)
+                .await?
+            }
+        };
+        Ok(EventPage {
+            events: rows.iter().map(event_from_row).collect::<StoreResult<_>>()?,
+            pruned_through,
+        })
+    }
+
+    async fn prune_events(&self, before_ms: i64) -> StoreResult<u64> {
+        let mut tx = self.begin_write().await?;
+        let newest = sqlx::query("SELECT MAX(seq) AS seq FROM events WHERE at < $1")
+            .bind(before_ms)
+            .fetch_one(&mut *tx)
+            .await?;
+        let Some(through) = newest.try_get::<Option<i64>, _>("seq")? else {
+            tx.rollback().await?;
+            return Ok(0);
+        };
+        // Everything up to the newest old event goes, so what is kept has no hole a reader could miss.
+        let pruned = sqlx::query("DELETE FROM events WHERE seq <= $1")
+            .bind(through)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        sqlx::query("UPDATE event_horizon SET pruned_through = $1 WHERE id = 1 AND pruned_through < $1")
+            .bind(through)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(pruned)
+    }
+
     async fn put_sandbox(
         &self,
         session_id: &SessionId,
@@ -1084,6 +1334,7 @@ impl Store for SqlStore {
             Some((code, reason)) => (Some(failure_code_text(code)), Some(reason)),
             None => (None, None),
         };
+        let now = now_ms();
         let mut tx = self.begin_write().await?;
         let changed = sqlx::query(
             "UPDATE turns SET status = $3, head_sha = $4, failure_code = $5, failure_reason = $6, completed_at = $7 \
@@ -1095,7 +1346,7 @@ impl Store for SqlStore {
         .bind(outcome.head_sha.as_deref())
         .bind(failure_code.as_deref())
         .bind(failure_reason.as_deref())
-        .bind(now_ms())
+        .bind(now)
         .execute(&mut *tx)
         .await?
         .rows_affected();
@@ -1108,12 +1359,25 @@ impl Store for SqlStore {
             .bind(outcome.head_sha.as_deref())
             .bind(failure_code.as_deref())
             .bind(failure_reason.as_deref())
-            .bind(now_ms())
+            .bind(now)
             .execute(&mut *tx)
             .await?;
+        } else {
+            tx.rollback().await?;
+            return Ok(false);
         }
-        tx.commit().await?;
-        Ok(changed == 1)
+        let failure = failure_code.as_deref().zip(failure_reason.as_deref());
+        self.record_event(
+            &mut tx,
+            session_id,
+            Some(n),
+            EventChange::Status(outcome.status),
+            failure,
+            now,
+        )
+        .await?;
+        self.commit_events(tx).await?;
+        Ok(true)
     }
 
     async fn append_parts(&self, session_id: &SessionId, turn: u32, parts: &[NewPart]) -> StoreResult<u64> {

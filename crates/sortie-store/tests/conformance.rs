@@ -98,6 +98,8 @@ on_both_databases!(
     model_keys_are_sealed_per_workspace_and_api,
     forge_connections_are_sealed_per_workspace_and_host,
     a_session_keeps_its_first_pull_request,
+    every_phase_and_status_change_is_an_event_in_commit_order,
+    concurrent_writers_number_events_in_commit_order,
 );
 
 async fn a_session_keeps_its_first_pull_request(backend: TestBackend) {
@@ -1655,4 +1657,233 @@ async fn reconnecting_keeps_everything(backend: TestBackend) {
         session.id
     );
     reopened.close().await;
+}
+
+/// What the events of a page say, as `(session-or-turn, state)` lines, for comparing whole stories.
+fn said(page: &EventPage) -> Vec<String> {
+    page.events
+        .iter()
+        .map(|e| match (e.change, e.turn) {
+            (EventChange::Phase(phase), None) => format!("session {phase}"),
+            (EventChange::Status(status), Some(n)) => format!("turn {n} {status}"),
+            (change, turn) => panic!("an event of the wrong shape: {change:?} turn {turn:?}"),
+        })
+        .collect()
+}
+
+async fn every_phase_and_status_change_is_an_event_in_commit_order(backend: TestBackend) {
+    let f = fixture(backend).await;
+    let ws = &f.workspace.id;
+    let other = f
+        .store
+        .create_workspace("other", RepoAccess::default())
+        .await
+        .expect("other workspace");
+    let start = f.store.latest_event().await.expect("latest");
+    let mut signal = f.store.event_signal();
+    signal.borrow_and_update();
+
+    let session = f
+        .store
+        .create_session(new_session(ws, "/r", "t"))
+        .await
+        .expect("create");
+    assert!(
+        signal.has_changed().expect("signal"),
+        "a commit with events wakes readers"
+    );
+    f.store
+        .claim_turn(&session.id, false, "w")
+        .await
+        .expect("claim")
+        .expect("claimed");
+    assert!(
+        f.store
+            .transition_session(&session.id, SessionPhase::Provisioning, SessionPhase::Running)
+            .await
+            .expect("run")
+    );
+    // A compare-and-set that loses writes nothing.
+    assert!(
+        !f.store
+            .transition_session(&session.id, SessionPhase::Provisioning, SessionPhase::Running)
+            .await
+            .expect("lost")
+    );
+    f.store.steer(ws, &session.id, queue("two")).await.expect("steer");
+    assert!(
+        f.store
+            .transition_session(&session.id, SessionPhase::Running, SessionPhase::Delivering)
+            .await
+            .expect("deliver")
+    );
+    f.store
+        .finish_turn(
+            &session.id,
+            1,
+            TurnOutcome {
+                status: TurnStatus::Failed,
+                head_sha: None,
+                failure: Some((FailureCode::AgentError, "the agent broke".into())),
+            },
+        )
+        .await
+        .expect("finish");
+    assert_eq!(
+        f.store
+            .settle_session(&session.id, SessionPhase::Delivering, true)
+            .await
+            .expect("settle"),
+        Some(SessionPhase::Queued)
+    );
+    f.store.steer(ws, &session.id, queue("three")).await.expect("steer");
+    f.store.cancel(ws, &session.id).await.expect("cancel");
+    let foreign = f
+        .store
+        .create_session(new_session(&other.id, "/r", "t"))
+        .await
+        .expect("foreign");
+
+    let page = f.store.events_after(Some(ws), start, 100).await.expect("events");
+    assert_eq!(
+        said(&page),
+        [
+            "session queued",
+            "turn 1 accepted",
+            "session provisioning",
+            "turn 1 running",
+            "session running",
+            "turn 2 accepted",
+            "session delivering",
+            "turn 1 failed",
+            "session queued",
+            "turn 3 accepted",
+            "session canceled",
+            "turn 2 canceled",
+            "turn 3 canceled",
+        ]
+    );
+    assert!(page.events.windows(2).all(|w| w[0].seq < w[1].seq), "numbered in order");
+    assert!(
+        page.events
+            .iter()
+            .all(|e| e.session_id == session.id && &e.workspace_id == ws)
+    );
+    let failed = &page.events[7];
+    assert_eq!(
+        failed.failure,
+        Some((FailureCode::AgentError, "the agent broke".into()))
+    );
+    assert_eq!(page.events[8].failure, None, "only a change to failed says why");
+
+    // Another workspace sees only its own; the outbox sees both; a reader goes on after its last.
+    let theirs = f.store.events_after(Some(&other.id), start, 100).await.expect("theirs");
+    assert_eq!(said(&theirs), ["session queued", "turn 1 accepted"]);
+    assert!(theirs.events.iter().all(|e| e.session_id == foreign.id));
+    let all = f.store.events_after(None, start, 100).await.expect("all");
+    assert_eq!(all.events.len(), 15);
+    let after = page.events[10].seq;
+    let rest = f.store.events_after(Some(ws), after, 100).await.expect("rest");
+    assert_eq!(said(&rest), ["turn 2 canceled", "turn 3 canceled"]);
+    let limited = f.store.events_after(Some(ws), start, 3).await.expect("limited");
+    assert_eq!(limited.events.len(), 3);
+    assert_eq!(f.store.latest_event().await.expect("latest"), all.events[14].seq);
+
+    // A failed session says why in its phase event too.
+    let failing = f
+        .store
+        .create_session(new_session(ws, "/r", "t"))
+        .await
+        .expect("create");
+    f.store
+        .claim_turn(&failing.id, false, "w")
+        .await
+        .expect("claim")
+        .expect("claimed");
+    f.store
+        .finish_turn(
+            &failing.id,
+            1,
+            TurnOutcome {
+                status: TurnStatus::Failed,
+                head_sha: None,
+                failure: Some((FailureCode::CloneFailed, "no such repository".into())),
+            },
+        )
+        .await
+        .expect("finish");
+    f.store
+        .settle_session(&failing.id, SessionPhase::Provisioning, true)
+        .await
+        .expect("settle");
+    let last = f.store.events_after(Some(ws), after, 100).await.expect("last");
+    let phase = last.events.last().expect("an event");
+    assert_eq!(phase.change, EventChange::Phase(SessionPhase::Failed));
+    assert_eq!(
+        phase.failure,
+        Some((FailureCode::CloneFailed, "no such repository".into()))
+    );
+
+    // Pruning forgets old events and says how far, so a reader further back knows it lost some.
+    assert_eq!(page.pruned_through, 0);
+    assert_eq!(f.store.prune_events(0).await.expect("nothing is that old"), 0);
+    let pruned = f.store.prune_events(now_ms() + 1).await.expect("prune");
+    assert_eq!(pruned, 21);
+    let gone = f.store.events_after(Some(ws), start, 100).await.expect("gone");
+    assert!(gone.events.is_empty());
+    assert_eq!(gone.pruned_through, phase.seq);
+    // Numbers go on from where they were.
+    f.store.steer(ws, &failing.id, queue("again")).await.expect("steer");
+    let next = f
+        .store
+        .events_after(Some(ws), gone.pruned_through, 100)
+        .await
+        .expect("next");
+    assert!(next.events.iter().all(|e| e.seq > phase.seq));
+    assert_eq!(said(&next), ["session queued", "turn 2 accepted"]);
+}
+
+/// Writers racing on different sessions: a reader polling as they commit never sees a number appear
+/// below one it has already read (on PostgreSQL a sequence alone would allow that).
+async fn concurrent_writers_number_events_in_commit_order(backend: TestBackend) {
+    let f = fixture(backend).await;
+    let ws = f.workspace.id.clone();
+    let start = f.store.latest_event().await.expect("latest");
+    let writers: Vec<_> = (0..8)
+        .map(|_| {
+            let store = f.store.clone();
+            let ws = ws.clone();
+            tokio::spawn(async move {
+                for _ in 0..10 {
+                    let session = store.create_session(new_session(&ws, "/r", "t")).await.expect("create");
+                    store.steer(&ws, &session.id, queue("more")).await.expect("steer");
+                }
+            })
+        })
+        .collect();
+    let mut seen = Vec::new();
+    let mut after = start;
+    while seen.len() < 8 * 10 * 3 {
+        let page = f.store.events_after(Some(&ws), after, 1000).await.expect("read");
+        if let Some(last) = page.events.last() {
+            after = last.seq;
+        }
+        seen.extend(page.events.into_iter().map(|e| e.seq));
+        if writers.iter().all(|w| w.is_finished()) {
+            let rest = f.store.events_after(Some(&ws), after, 1000).await.expect("read");
+            seen.extend(rest.events.into_iter().map(|e| e.seq));
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    for writer in writers {
+        writer.await.expect("writer");
+    }
+    let every = f.store.events_after(Some(&ws), start, 1000).await.expect("every");
+    assert_eq!(every.events.len(), 8 * 10 * 3);
+    assert_eq!(
+        seen,
+        every.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        "a reader following along read every event once, in order"
+    );
 }

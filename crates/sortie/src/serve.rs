@@ -166,6 +166,7 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
         let signins = Arc::new(sortie_server::signin::SignIns::default());
         if roles.contains(&ServeRole::Api) {
             print_signin_link(&data_dir, address, &signins);
+            tokio::spawn(sortie_server::events::prune_forever(store.clone()));
         }
         let state = ApiState {
             store: store.clone(),

@@ -276,6 +276,56 @@ impl Harness {
         }
     }
 
+    /// Opens `GET path` as a stream: the status and the body's chunks as they come (in process or over
+    /// the socket), for server-sent events.
+    pub async fn open_stream(
+        &self,
+        path: &str,
+        token: &str,
+        extra: &[(&str, &str)],
+    ) -> (StatusCode, futures::stream::BoxStream<'static, Vec<u8>>) {
+        use futures::StreamExt;
+        match &self.socket {
+            None => {
+                let mut request = Request::builder()
+                    .method(Method::GET)
+                    .uri(path)
+                    .header("authorization", format!("Bearer {token}"));
+                for (name, value) in extra {
+                    request = request.header(*name, *value);
+                }
+                let response = self
+                    .router
+                    .clone()
+                    .oneshot(request.body(Body::empty()).expect("request"))
+                    .await
+                    .expect("infallible");
+                let status = response.status();
+                let body = response
+                    .into_body()
+                    .into_data_stream()
+                    .take_while(|chunk| futures::future::ready(chunk.is_ok()))
+                    .map(|chunk| chunk.map(|bytes| bytes.to_vec()).unwrap_or_default())
+                    .boxed();
+                (status, body)
+            }
+            Some((base, client, _)) => {
+                let mut request = client.get(format!("{base}{path}")).bearer_auth(token);
+                for (name, value) in extra {
+                    request = request.header(*name, *value);
+                }
+                let response = request.send().await.expect("send");
+                let status = StatusCode::from_u16(response.status().as_u16()).expect("status");
+                let body = response
+                    .bytes_stream()
+                    .take_while(|chunk| futures::future::ready(chunk.is_ok()))
+                    .map(|chunk| chunk.map(|bytes| bytes.to_vec()).unwrap_or_default())
+                    .boxed();
+                (status, body)
+            }
+        }
+    }
+
     /// The base URL when the server listens on a socket.
     pub fn socket_address(&self) -> Option<&str> {
         self.socket.as_ref().map(|(base, _, _)| base.as_str())
