@@ -1,8 +1,9 @@
 //! Attach (DESIGN §5, §7.1): `GET /v1/sessions/{id}/stream` with a single-use ticket answers the
 //! active turn's UI message stream — the stored prefix first, then the live tail after the last
 //! stored part from the host's own copy of the turn ([`crate::live`]; never a socket of the sandbox),
-//! so there is no gap and no duplicate — and `[DONE]` when the turn ends. No active turn is 204 (useChat's "nothing to resume"); `?turn=N` replays turn N. An idle
-//! stream gets a heartbeat comment every 15 s. Cookies are ignored; the ticket is the only credential.
+//! so there is no gap and no duplicate — and `[DONE]` when the turn ends. No active turn is 204 (useChat's "nothing to resume"); `?turn=N` replays turn N, and
+//! `Last-Event-ID: K` (a part's index, its SSE id) goes on after part K. An idle stream gets a heartbeat
+//! comment every 15 s. Cookies are ignored; the ticket is the only credential.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -106,7 +107,7 @@ async fn preflight(State(state): State<AttachState>, headers: HeaderMap) -> Resp
         );
         h.insert(
             header::ACCESS_CONTROL_ALLOW_HEADERS,
-            HeaderValue::from_static("authorization, content-type"),
+            HeaderValue::from_static("authorization, content-type, last-event-id"),
         );
         h.insert(header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static("600"));
     }
@@ -184,7 +185,15 @@ async fn attach(
         };
     };
 
-    turn_stream(&state, &session, &claims.ws, &turn).await
+    // A client that saw parts up to K (their SSE ids) goes on after K: nothing twice, nothing missed.
+    let after = match headers.get("last-event-id") {
+        None => None,
+        Some(value) => match value.to_str().ok().and_then(|text| text.trim().parse::<u32>().ok()) {
+            Some(index) => Some(index),
+            None => return refuse(ErrorCode::InvalidRequest, "Last-Event-ID must be a part's index"),
+        },
+    };
+    turn_stream(&state, &session, &claims.ws, &turn, after).await
 }
 
 /// The body useChat's `DefaultChatTransport` posts.
@@ -266,16 +275,26 @@ async fn submit(
         }
         Err(_) => return refuse(ErrorCode::StoreUnavailable, "the store did not answer; try again"),
     };
-    turn_stream(&state, &session, &claims.ws, &turn).await
+    turn_stream(&state, &session, &claims.ws, &turn, None).await
 }
 
 /// Answers turn `turn`'s stream: its stored parts, then the driver's live tail, then `[DONE]`.
-async fn turn_stream(state: &AttachState, session: &SessionId, workspace_id: &str, turn: &TurnRow) -> Response {
+async fn turn_stream(
+    state: &AttachState,
+    session: &SessionId,
+    workspace_id: &str,
+    turn: &TurnRow,
+    after: Option<u32>,
+) -> Response {
     let session = session.clone();
     // The stored prefix is read slice by slice as the client takes it: one turn, never the session,
     // and never a whole turn held at once. The first slice is read here, so a store that does not
     // answer is a 503, not a broken stream.
-    let first = match state.store.turn_parts_after(&session, turn.n, None, STORED_SLICE).await {
+    let first = match state
+        .store
+        .turn_parts_after(&session, turn.n, after, STORED_SLICE)
+        .await
+    {
         Ok(parts) => parts,
         Err(_) => return refuse(ErrorCode::StoreUnavailable, "the store did not answer; try again"),
     };
@@ -284,7 +303,7 @@ async fn turn_stream(state: &AttachState, session: &SessionId, workspace_id: &st
         state.tails.clone(),
         session.clone(),
         turn.n,
-        Stored { first, ended },
+        Stored { first, after, ended },
         Pace {
             heartbeat: state.heartbeat,
             slow_client_limit: state.slow_client_limit,
@@ -313,6 +332,8 @@ const STORED_SLICE: sortie_store::PartsLimit = sortie_store::PartsLimit {
 /// What the store had of the turn when the client came: its first slice, and whether the turn had ended.
 struct Stored {
     first: Vec<sortie_store::StoredPart>,
+    /// The part the client already has (its `Last-Event-ID`), if any.
+    after: Option<u32>,
     ended: bool,
 }
 
@@ -352,7 +373,7 @@ fn live_tail(
     tokio::spawn(async move {
         // The stored prefix, slice by slice, at the client's pace (the same limit as the live tail).
         let mut slice = stored.first;
-        let mut last: Option<u32> = None;
+        let mut last: Option<u32> = stored.after;
         while !slice.is_empty() {
             last = slice.last().map(|part| part.part_index);
             let mut bytes = Vec::with_capacity(slice.iter().map(|p| p.payload.len() + 24).sum());

@@ -73,6 +73,9 @@ pub enum Command {
     Ls(LsArgs),
     /// Show a session and its turns.
     Show { id: String },
+    /// Print a session's conversation: every ended turn, or `-f` to follow the running ones live.
+    /// Exits with the last turn's outcome: 0 completed, 1 failed, 3 stopped or canceled.
+    Logs(LogsArgs),
     /// Add a turn to a session.
     Steer {
         id: String,
@@ -85,6 +88,20 @@ pub enum Command {
     Stop { id: String },
     /// End the session for good.
     Cancel { id: String },
+    /// Wake a hibernated session: its sandbox comes back with its workspace and agent state.
+    Resume { id: String },
+    /// Hide a resting session from `sortie ls` (`--undo` shows it again).
+    Archive {
+        id: String,
+        #[arg(long)]
+        undo: bool,
+    },
+    /// Let the session's agent reach HOST (added to its egress allowlist; the next connection goes through).
+    Allow {
+        id: String,
+        #[arg(required = true)]
+        hosts: Vec<String>,
+    },
     /// The workspace's model keys (vendor API keys for the model proxy), as its admin token allows.
     #[command(subcommand)]
     Keys(KeysCommand),
@@ -479,6 +496,13 @@ pub struct RunArgs {
     /// A file with a setup script to run before the agent starts.
     #[arg(long)]
     pub setup: Option<PathBuf>,
+    /// Stay and show the turn as it happens; exit with its outcome (0 completed, 1 failed, 3 stopped
+    /// or canceled). Ctrl-C detaches: the session goes on.
+    #[arg(long, short = 'f')]
+    pub follow: bool,
+    /// With --follow: every line of command output and diffs, not only the last ones.
+    #[arg(long, requires = "follow")]
+    pub full: bool,
     /// What the agent should do.
     pub task: String,
 }
@@ -494,4 +518,19 @@ pub struct LsArgs {
     /// How many (1 to 200).
     #[arg(long, default_value_t = 50)]
     pub limit: u32,
+}
+
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    pub id: String,
+    /// Follow the running turn, and the turns after it, as they happen, until the session rests.
+    /// Ctrl-C detaches: the session goes on.
+    #[arg(long, short = 'f')]
+    pub follow: bool,
+    /// Only turn N.
+    #[arg(long)]
+    pub turn: Option<u32>,
+    /// Every line of command output and diffs, not only the last ones.
+    #[arg(long)]
+    pub full: bool,
 }

@@ -18,15 +18,15 @@ use sortie_protocol::api::{
 use crate::cli::{ClientArgs, Command, ForgeCommand, KeysCommand, LsArgs, RunArgs};
 use crate::config::{self, ADMIN_TOKEN_FILE, env};
 
-struct Client {
-    http: reqwest::Client,
-    server: String,
+pub(crate) struct Client {
+    pub(crate) http: reqwest::Client,
+    pub(crate) server: String,
     token: String,
-    json: bool,
+    pub(crate) json: bool,
 }
 
 /// What a call answered: the body of a success, or the server's refusal.
-enum Answer<T> {
+pub(crate) enum Answer<T> {
     Ok(T, Value),
     Refused(ApiErrorBody),
 }
@@ -88,7 +88,7 @@ impl Client {
         }
     }
 
-    async fn call<T: DeserializeOwned>(
+    pub(crate) async fn call<T: DeserializeOwned>(
         &self,
         method: Method,
         path: &str,
@@ -138,6 +138,34 @@ pub async fn run(args: ClientArgs, command: Command) -> anyhow::Result<ExitCode>
     let client = Client::new(&args)?;
     match command {
         Command::Run(run) => create(&client, run).await,
+        Command::Logs(logs) => {
+            let follow = crate::follow::Follow {
+                live: logs.follow,
+                turn: logs.turn,
+                full: logs.full,
+            };
+            crate::follow::logs(&client, &logs.id, follow).await
+        }
+        Command::Resume { id } => {
+            let answer = client
+                .call::<Session>(Method::POST, &format!("/v1/sessions/{id}/resume"), None)
+                .await?;
+            finish(&client, answer, |session| format!("{} {}", session.id, session.phase))
+        }
+        Command::Archive { id, undo } => {
+            let method = if undo { Method::DELETE } else { Method::POST };
+            let answer = client
+                .call::<Session>(method, &format!("/v1/sessions/{id}/archive"), None)
+                .await?;
+            finish(&client, answer, |session| {
+                format!(
+                    "{} {}",
+                    session.id,
+                    if session.archived { "archived" } else { "not archived" }
+                )
+            })
+        }
+        Command::Allow { id, hosts } => allow(&client, &id, hosts).await,
         Command::Ls(ls) => list(&client, ls).await,
         Command::Show { id } => show(&client, &id).await,
         Command::Steer { id, prompt, interrupt } => {
@@ -195,24 +223,54 @@ fn finish<T>(client: &Client, answer: Answer<T>, describe: impl FnOnce(&T) -> St
             }
             Ok(ExitCode::SUCCESS)
         }
-        Answer::Refused(refusal) => {
-            if client.json {
-                eprintln!("{}", serde_json::to_string(&refusal).unwrap_or_default());
-            } else {
-                eprintln!("error: {}: {}", refusal.error.code, refusal.error.message);
-                if let Some(entries) = refusal.error.details.get("entries").and_then(Value::as_array) {
-                    for entry in entries {
-                        eprintln!(
-                            "  {}: {}",
-                            entry["entry"].as_str().unwrap_or_default(),
-                            entry["reason"].as_str().unwrap_or_default()
-                        );
-                    }
-                }
+        Answer::Refused(refusal) => Ok(refused(client, &refusal)),
+    }
+}
+
+/// Says what the server refused (on stderr) and how the command ends.
+pub(crate) fn refused(client: &Client, refusal: &ApiErrorBody) -> ExitCode {
+    if client.json {
+        eprintln!("{}", serde_json::to_string(refusal).unwrap_or_default());
+    } else {
+        eprintln!("error: {}: {}", refusal.error.code, refusal.error.message);
+        if let Some(entries) = refusal.error.details.get("entries").and_then(Value::as_array) {
+            for entry in entries {
+                eprintln!(
+                    "  {}: {}",
+                    entry["entry"].as_str().unwrap_or_default(),
+                    entry["reason"].as_str().unwrap_or_default()
+                );
             }
-            Ok(ExitCode::FAILURE)
         }
     }
+    ExitCode::FAILURE
+}
+
+/// `sortie allow ID HOST…`: the session's allowlist with the hosts added (the server checks each).
+async fn allow(client: &Client, id: &str, hosts: Vec<String>) -> anyhow::Result<ExitCode> {
+    let session = match client
+        .call::<Session>(Method::GET, &format!("/v1/sessions/{id}"), None)
+        .await?
+    {
+        Answer::Ok(session, _) => session,
+        Answer::Refused(refusal) => return Ok(refused(client, &refusal)),
+    };
+    let mut allow = session.egress.allow;
+    for host in hosts {
+        if !allow.contains(&host) {
+            allow.push(host);
+        }
+    }
+    let answer = client
+        .call::<Session>(
+            Method::POST,
+            &format!("/v1/sessions/{id}/egress"),
+            Some(json!({"allow": allow})),
+        )
+        .await?;
+    finish(client, answer, |session| {
+        format!("{} may reach: {}", session.id, session.egress.allow.join(", "))
+    })
 }
 
 async fn create(client: &Client, run: RunArgs) -> anyhow::Result<ExitCode> {
@@ -250,6 +308,11 @@ async fn create(client: &Client, run: RunArgs) -> anyhow::Result<ExitCode> {
         body["egress"] = json!({"allow": run.allow});
     }
     let answer = client.call::<Session>(Method::POST, "/v1/sessions", Some(body)).await?;
+    if run.follow
+        && let Answer::Ok(session, _) = &answer
+    {
+        return crate::follow::run(client, session, run.full).await;
+    }
     finish(client, answer, |session| {
         format!(
             "{}  {}  {}\nbranch {}",

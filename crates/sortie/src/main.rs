@@ -24,6 +24,7 @@ mod client;
 mod config;
 mod doctor;
 mod driver;
+mod follow;
 mod sandbox;
 mod serve;
 
