@@ -529,7 +529,7 @@ export interface components {
          * @description A refusal the control plane answers with, and its HTTP status.
          * @enum {string}
          */
-        ErrorCode: "INVALID_REQUEST" | "UNSUPPORTED_MEDIA_TYPE" | "BODY_TOO_LARGE" | "UNAUTHORIZED" | "FORBIDDEN" | "SESSION_NOT_FOUND" | "NOT_FOUND" | "METHOD_NOT_ALLOWED" | "PROMPT_TOO_LARGE" | "SESSION_PROMPTS_TOO_LARGE" | "SETUP_TOO_LARGE" | "TITLE_TOO_LONG" | "EGRESS_ALLOWLIST_INVALID" | "AGENT_UNKNOWN" | "AGENT_NOT_INSTALLED" | "REPO_INVALID" | "REPO_NOT_ALLOWED" | "BASE_INVALID" | "BASE_NOT_FOUND" | "REPO_NOT_READABLE" | "MODEL_INVALID" | "TURN_QUEUE_FULL" | "SESSION_NOT_STEERABLE" | "NO_TURN_RUNNING" | "SESSION_ACTIVE" | "TICKET_INVALID" | "TICKET_EXPIRED" | "TICKET_REPLAYED" | "MODEL_API_UNKNOWN" | "MODEL_KEY_INVALID" | "MODEL_KEY_NOT_FOUND" | "FORGE_CONNECTION_INVALID" | "FORGE_CONNECTION_NOT_FOUND" | "EVENTS_PRUNED" | "STORE_UNAVAILABLE" | "INTERNAL";
+        ErrorCode: "INVALID_REQUEST" | "UNSUPPORTED_MEDIA_TYPE" | "BODY_TOO_LARGE" | "UNAUTHORIZED" | "FORBIDDEN" | "SESSION_NOT_FOUND" | "NOT_FOUND" | "METHOD_NOT_ALLOWED" | "PROMPT_TOO_LARGE" | "SESSION_PROMPTS_TOO_LARGE" | "SETUP_TOO_LARGE" | "TITLE_TOO_LONG" | "EGRESS_ALLOWLIST_INVALID" | "AGENT_UNKNOWN" | "AGENT_NOT_INSTALLED" | "REPO_INVALID" | "REPO_NOT_ALLOWED" | "BASE_INVALID" | "BASE_NOT_FOUND" | "REPO_NOT_READABLE" | "MODEL_INVALID" | "TURN_QUEUE_FULL" | "SESSION_NOT_STEERABLE" | "NO_TURN_RUNNING" | "SESSION_ACTIVE" | "TICKET_INVALID" | "TICKET_EXPIRED" | "TICKET_REPLAYED" | "MODEL_API_UNKNOWN" | "MODEL_KEY_INVALID" | "MODEL_KEY_NOT_FOUND" | "FORGE_CONNECTION_INVALID" | "FORGE_CONNECTION_NOT_FOUND" | "IDEMPOTENCY_KEY_REUSED" | "IDEMPOTENCY_KEY_IN_USE" | "EVENTS_PRUNED" | "STORE_UNAVAILABLE" | "INTERNAL";
         /** @description One error: a stable code, a sentence for people, and structured details (an empty object if none). */
         ErrorDetail: {
             code: components["schemas"]["ErrorCode"];
@@ -1492,7 +1492,10 @@ export interface operations {
     create_session: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description A retry with the same key and body gets the first answer (24 h) */
+                "Idempotency-Key"?: string | null;
+            };
             path?: never;
             cookie?: never;
         };
@@ -1502,7 +1505,7 @@ export interface operations {
             };
         };
         responses: {
-            /** @description Accepted; turn 1 waits for a worker */
+            /** @description Accepted; turn 1 waits for a worker (a replay under an Idempotency-Key carries `Idempotent-Replayed: true`) */
             202: {
                 headers: {
                     [name: string]: unknown;
@@ -1538,7 +1541,7 @@ export interface operations {
                     "application/json": components["schemas"]["ApiErrorBody"];
                 };
             };
-            /** @description AGENT_NOT_INSTALLED */
+            /** @description AGENT_NOT_INSTALLED, IDEMPOTENCY_KEY_IN_USE */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -1558,6 +1561,15 @@ export interface operations {
             };
             /** @description UNSUPPORTED_MEDIA_TYPE */
             415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description IDEMPOTENCY_KEY_REUSED */
+            422: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -2067,7 +2079,7 @@ export interface operations {
                     "application/json": components["schemas"]["ApiErrorBody"];
                 };
             };
-            /** @description TURN_QUEUE_FULL, SESSION_NOT_STEERABLE */
+            /** @description TURN_QUEUE_FULL, SESSION_NOT_STEERABLE, IDEMPOTENCY_KEY_IN_USE */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2078,6 +2090,15 @@ export interface operations {
             };
             /** @description PROMPT_TOO_LARGE, SESSION_PROMPTS_TOO_LARGE */
             413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description IDEMPOTENCY_KEY_REUSED */
+            422: {
                 headers: {
                     [name: string]: unknown;
                 };

@@ -95,6 +95,11 @@ error_codes! {
     ForgeConnectionInvalid = 400,
     /// The workspace has no connection to this forge host.
     ForgeConnectionNotFound = 404,
+    /// The `Idempotency-Key` was used for a different request (another body or endpoint) in the last
+    /// 24 h; use a new key.
+    IdempotencyKeyReused = 422,
+    /// A request with this `Idempotency-Key` is still being answered; retry in a moment.
+    IdempotencyKeyInUse = 409,
     /// `Last-Event-ID` is older than the events the server still keeps: some were lost. Read the
     /// sessions again and reconnect without it.
     EventsPruned = 410,
@@ -234,6 +239,8 @@ mod tests {
             (ForgeConnectionInvalid, 400),
             (ForgeConnectionNotFound, 404),
             (EventsPruned, 410),
+            (IdempotencyKeyReused, 422),
+            (IdempotencyKeyInUse, 409),
             (Internal, 500),
         ];
         for (code, status) in expected {

@@ -11,6 +11,7 @@ pub mod events;
 mod extract;
 mod forges;
 mod health;
+mod idempotency;
 mod listener;
 mod local_repo;
 mod metrics_layer;

@@ -4,6 +4,7 @@
 use axum::Json;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use sortie_protocol::api::{
     AttachTicket, AttachTicketRequest, CreateSessionRequest, EgressAmendment, ModelUsage, Role, Session, SessionList,
@@ -22,6 +23,7 @@ use utoipa_axum::routes;
 use crate::ApiState;
 use crate::error::ApiError;
 use crate::extract::{ApiJson, ApiQuery, NoInput, Operator, OptionalJson, SessionPath, Viewer};
+use crate::idempotency::{self, Begun};
 use crate::transcript::{self, PageStart};
 use crate::{local_repo, tokens, views};
 
@@ -44,20 +46,37 @@ pub fn routes() -> OpenApiRouter<ApiState> {
 /// Create a session: validates, writes the session and its first turn, answers at once.
 #[utoipa::path(
     post, path = "/v1/sessions", tag = "sessions", request_body = CreateSessionRequest, security(("bearer" = [])),
+    params(("Idempotency-Key" = Option<String>, Header, description = "A retry with the same key and body gets the first answer (24 h)")),
     responses(
-        (status = 202, description = "Accepted; turn 1 waits for a worker", body = Session),
+        (status = 202, description = "Accepted; turn 1 waits for a worker (a replay under an Idempotency-Key carries `Idempotent-Replayed: true`)", body = Session),
         (status = 400, description = "INVALID_REQUEST, EGRESS_ALLOWLIST_INVALID, AGENT_UNKNOWN, REPO_INVALID, REPO_NOT_READABLE, BASE_INVALID, BASE_NOT_FOUND, MODEL_INVALID, TITLE_TOO_LONG", body = ApiErrorBody),
         (status = 401, description = "UNAUTHORIZED", body = ApiErrorBody),
         (status = 403, description = "FORBIDDEN, REPO_NOT_ALLOWED", body = ApiErrorBody),
-        (status = 409, description = "AGENT_NOT_INSTALLED", body = ApiErrorBody),
+        (status = 409, description = "AGENT_NOT_INSTALLED, IDEMPOTENCY_KEY_IN_USE", body = ApiErrorBody),
         (status = 413, description = "PROMPT_TOO_LARGE, SETUP_TOO_LARGE, BODY_TOO_LARGE", body = ApiErrorBody),
         (status = 415, description = "UNSUPPORTED_MEDIA_TYPE", body = ApiErrorBody),
+        (status = 422, description = "IDEMPOTENCY_KEY_REUSED", body = ApiErrorBody),
     )
 )]
 async fn create_session(
     State(state): State<ApiState>,
     Operator(caller): Operator,
+    headers: HeaderMap,
     ApiJson(request): ApiJson<CreateSessionRequest>,
+) -> Response {
+    let held = match idempotency::begin(&state, &caller.workspace_id, &headers, "POST /v1/sessions", &request).await {
+        Ok(Begun::Fresh(held)) => held,
+        Ok(Begun::Replay(first)) => return first,
+        Err(refusal) => return refusal.into_response(),
+    };
+    let result = create(&state, caller, request).await;
+    idempotency::settle(&state, held, result).await
+}
+
+async fn create(
+    state: &ApiState,
+    caller: sortie_store::Principal,
+    request: CreateSessionRequest,
 ) -> Result<(StatusCode, Json<Session>), ApiError> {
     validate::check_prompt("task", &request.task)?;
     if let Some(title) = &request.title {
@@ -386,22 +405,40 @@ async fn get_messages(
         (status = 400, description = "INVALID_REQUEST", body = ApiErrorBody),
         (status = 401, body = ApiErrorBody), (status = 403, description = "FORBIDDEN", body = ApiErrorBody),
         (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody),
-        (status = 409, description = "TURN_QUEUE_FULL, SESSION_NOT_STEERABLE", body = ApiErrorBody),
+        (status = 409, description = "TURN_QUEUE_FULL, SESSION_NOT_STEERABLE, IDEMPOTENCY_KEY_IN_USE", body = ApiErrorBody),
         (status = 413, description = "PROMPT_TOO_LARGE, SESSION_PROMPTS_TOO_LARGE", body = ApiErrorBody),
+        (status = 422, description = "IDEMPOTENCY_KEY_REUSED", body = ApiErrorBody),
     )
 )]
 async fn steer(
     State(state): State<ApiState>,
     Operator(caller): Operator,
     SessionPath(id): SessionPath,
+    headers: HeaderMap,
     ApiJson(request): ApiJson<SteerRequest>,
+) -> Response {
+    let scope = format!("POST /v1/sessions/{id}/steer");
+    let held = match idempotency::begin(&state, &caller.workspace_id, &headers, &scope, &request).await {
+        Ok(Begun::Fresh(held)) => held,
+        Ok(Begun::Replay(first)) => return first,
+        Err(refusal) => return refusal.into_response(),
+    };
+    let result = add_turn(&state, &caller.workspace_id, &id, request).await;
+    idempotency::settle(&state, held, result).await
+}
+
+async fn add_turn(
+    state: &ApiState,
+    workspace_id: &str,
+    id: &SessionId,
+    request: SteerRequest,
 ) -> Result<(StatusCode, Json<Turn>), ApiError> {
     validate::check_prompt("prompt", &request.prompt)?;
     let turn = state
         .store
         .steer(
-            &caller.workspace_id,
-            &id,
+            workspace_id,
+            id,
             NewTurn {
                 prompt: request.prompt,
                 mode: request.mode.unwrap_or_default(),

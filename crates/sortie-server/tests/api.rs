@@ -68,6 +68,7 @@ on_every_server!(
     model_keys_stay_in_their_workspace_and_sealed_at_rest,
     forge_connections_are_set_listed_and_removed_by_admins_only,
     events_tell_the_workspaces_changes_in_order_and_resume_after_the_last_seen,
+    idempotency_keys_give_a_retry_the_first_answer,
 );
 
 /// Security review S8 over a real socket, on each database (the flood is stored once per test).
@@ -2241,4 +2242,114 @@ async fn events_tell_the_workspaces_changes_in_order_and_resume_after_the_last_s
     }
     let refusal: Value = serde_json::from_slice(&raw).expect("json");
     assert_eq!(refusal["error"]["code"], "EVENTS_PRUNED", "{refusal}");
+}
+
+async fn idempotency_keys_give_a_retry_the_first_answer(h: Harness) {
+    let body = json!({"repo": h.repo, "task": "once", "agent": "scripted"});
+    let key = [("idempotency-key", "create-7f3a")];
+    let first = h.post_with("/v1/sessions", &h.operator, &key, body.clone()).await;
+    assert_eq!(first.status, StatusCode::ACCEPTED, "{}", first.body);
+    assert!(first.headers.get("idempotent-replayed").is_none());
+    let sessions = h.session_count().await;
+    // A retry: the same answer, no second session.
+    let again = h.post_with("/v1/sessions", &h.operator, &key, body.clone()).await;
+    assert_eq!((again.status, &again.body), (StatusCode::ACCEPTED, &first.body));
+    assert_eq!(
+        again.headers.get("idempotent-replayed").map(|v| v.as_bytes()),
+        Some(&b"true"[..])
+    );
+    assert_eq!(h.session_count().await, sessions);
+    // The same key for another request, or another endpoint, is refused; another workspace has its own keys.
+    let other = json!({"repo": h.repo, "task": "twice", "agent": "scripted"});
+    assert_error(
+        &h.post_with("/v1/sessions", &h.operator, &key, other).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "IDEMPOTENCY_KEY_REUSED",
+    );
+    let id = first.body["id"].as_str().expect("id");
+    let steer_path = format!("/v1/sessions/{id}/steer");
+    assert_error(
+        &h.post_with(&steer_path, &h.operator, &key, json!({"prompt": "more"}))
+            .await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "IDEMPOTENCY_KEY_REUSED",
+    );
+    let theirs = h
+        .post_with(
+            "/v1/sessions",
+            &h.other_operator,
+            &key,
+            json!({"repo": "https://example.com/a.git", "task": "once", "agent": "scripted"}),
+        )
+        .await;
+    assert_eq!(theirs.status, StatusCode::ACCEPTED, "{}", theirs.body);
+    assert_ne!(theirs.body["id"], first.body["id"]);
+    for bad in ["", "has space", &"k".repeat(256)] {
+        let reply = h
+            .post_with("/v1/sessions", &h.operator, &[("idempotency-key", bad)], body.clone())
+            .await;
+        assert_error(&reply, StatusCode::BAD_REQUEST, "INVALID_REQUEST");
+    }
+    assert_eq!(h.session_count().await, sessions);
+
+    // A refused request gives its key back: the corrected retry runs.
+    let refused = h
+        .post_with(
+            "/v1/sessions",
+            &h.operator,
+            &[("idempotency-key", "fix-me")],
+            json!({"repo": h.repo, "task": "", "agent": "scripted"}),
+        )
+        .await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
+    let fixed = h
+        .post_with(
+            "/v1/sessions",
+            &h.operator,
+            &[("idempotency-key", "fix-me")],
+            json!({"repo": h.repo, "task": "fixed", "agent": "scripted"}),
+        )
+        .await;
+    assert_eq!(fixed.status, StatusCode::ACCEPTED, "{}", fixed.body);
+
+    // Steer: a retried steer adds one turn.
+    let steer_key = [("idempotency-key", "steer-1")];
+    let turn = h
+        .post_with(&steer_path, &h.operator, &steer_key, json!({"prompt": "more"}))
+        .await;
+    assert_eq!(turn.status, StatusCode::ACCEPTED, "{}", turn.body);
+    let retried = h
+        .post_with(&steer_path, &h.operator, &steer_key, json!({"prompt": "more"}))
+        .await;
+    assert_eq!((retried.status, &retried.body), (StatusCode::ACCEPTED, &turn.body));
+    let turns = h.get(&format!("/v1/sessions/{id}/turns"), &h.viewer).await;
+    assert_eq!(turns.body["turns"].as_array().map(Vec::len), Some(2));
+
+    // Retries racing each other: one session; each answer is it, or "still being answered".
+    let race = json!({"repo": h.repo, "task": "raced", "agent": "scripted"});
+    let replies = futures::future::join_all((0..8).map(|_| {
+        h.post_with(
+            "/v1/sessions",
+            &h.operator,
+            &[("idempotency-key", "race")],
+            race.clone(),
+        )
+    }))
+    .await;
+    let created: Vec<&Value> = replies
+        .iter()
+        .filter(|r| r.status == StatusCode::ACCEPTED)
+        .map(|r| &r.body["id"])
+        .collect();
+    assert!(
+        !created.is_empty() && created.iter().all(|id| *id == created[0]),
+        "{replies:?}"
+    );
+    assert!(
+        replies
+            .iter()
+            .all(|r| r.status == StatusCode::ACCEPTED || r.code() == "IDEMPOTENCY_KEY_IN_USE"),
+        "{replies:?}"
+    );
+    assert_eq!(h.session_count().await, sessions + 2);
 }

@@ -148,6 +148,23 @@ pub trait Store: Send + Sync + 'static {
     /// Forgets events older than `before_ms`; returns how many.
     async fn prune_events(&self, before_ms: i64) -> StoreResult<u64>;
 
+    // Idempotency keys (DESIGN §14).
+
+    /// Claims `key` of the workspace for a request (its endpoint `scope` and a hash of its body); a key
+    /// first claimed before `expired_before_ms` counts as unused (and such keys are forgotten).
+    async fn claim_idempotency_key(
+        &self,
+        workspace_id: &str,
+        key: &str,
+        scope: &str,
+        request_hash: &str,
+        expired_before_ms: i64,
+    ) -> StoreResult<IdempotencyClaim>;
+    /// Records the answer to the request that claimed `key`.
+    async fn answer_idempotency_key(&self, workspace_id: &str, key: &str, status: u16, body: &str) -> StoreResult<()>;
+    /// Gives `key` up (its request failed before it changed anything), so a retry runs afresh.
+    async fn release_idempotency_key(&self, workspace_id: &str, key: &str) -> StoreResult<()>;
+
     // Live sandboxes (counted for the per-workspace limit, found again after a restart).
 
     async fn put_sandbox(

@@ -305,3 +305,16 @@ pub struct EventPage {
     /// The newest event number pruned: a reader whose last event is older has lost the ones between.
     pub pruned_through: u64,
 }
+
+/// What an `Idempotency-Key` holds when a request claims it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum IdempotencyClaim {
+    /// The key is the request's now: answer it, then record the answer.
+    Fresh,
+    /// The same request was answered before: this is its answer.
+    Answered { status: u16, body: String },
+    /// The same request is being answered right now.
+    InFlight,
+    /// The key was used for a different request.
+    OtherRequest,
+}

@@ -1270,6 +1270,78 @@ impl Store for SqlStore {
         Ok(pruned)
     }
 
+    async fn claim_idempotency_key(
+        &self,
+        workspace_id: &str,
+        key: &str,
+        scope: &str,
+        request_hash: &str,
+        expired_before_ms: i64,
+    ) -> StoreResult<IdempotencyClaim> {
+        let mut tx = self.begin_write().await?;
+        sqlx::query("DELETE FROM idempotency_keys WHERE created_at < $1")
+            .bind(expired_before_ms)
+            .execute(&mut *tx)
+            .await?;
+        let claimed = sqlx::query(
+            "INSERT INTO idempotency_keys (workspace_id, idem_key, scope, request_hash, created_at) \
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT (workspace_id, idem_key) DO NOTHING",
+        )
+        .bind(workspace_id)
+        .bind(key)
+        .bind(scope)
+        .bind(request_hash)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if claimed == 1 {
+            tx.commit().await?;
+            return Ok(IdempotencyClaim::Fresh);
+        }
+        let row = sqlx::query(
+            "SELECT scope, request_hash, status, body FROM idempotency_keys WHERE workspace_id = $1 AND idem_key = $2",
+        )
+        .bind(workspace_id)
+        .bind(key)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        let (held_scope, held_hash): (String, String) = (row.try_get("scope")?, row.try_get("request_hash")?);
+        if held_scope != scope || held_hash != request_hash {
+            return Ok(IdempotencyClaim::OtherRequest);
+        }
+        let status: Option<i64> = row.try_get("status")?;
+        let body: Option<String> = row.try_get("body")?;
+        Ok(match (status, body) {
+            (Some(status), Some(body)) => IdempotencyClaim::Answered {
+                status: u16::try_from(status).map_err(internal)?,
+                body,
+            },
+            _ => IdempotencyClaim::InFlight,
+        })
+    }
+
+    async fn answer_idempotency_key(&self, workspace_id: &str, key: &str, status: u16, body: &str) -> StoreResult<()> {
+        sqlx::query("UPDATE idempotency_keys SET status = $3, body = $4 WHERE workspace_id = $1 AND idem_key = $2")
+            .bind(workspace_id)
+            .bind(key)
+            .bind(i64::from(status))
+            .bind(body)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn release_idempotency_key(&self, workspace_id: &str, key: &str) -> StoreResult<()> {
+        sqlx::query("DELETE FROM idempotency_keys WHERE workspace_id = $1 AND idem_key = $2 AND status IS NULL")
+            .bind(workspace_id)
+            .bind(key)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     async fn put_sandbox(
         &self,
         session_id: &SessionId,

@@ -207,6 +207,31 @@ impl Harness {
         authorization: Option<String>,
         payload: Payload,
     ) -> Reply {
+        self.send_with_headers(method, path, authorization, &[], payload).await
+    }
+
+    /// `POST` of a JSON body with extra headers (e.g. `Idempotency-Key`).
+    pub async fn post_with(&self, path: &str, token: &str, extra: &[(&str, &str)], body: Value) -> Reply {
+        self.send_with_headers(
+            Method::POST,
+            path,
+            Some(format!("Bearer {token}")),
+            extra,
+            Payload::Json(body),
+        )
+        .await
+    }
+
+    /// Sends with a raw `Authorization` header value (or none) and extra headers (small bodies only
+    /// over the socket).
+    pub async fn send_with_headers(
+        &self,
+        method: Method,
+        path: &str,
+        authorization: Option<String>,
+        extra: &[(&str, &str)],
+        payload: Payload,
+    ) -> Reply {
         let (content_type, bytes) = match payload {
             Payload::Empty => (None, Vec::new()),
             Payload::Json(value) => (Some("application/json"), serde_json::to_vec(&value).expect("json")),
@@ -217,6 +242,9 @@ impl Harness {
                 let mut request = Request::builder().method(method).uri(path);
                 if let Some(auth) = &authorization {
                     request = request.header("authorization", auth);
+                }
+                for (name, value) in extra {
+                    request = request.header(*name, *value);
                 }
                 if let Some(content_type) = content_type {
                     request = request.header("content-type", content_type);
@@ -248,6 +276,9 @@ impl Harness {
                 let mut request = client.request(method, format!("{base}{path}")).body(bytes);
                 if let Some(auth) = &authorization {
                     request = request.header("authorization", auth);
+                }
+                for (name, value) in extra {
+                    request = request.header(*name, *value);
                 }
                 if let Some(content_type) = content_type {
                     request = request.header("content-type", content_type);
