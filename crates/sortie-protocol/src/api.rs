@@ -205,6 +205,83 @@ pub struct Event {
     pub at: String,
 }
 
+/// `POST /v1/webhooks`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CreateWebhookRequest {
+    /// Where deliveries are POSTed: `http(s)://`, a public address.
+    pub url: String,
+    /// Signs each delivery (`X-Sortie-Signature: sha256=<hex HMAC-SHA256 of the body>`); 16 to 256
+    /// printable characters; never shown again.
+    pub secret: String,
+    /// The event kinds it receives; default all.
+    #[serde(default)]
+    pub events: Option<Vec<EventKind>>,
+}
+
+/// A webhook (never its secret).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Webhook {
+    /// `whk_…`.
+    pub id: String,
+    pub url: String,
+    pub events: Vec<EventKind>,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+}
+
+/// `GET /v1/webhooks`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct WebhookList {
+    pub webhooks: Vec<Webhook>,
+}
+
+/// Where a webhook delivery stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum WebhookDeliveryState {
+    /// Waiting for its next attempt.
+    Pending,
+    /// The receiver answered 2xx.
+    Delivered,
+    /// Given up on, 24 h after its event.
+    Failed,
+}
+
+/// One event's delivery to a webhook, with how its attempts went.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct WebhookDelivery {
+    /// `dlv_…`: the `X-Sortie-Delivery` header.
+    pub id: String,
+    /// The event's `seq`.
+    pub event: u64,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub state: WebhookDeliveryState,
+    pub attempts: u32,
+    /// The receiver's last status, if it answered.
+    pub last_status: Option<u16>,
+    /// What went wrong last, if anything did.
+    pub last_error: Option<String>,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+    pub delivered_at: Option<String>,
+    /// When a pending delivery is tried next.
+    pub next_attempt_at: Option<String>,
+}
+
+/// `GET /v1/webhooks/{id}/deliveries`, newest first.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct WebhookDeliveryList {
+    pub deliveries: Vec<WebhookDelivery>,
+}
+
 /// The draft pull request of a session.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

@@ -1,10 +1,11 @@
 //! The egress allowlist rules (DESIGN §4): each entry is one exact public DNS name.
 //!
 //! The gateway resolves only names that pass these rules, so anything that could name a private,
-//! local or wildcard destination is refused here, before it is ever stored.
+//! local or wildcard destination is refused here, before it is ever stored. Once a name resolves, every
+//! address it gives must be public ([`forbidden_address`]) unless an operator exempted its range.
 
 use std::collections::HashSet;
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use serde::{Deserialize, Serialize};
 
@@ -133,6 +134,124 @@ pub fn check_host_name(entry: &str) -> Result<(), String> {
         return Err(format!(".{top} names are not public hosts"));
     }
     Ok(())
+}
+
+// Addresses: what may be connected to once a name resolved (the egress proxy, webhook deliveries).
+
+/// An address range, e.g. `127.0.0.1/32`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cidr {
+    pub network: IpAddr,
+    pub prefix: u8,
+}
+
+impl Cidr {
+    /// Parses `ADDRESS/PREFIX` (a bare address is a single host).
+    pub fn parse(text: &str) -> Option<Self> {
+        let (address, prefix) = match text.split_once('/') {
+            Some((address, prefix)) => (address, Some(prefix.parse::<u8>().ok()?)),
+            None => (text, None),
+        };
+        let network: IpAddr = address.parse().ok()?;
+        let max = if network.is_ipv4() { 32 } else { 128 };
+        let prefix = prefix.unwrap_or(max);
+        (prefix <= max).then_some(Self { network, prefix })
+    }
+
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        match (self.network, ip) {
+            (IpAddr::V4(network), IpAddr::V4(ip)) => {
+                let mask = if self.prefix == 0 {
+                    0
+                } else {
+                    u32::MAX << (32 - u32::from(self.prefix))
+                };
+                u32::from(network) & mask == u32::from(ip) & mask
+            }
+            (IpAddr::V6(network), IpAddr::V6(ip)) => {
+                let mask = if self.prefix == 0 {
+                    0
+                } else {
+                    u128::MAX << (128 - u32::from(self.prefix))
+                };
+                u128::from(network) & mask == u128::from(ip) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Why `ip` may not be connected to, if it may not.
+pub fn forbidden_address(ip: IpAddr, exempt: &[Cidr]) -> Option<&'static str> {
+    if exempt.iter().any(|cidr| cidr.contains(ip)) {
+        return None;
+    }
+    match ip {
+        IpAddr::V4(v4) => forbidden_v4(v4),
+        IpAddr::V6(v6) => {
+            // An IPv4-mapped or -compatible address is the IPv4 address it carries.
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return forbidden_address(IpAddr::V4(v4), exempt);
+            }
+            forbidden_v6(v6)
+        }
+    }
+}
+
+fn forbidden_v4(ip: Ipv4Addr) -> Option<&'static str> {
+    let [a, b, ..] = ip.octets();
+    if ip == Ipv4Addr::new(169, 254, 169, 254) {
+        return Some("a cloud metadata address");
+    }
+    if ip.is_loopback() {
+        return Some("a loopback address");
+    }
+    if ip.is_private() {
+        return Some("a private address");
+    }
+    if ip.is_link_local() {
+        return Some("a link-local address");
+    }
+    if ip.is_multicast() || ip.is_broadcast() {
+        return Some("a multicast or broadcast address");
+    }
+    if ip.is_unspecified() || a == 0 {
+        return Some("an unspecified address");
+    }
+    if a == 100 && (64..128).contains(&b) {
+        return Some("a carrier-grade NAT address");
+    }
+    if a >= 240 || (a == 192 && b == 0 && ip.octets()[2] == 0) || (a == 198 && (b == 18 || b == 19)) {
+        return Some("a reserved address");
+    }
+    None
+}
+
+fn forbidden_v6(ip: Ipv6Addr) -> Option<&'static str> {
+    let first = ip.segments()[0];
+    if ip == Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254) {
+        return Some("a cloud metadata address");
+    }
+    if ip.is_loopback() {
+        return Some("a loopback address");
+    }
+    if ip.is_unspecified() {
+        return Some("an unspecified address");
+    }
+    if ip.is_multicast() {
+        return Some("a multicast address");
+    }
+    if first & 0xfe00 == 0xfc00 {
+        return Some("a unique-local (private) address");
+    }
+    if first & 0xffc0 == 0xfe80 {
+        return Some("a link-local address");
+    }
+    // NAT64, 6to4 and Teredo can wrap any IPv4 address; IPv4-compatible is deprecated.
+    if first == 0x0064 || first == 0x2002 || (first == 0x2001 && ip.segments()[1] == 0) || ip.to_ipv4().is_some() {
+        return Some("an address that embeds an IPv4 address");
+    }
+    None
 }
 
 #[cfg(test)]

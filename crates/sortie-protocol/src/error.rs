@@ -95,6 +95,13 @@ error_codes! {
     ForgeConnectionInvalid = 400,
     /// The workspace has no connection to this forge host.
     ForgeConnectionNotFound = 404,
+    /// A webhook's secret or event list is malformed, or the workspace has the most webhooks it may.
+    WebhookInvalid = 400,
+    /// A webhook's URL is not `http(s)://` with a host, carries credentials, or leads to a private
+    /// address (webhooks reach public addresses only, unless the operator exempted the range).
+    WebhookUrlRefused = 400,
+    /// The workspace has no webhook with this id.
+    WebhookNotFound = 404,
     /// The `Idempotency-Key` was used for a different request (another body or endpoint) in the last
     /// 24 h; use a new key.
     IdempotencyKeyReused = 422,
@@ -239,6 +246,9 @@ mod tests {
             (ForgeConnectionInvalid, 400),
             (ForgeConnectionNotFound, 404),
             (EventsPruned, 410),
+            (WebhookInvalid, 400),
+            (WebhookUrlRefused, 400),
+            (WebhookNotFound, 404),
             (IdempotencyKeyReused, 422),
             (IdempotencyKeyInUse, 409),
             (Internal, 500),

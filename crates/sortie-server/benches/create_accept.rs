@@ -74,6 +74,7 @@ async fn measure(backend: TestBackend, requests: usize) -> (Figures, Figures) {
         ticket_secret: Secret::new(b"bench".to_vec()),
         keyring: Arc::new(sortie_store::KeyRing::generate().expect("keyring")),
         signins: Default::default(),
+        webhook_exempt: Default::default(),
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(sortie_server::run(listener, state, async move {

@@ -16,9 +16,9 @@ use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
-use sortie_protocol::api::{Event, EventKind, Failure, rfc3339_from_epoch_ms};
+use sortie_protocol::api::Event;
 use sortie_protocol::{ApiErrorBody, ErrorCode};
-use sortie_store::{EventChange, EventRow, Store};
+use sortie_store::{EventRow, Store};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -170,26 +170,8 @@ impl Reader {
     }
 }
 
-/// A stored event as its wire shape.
-pub fn event(row: &EventRow) -> Event {
-    let (kind, phase, status) = match row.change {
-        EventChange::Phase(phase) => (EventKind::SessionPhase, Some(phase), None),
-        EventChange::Status(status) => (EventKind::TurnStatus, None, Some(status)),
-    };
-    Event {
-        seq: row.seq,
-        kind,
-        session: row.session_id.clone(),
-        turn: row.turn,
-        phase,
-        status,
-        failure: row.failure.clone().map(|(code, reason)| Failure { code, reason }),
-        at: rfc3339_from_epoch_ms(row.at_ms),
-    }
-}
-
 fn sse_event(row: &EventRow) -> SseEvent {
-    let data = serde_json::to_string(&event(row)).unwrap_or_else(|_| "{}".to_owned());
+    let data = serde_json::to_string(&row.to_event()).unwrap_or_else(|_| "{}".to_owned());
     SseEvent::default().id(row.seq.to_string()).data(data)
 }
 

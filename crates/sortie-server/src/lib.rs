@@ -21,6 +21,7 @@ pub mod signin;
 pub mod tokens;
 mod transcript;
 mod views;
+pub mod webhooks;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -114,6 +115,8 @@ pub struct ApiState {
     pub keyring: Arc<KeyRing>,
     /// The dashboard's one-time sign-in codes and cookie sessions (in memory).
     pub signins: Arc<signin::SignIns>,
+    /// Address ranges a webhook may reach although private (an internal receiver; tests).
+    pub webhook_exempt: Arc<Vec<sortie_protocol::egress::Cidr>>,
 }
 
 #[derive(OpenApi)]
@@ -147,6 +150,7 @@ fn api_routes() -> OpenApiRouter<ApiState> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .merge(sessions::routes())
         .merge(events::routes())
+        .merge(webhooks::routes())
         .merge(model_keys::routes())
         .merge(forges::routes())
         .merge(signin::routes())

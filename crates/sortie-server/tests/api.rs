@@ -69,6 +69,7 @@ on_every_server!(
     forge_connections_are_set_listed_and_removed_by_admins_only,
     events_tell_the_workspaces_changes_in_order_and_resume_after_the_last_seen,
     idempotency_keys_give_a_retry_the_first_answer,
+    webhooks_are_added_listed_and_removed_by_admins_only,
 );
 
 /// Security review S8 over a real socket, on each database (the flood is stored once per test).
@@ -2352,4 +2353,125 @@ async fn idempotency_keys_give_a_retry_the_first_answer(h: Harness) {
         "{replies:?}"
     );
     assert_eq!(h.session_count().await, sessions + 2);
+}
+
+async fn webhooks_are_added_listed_and_removed_by_admins_only(h: Harness) {
+    let secret = "a-secret-of-32-characters-000000";
+    // TEST-NET-1 is public as far as the rules go, and needs no resolver.
+    let good = json!({"url": "http://192.0.2.10:8080/hooks/sortie", "secret": secret, "events": ["session.phase"]});
+    assert_error(
+        &h.post("/v1/webhooks", &h.operator, good.clone()).await,
+        StatusCode::FORBIDDEN,
+        "FORBIDDEN",
+    );
+    for (url, why) in [
+        ("http://127.0.0.1:9/hook", "loopback"),
+        ("http://10.1.2.3/hook", "private"),
+        ("http://[::1]:9/", "loopback"),
+        ("http://169.254.169.254/latest", "metadata"),
+        ("http://localhost:9/", "loopback"),
+        ("ftp://192.0.2.10/", "http"),
+        ("http://user:pw@192.0.2.10/", "credentials"),
+    ] {
+        let refused = h
+            .post("/v1/webhooks", &h.admin, json!({"url": url, "secret": secret}))
+            .await;
+        assert_error(&refused, StatusCode::BAD_REQUEST, "WEBHOOK_URL_REFUSED");
+        let message = refused.body["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(why), "{url}: {message}");
+    }
+    for body in [
+        json!({"url": "http://192.0.2.10/", "secret": "short"}),
+        json!({"url": "http://192.0.2.10/", "secret": "has a space in the secret value"}),
+        json!({"url": "http://192.0.2.10/", "secret": secret, "events": []}),
+    ] {
+        assert_error(
+            &h.post("/v1/webhooks", &h.admin, body).await,
+            StatusCode::BAD_REQUEST,
+            "WEBHOOK_INVALID",
+        );
+    }
+    assert_error(
+        &h.post(
+            "/v1/webhooks",
+            &h.admin,
+            json!({"url": "http://192.0.2.10/", "secret": secret, "events": ["session.nope"]}),
+        )
+        .await,
+        StatusCode::BAD_REQUEST,
+        "INVALID_REQUEST",
+    );
+
+    let created = h.post("/v1/webhooks", &h.admin, good).await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    assert_eq!(created.body["events"], json!(["session.phase"]));
+    assert!(
+        !created.raw.windows(secret.len()).any(|w| w == secret.as_bytes()),
+        "the secret is never shown"
+    );
+    let id = created.body["id"].as_str().expect("id").to_owned();
+    assert!(id.starts_with("whk_"), "{id}");
+    let all = h
+        .post(
+            "/v1/webhooks",
+            &h.admin,
+            json!({"url": "http://192.0.2.11/", "secret": secret}),
+        )
+        .await;
+    assert_eq!(
+        all.body["events"],
+        json!(["session.phase", "turn.status"]),
+        "default: every kind"
+    );
+
+    let listed = h.get("/v1/webhooks", &h.admin).await;
+    assert_eq!(
+        listed.body["webhooks"].as_array().map(Vec::len),
+        Some(2),
+        "{}",
+        listed.body
+    );
+    assert!(!listed.raw.windows(secret.len()).any(|w| w == secret.as_bytes()));
+    assert_error(
+        &h.get("/v1/webhooks", &h.viewer).await,
+        StatusCode::FORBIDDEN,
+        "FORBIDDEN",
+    );
+    let theirs = h.get("/v1/webhooks", &h.other_admin).await;
+    assert_eq!(theirs.body["webhooks"], json!([]), "another workspace sees none");
+    let deliveries = h.get(&format!("/v1/webhooks/{id}/deliveries"), &h.admin).await;
+    assert_eq!(
+        (deliveries.status, deliveries.body["deliveries"].clone()),
+        (StatusCode::OK, json!([]))
+    );
+    assert_error(
+        &h.get(&format!("/v1/webhooks/{id}/deliveries"), &h.other_admin).await,
+        StatusCode::NOT_FOUND,
+        "WEBHOOK_NOT_FOUND",
+    );
+
+    let path = format!("/v1/webhooks/{id}");
+    assert_error(
+        &h.send(Method::DELETE, &path, Some(&h.other_admin), Payload::Empty)
+            .await,
+        StatusCode::NOT_FOUND,
+        "WEBHOOK_NOT_FOUND",
+    );
+    assert_eq!(
+        h.send(Method::DELETE, &path, Some(&h.admin), Payload::Empty)
+            .await
+            .status,
+        StatusCode::NO_CONTENT
+    );
+    assert_error(
+        &h.send(Method::DELETE, &path, Some(&h.admin), Payload::Empty).await,
+        StatusCode::NOT_FOUND,
+        "WEBHOOK_NOT_FOUND",
+    );
+    assert_eq!(
+        h.get("/v1/webhooks", &h.admin).await.body["webhooks"]
+            .as_array()
+            .map(Vec::len),
+        Some(1)
+    );
 }

@@ -40,6 +40,7 @@ async fn start(limits: ListenerLimits) -> Server {
         ticket_secret: Secret::new(b"test-ticket-secret".to_vec()),
         keyring: Arc::new(KeyRing::generate().expect("keyring")),
         signins: Arc::new(sortie_server::signin::SignIns::default()),
+        webhook_exempt: Default::default(),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");

@@ -194,6 +194,31 @@ impl KeyRing {
         self.open_bound(&forge_associated_data(workspace_id, host), ciphertext_b64, nonce_b64)
     }
 
+    /// Seals a webhook's signing secret, bound to its workspace and id.
+    pub fn seal_webhook_secret(
+        &self,
+        workspace_id: &str,
+        webhook_id: &str,
+        secret: &[u8],
+    ) -> Result<SealedKey, KeyError> {
+        self.seal_bound(&webhook_associated_data(workspace_id, webhook_id), secret)
+    }
+
+    /// Opens a secret sealed by [`KeyRing::seal_webhook_secret`] for the same workspace and webhook.
+    pub fn open_webhook_secret(
+        &self,
+        workspace_id: &str,
+        webhook_id: &str,
+        ciphertext_b64: &str,
+        nonce_b64: &str,
+    ) -> Result<Secret, KeyError> {
+        self.open_bound(
+            &webhook_associated_data(workspace_id, webhook_id),
+            ciphertext_b64,
+            nonce_b64,
+        )
+    }
+
     fn seal_bound(&self, aad: &[u8], plaintext: &[u8]) -> Result<SealedKey, KeyError> {
         let mut nonce = [0_u8; NONCE_BYTES];
         getrandom::fill(&mut nonce).map_err(|error| KeyError::Random(error.to_string()))?;
@@ -240,6 +265,15 @@ fn associated_data(workspace_id: &str, api: ModelApi) -> Vec<u8> {
 /// What a sealed forge token is bound to: the workspace and the forge's host, as for model keys.
 fn forge_associated_data(workspace_id: &str, host: &str) -> Vec<u8> {
     format!("sortie forge token v1\n{}:{workspace_id}\n{host}", workspace_id.len()).into_bytes()
+}
+
+/// What a sealed webhook secret is bound to: the workspace and the webhook, as for model keys.
+fn webhook_associated_data(workspace_id: &str, webhook_id: &str) -> Vec<u8> {
+    format!(
+        "sortie webhook secret v1\n{}:{workspace_id}\n{webhook_id}",
+        workspace_id.len()
+    )
+    .into_bytes()
 }
 
 fn random_master_key() -> Result<[u8; MASTER_KEY_BYTES], KeyError> {

@@ -165,6 +165,36 @@ pub trait Store: Send + Sync + 'static {
     /// Gives `key` up (its request failed before it changed anything), so a retry runs afresh.
     async fn release_idempotency_key(&self, workspace_id: &str, key: &str) -> StoreResult<()>;
 
+    // Webhooks and their deliveries (DESIGN §14).
+
+    async fn create_webhook(&self, new: NewWebhook) -> StoreResult<WebhookRow>;
+    /// The workspace's webhooks, or every workspace's with `None` (the dispatcher), oldest first.
+    async fn webhooks(&self, workspace_id: Option<&str>) -> StoreResult<Vec<WebhookRow>>;
+    /// Deletes a webhook of the workspace and its deliveries; `false` if it has none by that id.
+    async fn delete_webhook(&self, workspace_id: &str, webhook_id: &str) -> StoreResult<bool>;
+    /// Enqueues deliveries and moves the webhook's cursor from `from` to `to` in one transaction;
+    /// `false` (nothing written) if the cursor was no longer `from` (another dispatcher did it).
+    async fn enqueue_deliveries(
+        &self,
+        webhook_id: &str,
+        from: u64,
+        to: u64,
+        deliveries: &[NewDelivery],
+    ) -> StoreResult<bool>;
+    /// Claims up to `limit` pending deliveries due at `now_ms` until `lease_until_ms` (another
+    /// dispatcher skips them until then), oldest first.
+    async fn claim_due_deliveries(&self, now_ms: i64, lease_until_ms: i64, limit: u32)
+    -> StoreResult<Vec<DeliveryRow>>;
+    /// Records one attempt at a delivery.
+    async fn record_delivery_attempt(&self, delivery_id: &str, outcome: &AttemptOutcome) -> StoreResult<()>;
+    /// A webhook's deliveries, newest first.
+    async fn webhook_deliveries(
+        &self,
+        workspace_id: &str,
+        webhook_id: &str,
+        limit: u32,
+    ) -> StoreResult<Vec<DeliveryRow>>;
+
     // Live sandboxes (counted for the per-workspace limit, found again after a restart).
 
     async fn put_sandbox(

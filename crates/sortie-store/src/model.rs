@@ -298,6 +298,27 @@ pub struct EventRow {
     pub at_ms: i64,
 }
 
+impl EventRow {
+    /// The event as clients and webhooks receive it.
+    pub fn to_event(&self) -> sortie_protocol::api::Event {
+        use sortie_protocol::api::{Event, EventKind, Failure, rfc3339_from_epoch_ms};
+        let (kind, phase, status) = match self.change {
+            EventChange::Phase(phase) => (EventKind::SessionPhase, Some(phase), None),
+            EventChange::Status(status) => (EventKind::TurnStatus, None, Some(status)),
+        };
+        Event {
+            seq: self.seq,
+            kind,
+            session: self.session_id.clone(),
+            turn: self.turn,
+            phase,
+            status,
+            failure: self.failure.clone().map(|(code, reason)| Failure { code, reason }),
+            at: rfc3339_from_epoch_ms(self.at_ms),
+        }
+    }
+}
+
 /// The events after a reader's last one.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct EventPage {
@@ -317,4 +338,93 @@ pub enum IdempotencyClaim {
     InFlight,
     /// The key was used for a different request.
     OtherRequest,
+}
+
+/// A webhook to create, its secret already sealed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewWebhook {
+    pub id: String,
+    pub workspace_id: String,
+    pub url: String,
+    pub secret_ciphertext: String,
+    pub secret_nonce: String,
+    /// The event kinds it receives (`session.phase`, `turn.status`).
+    pub events: Vec<String>,
+    /// The newest event it does not receive (it gets what happens after it is made).
+    pub cursor: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WebhookRow {
+    pub id: String,
+    pub workspace_id: String,
+    pub url: String,
+    pub secret_ciphertext: String,
+    pub secret_nonce: String,
+    pub events: Vec<String>,
+    /// The newest event turned into its deliveries.
+    pub cursor: u64,
+    pub created_at: i64,
+}
+
+/// A delivery to enqueue: one event's body for one webhook.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewDelivery {
+    pub id: String,
+    pub event_seq: u64,
+    pub kind: String,
+    /// The JSON body, exactly as it will be signed and sent.
+    pub payload: String,
+}
+
+/// Where a delivery stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeliveryState {
+    /// Waiting for its next attempt.
+    Pending,
+    /// The receiver answered 2xx.
+    Delivered,
+    /// Given up on after the retry window.
+    Failed,
+}
+
+impl DeliveryState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Delivered => "delivered",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeliveryRow {
+    pub id: String,
+    pub webhook_id: String,
+    pub event_seq: u64,
+    pub kind: String,
+    pub payload: String,
+    pub state: DeliveryState,
+    pub attempts: u32,
+    pub next_at: i64,
+    pub last_status: Option<u16>,
+    pub last_error: Option<String>,
+    pub created_at: i64,
+    pub delivered_at: Option<i64>,
+}
+
+/// How one attempt at a delivery went.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AttemptOutcome {
+    /// The receiver answered 2xx with this status.
+    Delivered { status: u16 },
+    /// Try again at `next_at`; what went wrong this time.
+    Retry {
+        status: Option<u16>,
+        error: String,
+        next_at: i64,
+    },
+    /// No more attempts.
+    GaveUp { status: Option<u16>, error: String },
 }

@@ -243,6 +243,74 @@ fn event_from_row(row: &AnyRow) -> StoreResult<EventRow> {
     })
 }
 
+macro_rules! webhook_select {
+    ($tail:literal) => {
+        concat!(
+            "SELECT id, workspace_id, url, secret_ciphertext, secret_nonce, events, event_cursor, created_at ",
+            "FROM webhooks ",
+            $tail
+        )
+    };
+}
+
+/// A delivery's columns between `$head` and `$tail` (a SELECT, or an UPDATE … RETURNING).
+macro_rules! delivery_select {
+    ($head:literal) => {
+        concat!(
+            $head,
+            "id, webhook_id, event_seq, kind, payload, state, attempts, next_at, last_status, last_error, ",
+            "created_at, delivered_at"
+        )
+    };
+    ($head:literal, $tail:literal) => {
+        concat!(
+            $head,
+            "id, webhook_id, event_seq, kind, payload, state, attempts, next_at, last_status, last_error, ",
+            "created_at, delivered_at",
+            $tail
+        )
+    };
+}
+
+fn webhook_from_row(row: &AnyRow) -> StoreResult<WebhookRow> {
+    let events: String = row.try_get("events")?;
+    Ok(WebhookRow {
+        id: row.try_get("id")?,
+        workspace_id: row.try_get("workspace_id")?,
+        url: row.try_get("url")?,
+        secret_ciphertext: row.try_get("secret_ciphertext")?,
+        secret_nonce: row.try_get("secret_nonce")?,
+        events: serde_json::from_str(&events).map_err(internal)?,
+        cursor: get_u64(row, "event_cursor")?,
+        created_at: row.try_get("created_at")?,
+    })
+}
+
+fn delivery_from_row(row: &AnyRow) -> StoreResult<DeliveryRow> {
+    let state: String = row.try_get("state")?;
+    let state = match state.as_str() {
+        "pending" => DeliveryState::Pending,
+        "delivered" => DeliveryState::Delivered,
+        "failed" => DeliveryState::Failed,
+        other => return Err(internal(format!("a delivery in state {other:?}"))),
+    };
+    let last_status: Option<i64> = row.try_get("last_status")?;
+    Ok(DeliveryRow {
+        id: row.try_get("id")?,
+        webhook_id: row.try_get("webhook_id")?,
+        event_seq: get_u64(row, "event_seq")?,
+        kind: row.try_get("kind")?,
+        payload: row.try_get("payload")?,
+        state,
+        attempts: get_u32(row, "attempts")?,
+        next_at: row.try_get("next_at")?,
+        last_status: last_status.and_then(|s| u16::try_from(s).ok()),
+        last_error: row.try_get("last_error")?,
+        created_at: row.try_get("created_at")?,
+        delivered_at: row.try_get("delivered_at")?,
+    })
+}
+
 fn internal(what: impl std::fmt::Display) -> StoreError {
     StoreError::Internal(what.to_string())
 }
@@ -1340,6 +1408,178 @@ impl Store for SqlStore {
             .execute(&self.pool)
             .await?;
         Ok(())
+    }
+
+    async fn create_webhook(&self, new: NewWebhook) -> StoreResult<WebhookRow> {
+        let events = serde_json::to_string(&new.events).map_err(internal)?;
+        sqlx::query(
+            "INSERT INTO webhooks (id, workspace_id, url, secret_ciphertext, secret_nonce, events, event_cursor, created_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .bind(&new.id)
+        .bind(&new.workspace_id)
+        .bind(&new.url)
+        .bind(&new.secret_ciphertext)
+        .bind(&new.secret_nonce)
+        .bind(events)
+        .bind(i64::try_from(new.cursor).map_err(internal)?)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
+        let row = sqlx::query(webhook_select!("WHERE id = $1"))
+            .bind(&new.id)
+            .fetch_one(&self.pool)
+            .await?;
+        webhook_from_row(&row)
+    }
+
+    async fn webhooks(&self, workspace_id: Option<&str>) -> StoreResult<Vec<WebhookRow>> {
+        let rows = sqlx::query(webhook_select!(
+            "WHERE ($1 IS NULL OR workspace_id = $1) ORDER BY created_at, id"
+        ))
+        .bind(workspace_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(webhook_from_row).collect()
+    }
+
+    async fn delete_webhook(&self, workspace_id: &str, webhook_id: &str) -> StoreResult<bool> {
+        let mut tx = self.begin_write().await?;
+        let owned = sqlx::query("SELECT id FROM webhooks WHERE id = $1 AND workspace_id = $2")
+            .bind(webhook_id)
+            .bind(workspace_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if owned.is_none() {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        sqlx::query("DELETE FROM webhook_deliveries WHERE webhook_id = $1")
+            .bind(webhook_id)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("DELETE FROM webhooks WHERE id = $1")
+            .bind(webhook_id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    async fn enqueue_deliveries(
+        &self,
+        webhook_id: &str,
+        from: u64,
+        to: u64,
+        deliveries: &[NewDelivery],
+    ) -> StoreResult<bool> {
+        let now = now_ms();
+        let mut tx = self.begin_write().await?;
+        let moved = sqlx::query("UPDATE webhooks SET event_cursor = $3 WHERE id = $1 AND event_cursor = $2")
+            .bind(webhook_id)
+            .bind(i64::try_from(from).map_err(internal)?)
+            .bind(i64::try_from(to).map_err(internal)?)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        if moved != 1 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        for delivery in deliveries {
+            sqlx::query(
+                "INSERT INTO webhook_deliveries (id, webhook_id, event_seq, kind, payload, state, attempts, next_at, created_at) \
+                 VALUES ($1, $2, $3, $4, $5, 'pending', 0, $6, $6) ON CONFLICT (webhook_id, event_seq) DO NOTHING",
+            )
+            .bind(&delivery.id)
+            .bind(webhook_id)
+            .bind(i64::try_from(delivery.event_seq).map_err(internal)?)
+            .bind(&delivery.kind)
+            .bind(&delivery.payload)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    async fn claim_due_deliveries(
+        &self,
+        now_ms: i64,
+        lease_until_ms: i64,
+        limit: u32,
+    ) -> StoreResult<Vec<DeliveryRow>> {
+        let candidates = sqlx::query(
+            "SELECT id FROM webhook_deliveries WHERE state = 'pending' AND next_at <= $1 \
+             AND (lease_until IS NULL OR lease_until < $1) ORDER BY next_at, id LIMIT $2",
+        )
+        .bind(now_ms)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        let mut claimed = Vec::new();
+        for candidate in &candidates {
+            let id: String = candidate.try_get("id")?;
+            let row = sqlx::query(delivery_select!(
+                "UPDATE webhook_deliveries SET lease_until = $3 WHERE id = $1 AND state = 'pending' \
+                 AND (lease_until IS NULL OR lease_until < $2) RETURNING "
+            ))
+            .bind(&id)
+            .bind(now_ms)
+            .bind(lease_until_ms)
+            .fetch_optional(&self.pool)
+            .await?;
+            if let Some(row) = row {
+                claimed.push(delivery_from_row(&row)?);
+            }
+        }
+        Ok(claimed)
+    }
+
+    async fn record_delivery_attempt(&self, delivery_id: &str, outcome: &AttemptOutcome) -> StoreResult<()> {
+        let now = now_ms();
+        let (state, status, error, next_at, delivered_at) = match outcome {
+            AttemptOutcome::Delivered { status } => (DeliveryState::Delivered, Some(*status), None, now, Some(now)),
+            AttemptOutcome::Retry { status, error, next_at } => {
+                (DeliveryState::Pending, *status, Some(error.as_str()), *next_at, None)
+            }
+            AttemptOutcome::GaveUp { status, error } => {
+                (DeliveryState::Failed, *status, Some(error.as_str()), now, None)
+            }
+        };
+        sqlx::query(
+            "UPDATE webhook_deliveries SET state = $2, attempts = attempts + 1, last_status = $3, last_error = $4, \
+             next_at = $5, delivered_at = $6, lease_until = NULL WHERE id = $1",
+        )
+        .bind(delivery_id)
+        .bind(state.as_str())
+        .bind(status.map(i64::from))
+        .bind(error)
+        .bind(next_at)
+        .bind(delivered_at)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn webhook_deliveries(
+        &self,
+        workspace_id: &str,
+        webhook_id: &str,
+        limit: u32,
+    ) -> StoreResult<Vec<DeliveryRow>> {
+        let rows = sqlx::query(delivery_select!(
+            "SELECT ",
+            " FROM webhook_deliveries WHERE webhook_id = $1 AND EXISTS \
+             (SELECT 1 FROM webhooks w WHERE w.id = $1 AND w.workspace_id = $2) ORDER BY event_seq DESC LIMIT $3"
+        ))
+        .bind(webhook_id)
+        .bind(workspace_id)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(delivery_from_row).collect()
     }
 
     async fn put_sandbox(

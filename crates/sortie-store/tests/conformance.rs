@@ -100,6 +100,7 @@ on_both_databases!(
     a_session_keeps_its_first_pull_request,
     every_phase_and_status_change_is_an_event_in_commit_order,
     concurrent_writers_number_events_in_commit_order,
+    webhook_deliveries_are_enqueued_and_claimed_once,
 );
 
 async fn a_session_keeps_its_first_pull_request(backend: TestBackend) {
@@ -1886,4 +1887,117 @@ async fn concurrent_writers_number_events_in_commit_order(backend: TestBackend) 
         every.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
         "a reader following along read every event once, in order"
     );
+}
+
+async fn webhook_deliveries_are_enqueued_and_claimed_once(backend: TestBackend) {
+    let f = fixture(backend).await;
+    let ws = &f.workspace.id;
+    let hook = f
+        .store
+        .create_webhook(NewWebhook {
+            id: "whk_a".into(),
+            workspace_id: ws.clone(),
+            url: "http://192.0.2.1/".into(),
+            secret_ciphertext: "c".into(),
+            secret_nonce: "n".into(),
+            events: vec!["session.phase".into()],
+            cursor: 5,
+        })
+        .await
+        .expect("create");
+    assert_eq!(
+        (hook.cursor, hook.events.clone()),
+        (5, vec!["session.phase".to_owned()])
+    );
+    let delivery = |seq: u64| NewDelivery {
+        id: format!("dlv_{seq}"),
+        event_seq: seq,
+        kind: "session.phase".into(),
+        payload: format!("{{\"seq\":{seq}}}"),
+    };
+    // Two dispatchers move the cursor from 5: one wins, the other writes nothing.
+    let batch = [delivery(6), delivery(7)];
+    let (a, b) = tokio::join!(
+        f.store.enqueue_deliveries("whk_a", 5, 7, &batch),
+        f.store.enqueue_deliveries("whk_a", 5, 7, &batch)
+    );
+    assert_eq!([a.expect("a"), b.expect("b")].iter().filter(|won| **won).count(), 1);
+    assert_eq!(f.store.webhooks(None).await.expect("hooks")[0].cursor, 7);
+
+    // Claimed once while leased; due again after a retry's time; done once delivered.
+    let now = now_ms();
+    let (first, second) = tokio::join!(
+        f.store.claim_due_deliveries(now, now + 60_000, 10),
+        f.store.claim_due_deliveries(now, now + 60_000, 10)
+    );
+    let (first, second) = (first.expect("first"), second.expect("second"));
+    assert_eq!(
+        first.len() + second.len(),
+        2,
+        "each delivery claimed once: {first:?} {second:?}"
+    );
+    f.store
+        .record_delivery_attempt(
+            "dlv_6",
+            &AttemptOutcome::Retry {
+                status: Some(500),
+                error: "500".into(),
+                next_at: now + 1_000,
+            },
+        )
+        .await
+        .expect("retry");
+    f.store
+        .record_delivery_attempt("dlv_7", &AttemptOutcome::Delivered { status: 200 })
+        .await
+        .expect("delivered");
+    assert!(
+        f.store
+            .claim_due_deliveries(now, now + 60_000, 10)
+            .await
+            .expect("claim")
+            .is_empty(),
+        "not due yet"
+    );
+    let due = f
+        .store
+        .claim_due_deliveries(now + 1_000, now + 61_000, 10)
+        .await
+        .expect("claim");
+    assert_eq!(
+        due.iter()
+            .map(|d| (d.id.as_str(), d.attempts, d.last_status))
+            .collect::<Vec<_>>(),
+        [("dlv_6", 1, Some(500))]
+    );
+    f.store
+        .record_delivery_attempt(
+            "dlv_6",
+            &AttemptOutcome::GaveUp {
+                status: None,
+                error: "refused".into(),
+            },
+        )
+        .await
+        .expect("gave up");
+    let log = f.store.webhook_deliveries(ws, "whk_a", 10).await.expect("log");
+    assert_eq!(
+        log.iter()
+            .map(|d| (d.id.as_str(), d.state, d.attempts))
+            .collect::<Vec<_>>(),
+        [
+            ("dlv_7", DeliveryState::Delivered, 1),
+            ("dlv_6", DeliveryState::Failed, 2)
+        ]
+    );
+    assert!(
+        f.store
+            .webhook_deliveries("other", "whk_a", 10)
+            .await
+            .expect("foreign")
+            .is_empty()
+    );
+    assert!(!f.store.delete_webhook("other", "whk_a").await.expect("foreign delete"));
+    assert!(f.store.delete_webhook(ws, "whk_a").await.expect("delete"));
+    assert!(f.store.webhooks(Some(ws)).await.expect("hooks").is_empty());
 }

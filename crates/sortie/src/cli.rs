@@ -108,6 +108,29 @@ pub enum Command {
     /// The workspace's forge connections (tokens for `https://` repositories), as its admin token allows.
     #[command(subcommand)]
     Forge(ForgeCommand),
+    /// The workspace's webhooks (signed POSTs of session and turn changes), as its admin token allows.
+    #[command(subcommand)]
+    Webhook(WebhookCommand),
+}
+
+/// Webhooks, through the server with an admin token: the token's workspace is the one changed.
+#[derive(Debug, Subcommand)]
+pub enum WebhookCommand {
+    /// Add a webhook posting to URL; its signing secret is read from stdin (never an argument).
+    Add {
+        url: String,
+        /// Only these event kinds (`session.phase`, `turn.status`), comma-separated; default all.
+        #[arg(long, value_delimiter = ',')]
+        events: Vec<String>,
+    },
+    /// List the workspace's webhooks: id, events, URL.
+    #[command(alias = "ls")]
+    List,
+    /// Remove a webhook and its delivery log.
+    #[command(alias = "remove")]
+    Rm { id: String },
+    /// A webhook's recent deliveries: state, attempts, the receiver's last answer.
+    Deliveries { id: String },
 }
 
 #[derive(Debug, Subcommand)]
@@ -303,6 +326,9 @@ pub struct ServeArgs {
     /// dashboard sortie serves itself needs none.
     #[arg(long, env = env::CORS_ORIGINS, value_delimiter = ',')]
     pub cors_origin: Vec<String>,
+    /// CIDRs webhooks may reach although private (an internal receiver).
+    #[arg(long, env = env::WEBHOOK_EXEMPT, value_delimiter = ',')]
+    pub webhook_exempt: Vec<String>,
     #[command(flatten)]
     pub worker: WorkerArgs,
 }

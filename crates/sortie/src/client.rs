@@ -12,10 +12,10 @@ use serde_json::{Value, json};
 use sortie_protocol::ApiErrorBody;
 use sortie_protocol::api::{
     ForgeConnection, ForgeConnectionList, MODEL_KEY_MAX_BYTES, ModelApi, ModelKey, ModelKeyList, Session, SessionList,
-    Turn, TurnList,
+    Turn, TurnList, Webhook, WebhookDeliveryList, WebhookList,
 };
 
-use crate::cli::{ClientArgs, Command, ForgeCommand, KeysCommand, LsArgs, RunArgs};
+use crate::cli::{ClientArgs, Command, ForgeCommand, KeysCommand, LsArgs, RunArgs, WebhookCommand};
 use crate::config::{self, ADMIN_TOKEN_FILE, env};
 
 pub(crate) struct Client {
@@ -195,6 +195,7 @@ pub async fn run(args: ClientArgs, command: Command) -> anyhow::Result<ExitCode>
         }
         Command::Keys(command) => keys(&client, command).await,
         Command::Forge(command) => forge(&client, command).await,
+        Command::Webhook(command) => webhook(&client, command).await,
         Command::Serve(_)
         | Command::Driver(_)
         | Command::Sandbox(_)
@@ -670,6 +671,76 @@ fn read_key(input: impl Read, api: ModelApi) -> anyhow::Result<String> {
 }
 
 /// A secret from stdin: one trailing newline dropped, never empty, at most the limit of a model key.
+async fn webhook(client: &Client, command: WebhookCommand) -> anyhow::Result<ExitCode> {
+    match command {
+        WebhookCommand::Add { url, events } => {
+            let secret = read_secret(
+                std::io::stdin().lock(),
+                "webhook secret",
+                "openssl rand -hex 32 | tee secret.txt | sortie webhook add URL",
+            )?;
+            let mut body = json!({"url": url, "secret": secret});
+            if !events.is_empty() {
+                body["events"] = json!(events);
+            }
+            let answer = client.call::<Webhook>(Method::POST, "/v1/webhooks", Some(body)).await?;
+            finish(client, answer, |hook| {
+                format!("{}  {}  {}", hook.id, kinds(&hook.events), hook.url)
+            })
+        }
+        WebhookCommand::List => {
+            let answer = client.call::<WebhookList>(Method::GET, "/v1/webhooks", None).await?;
+            finish(client, answer, |list| {
+                if list.webhooks.is_empty() {
+                    return "no webhooks".to_owned();
+                }
+                list.webhooks
+                    .iter()
+                    .map(|hook| format!("{}  {}  {}", hook.id, kinds(&hook.events), hook.url))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+        }
+        WebhookCommand::Rm { id } => {
+            let answer = client
+                .call::<Value>(Method::DELETE, &format!("/v1/webhooks/{id}"), None)
+                .await?;
+            finish(client, answer, |_| format!("removed {id}"))
+        }
+        WebhookCommand::Deliveries { id } => {
+            let answer = client
+                .call::<WebhookDeliveryList>(Method::GET, &format!("/v1/webhooks/{id}/deliveries"), None)
+                .await?;
+            finish(client, answer, |list| {
+                if list.deliveries.is_empty() {
+                    return "no deliveries yet".to_owned();
+                }
+                list.deliveries
+                    .iter()
+                    .map(|d| {
+                        let state = serde_json::to_value(d.state).ok();
+                        let state = state.as_ref().and_then(Value::as_str).unwrap_or("?");
+                        let last = match (&d.last_status, &d.last_error) {
+                            (Some(status), _) => format!("HTTP {status}"),
+                            (None, Some(error)) => error.clone(),
+                            (None, None) => String::new(),
+                        };
+                        format!(
+                            "{}  event {}  {}  {state}  {} attempts  {last}",
+                            d.id, d.event, d.kind, d.attempts
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+        }
+    }
+}
+
+fn kinds(events: &[sortie_protocol::api::EventKind]) -> String {
+    events.iter().map(|k| k.as_str()).collect::<Vec<_>>().join(",")
+}
+
 fn read_secret(input: impl Read, what: &str, example: &str) -> anyhow::Result<String> {
     let mut bytes = Vec::new();
     input

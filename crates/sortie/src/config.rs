@@ -48,6 +48,7 @@ pub mod env {
     pub const EGRESS_HOSTS: &str = "SORTIE_EGRESS_HOSTS";
     /// Browser origins allowed to attach to streams from another site, comma-separated (`--cors-origin`).
     pub const CORS_ORIGINS: &str = "SORTIE_CORS_ORIGINS";
+    pub const WEBHOOK_EXEMPT: &str = "SORTIE_WEBHOOK_EXEMPT";
     /// An agent manifest (TOML) adding or overriding profiles (`--agent-profiles`).
     pub const AGENT_PROFILES: &str = "SORTIE_AGENT_PROFILES";
     /// Where installed agents live (`--agents-dir`); default `<data dir>/agents`.

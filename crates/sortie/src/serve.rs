@@ -164,9 +164,26 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
             axum::Router::new()
         };
         let signins = Arc::new(sortie_server::signin::SignIns::default());
+        let mut webhook_exempt = Vec::new();
+        for text in args.webhook_exempt.iter().filter(|t| !t.is_empty()) {
+            let cidr = sortie_protocol::egress::Cidr::parse(text)
+                .with_context(|| format!("--webhook-exempt {text:?} is not an address or CIDR"))?;
+            webhook_exempt.push(cidr);
+        }
         if roles.contains(&ServeRole::Api) {
             print_signin_link(&data_dir, address, &signins);
             tokio::spawn(sortie_server::events::prune_forever(store.clone()));
+            // Webhook deliveries run beside the api role (any number of replicas share the work).
+            tokio::spawn(
+                sortie_webhooks::Dispatcher {
+                    store: store.clone(),
+                    keyring: keyring.clone(),
+                    exempt: webhook_exempt.clone(),
+                    backoff: sortie_webhooks::Backoff::default(),
+                    tick: std::time::Duration::from_millis(500),
+                }
+                .run(),
+            );
         }
         let state = ApiState {
             store: store.clone(),
@@ -174,6 +191,7 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
             ticket_secret,
             keyring,
             signins,
+            webhook_exempt: Arc::new(webhook_exempt),
         };
         // A client that leaves a write blocked past the limit (a stalled stream) is reset, never waited for.
         let listener = sortie_gateway::stall::StalledWrites::new(listener, sortie_gateway::attach::SLOW_CLIENT_LIMIT);

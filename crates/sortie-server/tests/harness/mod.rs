@@ -155,6 +155,7 @@ impl Harness {
             ticket_secret: Secret::new(TICKET_SECRET.to_vec()),
             keyring: keyring.clone(),
             signins: signins.clone(),
+            webhook_exempt: Default::default(),
         };
         let router = sortie_server::router(state.clone());
         let socket = match transport {
