@@ -181,6 +181,30 @@ pub fn router_and_openapi(state: ApiState) -> (Router, utoipa::openapi::OpenApi)
     (router, openapi)
 }
 
+/// Lets a request through only with a valid bearer token of any role (no cookie): for routes that
+/// serve the workspace's callers but are not the api's own, such as `/mcp`, whose handlers then act
+/// with that token.
+pub async fn require_bearer(
+    axum::extract::State(state): axum::extract::State<ApiState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::extract::FromRequestParts;
+    use axum::response::IntoResponse;
+    let (mut parts, body) = request.into_parts();
+    if !parts.headers.contains_key(axum::http::header::AUTHORIZATION) {
+        return error::ApiError::new(
+            sortie_protocol::ErrorCode::Unauthorized,
+            "missing Authorization: Bearer <token>",
+        )
+        .into_response();
+    }
+    match extract::Viewer::from_request_parts(&mut parts, &state).await {
+        Ok(_) => next.run(axum::extract::Request::from_parts(parts, body)).await,
+        Err(refusal) => refusal.into_response(),
+    }
+}
+
 /// The api role's router.
 pub fn router(state: ApiState) -> Router {
     router_and_openapi(state).0

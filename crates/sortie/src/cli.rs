@@ -108,6 +108,9 @@ pub enum Command {
     /// The workspace's forge connections (tokens for `https://` repositories), as its admin token allows.
     #[command(subcommand)]
     Forge(ForgeCommand),
+    /// Serve MCP on stdin/stdout: tools to create, follow and steer sessions on the server, with this
+    /// CLI's credentials (for an MCP client that starts servers as commands).
+    Mcp,
     /// The workspace's webhooks (signed POSTs of session and turn changes), as its admin token allows.
     #[command(subcommand)]
     Webhook(WebhookCommand),

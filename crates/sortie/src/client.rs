@@ -21,7 +21,7 @@ use crate::config::{self, ADMIN_TOKEN_FILE, env};
 pub(crate) struct Client {
     pub(crate) http: reqwest::Client,
     pub(crate) server: String,
-    token: String,
+    pub(crate) token: String,
     pub(crate) json: bool,
 }
 
@@ -196,6 +196,16 @@ pub async fn run(args: ClientArgs, command: Command) -> anyhow::Result<ExitCode>
         Command::Keys(command) => keys(&client, command).await,
         Command::Forge(command) => forge(&client, command).await,
         Command::Webhook(command) => webhook(&client, command).await,
+        Command::Mcp => {
+            let api = sortie_mcp::HttpApi {
+                client: client.http.clone(),
+                base: client.server.clone(),
+            };
+            sortie_mcp::serve_stdio(std::sync::Arc::new(api), format!("Bearer {}", client.token))
+                .await
+                .map_err(|error| anyhow::anyhow!("mcp: {error}"))?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Serve(_)
         | Command::Driver(_)
         | Command::Sandbox(_)

@@ -193,6 +193,20 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
             signins,
             webhook_exempt: Arc::new(webhook_exempt),
         };
+        // MCP over streamable HTTP at /mcp: its tools call the api router in process with each request's
+        // token, so the token's workspace and role apply as over REST.
+        let gateway = if roles.contains(&ServeRole::Api) {
+            let api = sortie_mcp::RouterApi(sortie_server::router(state.clone()));
+            let mcp = axum::Router::new()
+                .nest_service("/mcp", sortie_mcp::http_service(Arc::new(api)))
+                .layer(axum::middleware::from_fn_with_state(
+                    state.clone(),
+                    sortie_server::require_bearer,
+                ));
+            gateway.merge(mcp)
+        } else {
+            gateway
+        };
         // A client that leaves a write blocked past the limit (a stalled stream) is reset, never waited for.
         let listener = sortie_gateway::stall::StalledWrites::new(listener, sortie_gateway::attach::SLOW_CLIENT_LIMIT);
         sortie_server::run_with_limits(
