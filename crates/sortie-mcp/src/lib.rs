@@ -189,6 +189,13 @@ pub struct AllowEgress {
     pub hosts: Vec<String>,
 }
 
+/// A session id checked before it goes into a path: the tools build URLs from what a model wrote.
+fn session_id(text: &str) -> Result<String, Failed> {
+    sortie_protocol::SessionId::parse(text.trim())
+        .map(|id| id.to_string())
+        .map_err(|_| Failed(format!("SESSION_NOT_FOUND: {text:?} is not a session id (ses_…)")))
+}
+
 /// A refusal or fault, as the tool error a model reads.
 struct Failed(String);
 
@@ -278,7 +285,10 @@ impl Sortie {
     async fn list_sessions(&self, Parameters(p): Parameters<ListSessions>, extensions: Extensions) -> Answer {
         let mut path = format!("/v1/sessions?limit={}", p.limit.unwrap_or(20).clamp(1, 200));
         if let Some(phase) = p.phase {
-            path.push_str(&format!("&phase={}", phase.trim()));
+            match phase.trim().parse::<sortie_protocol::SessionPhase>() {
+                Ok(phase) => path.push_str(&format!("&phase={}", phase.as_str())),
+                Err(_) => return failed(Failed(format!("INVALID_REQUEST: {phase:?} is not a phase"))),
+            }
         }
         answer(self.rest(&extensions, Method::GET, path, None).await.map(|list| {
             let sessions: Vec<Value> = list["sessions"]
@@ -295,8 +305,12 @@ impl Sortie {
         description = "Read one session: its phase, branch, head commit, pull request, failure (code and reason) and usage."
     )]
     async fn get_session(&self, Parameters(p): Parameters<SessionRef>, extensions: Extensions) -> Answer {
+        let id = match session_id(&p.id) {
+            Ok(id) => id,
+            Err(error) => return failed(error),
+        };
         answer(
-            self.rest(&extensions, Method::GET, format!("/v1/sessions/{}", p.id), None)
+            self.rest(&extensions, Method::GET, format!("/v1/sessions/{id}"), None)
                 .await
                 .map(|session| ok(&session)),
         )
@@ -306,6 +320,10 @@ impl Sortie {
         description = "Give a session's agent a further instruction. It runs after the current turn (or at once with interrupt: true). Returns the new turn."
     )]
     async fn steer_session(&self, Parameters(p): Parameters<SteerSession>, extensions: Extensions) -> Answer {
+        let id = match session_id(&p.id) {
+            Ok(id) => id,
+            Err(error) => return failed(error),
+        };
         let mode = if p.interrupt.unwrap_or(false) {
             "interrupt"
         } else {
@@ -316,7 +334,7 @@ impl Sortie {
             self.rest(
                 &extensions,
                 Method::POST,
-                format!("/v1/sessions/{}/steer", p.id),
+                format!("/v1/sessions/{id}/steer"),
                 Some(body),
             )
             .await
@@ -328,8 +346,12 @@ impl Sortie {
         description = "Stop the session's running turn; the work so far is delivered and the session stays open for more instructions."
     )]
     async fn stop_session(&self, Parameters(p): Parameters<SessionRef>, extensions: Extensions) -> Answer {
+        let id = match session_id(&p.id) {
+            Ok(id) => id,
+            Err(error) => return failed(error),
+        };
         answer(
-            self.rest(&extensions, Method::POST, format!("/v1/sessions/{}/stop", p.id), None)
+            self.rest(&extensions, Method::POST, format!("/v1/sessions/{id}/stop"), None)
                 .await
                 .map(|turn| ok(&turn)),
         )
@@ -339,8 +361,12 @@ impl Sortie {
         description = "End a session for good: a running turn is stopped and delivered, waiting instructions are dropped."
     )]
     async fn cancel_session(&self, Parameters(p): Parameters<SessionRef>, extensions: Extensions) -> Answer {
+        let id = match session_id(&p.id) {
+            Ok(id) => id,
+            Err(error) => return failed(error),
+        };
         answer(
-            self.rest(&extensions, Method::POST, format!("/v1/sessions/{}/cancel", p.id), None)
+            self.rest(&extensions, Method::POST, format!("/v1/sessions/{id}/cancel"), None)
                 .await
                 .map(|session| ok(&session)),
         )
@@ -350,9 +376,13 @@ impl Sortie {
         description = "Wait until a session has finished its work (it is no longer queued, provisioning, running or delivering) or the timeout passes. Returns its phase, failure, branch, head commit, pull request and what the agent last said."
     )]
     async fn await_session(&self, Parameters(p): Parameters<AwaitSession>, extensions: Extensions) -> Answer {
+        let id = match session_id(&p.id) {
+            Ok(id) => id,
+            Err(error) => return failed(error),
+        };
         let timeout = Duration::from_secs(p.timeout_secs.clamp(1, AWAIT_MAX.as_secs()));
         let deadline = Instant::now() + timeout;
-        let path = format!("/v1/sessions/{}", p.id);
+        let path = format!("/v1/sessions/{id}");
         let result = async {
             loop {
                 let session = self.rest(&extensions, Method::GET, path.clone(), None).await?;
@@ -362,7 +392,7 @@ impl Sortie {
                     "queued" | "provisioning" | "running" | "delivering" | "canceling"
                 );
                 if !working || Instant::now() >= deadline {
-                    let said = self.last_words(&extensions, &p.id).await.unwrap_or_default();
+                    let said = self.last_words(&extensions, &id).await.unwrap_or_default();
                     return Ok(ok(&json!({
                         "id": session["id"],
                         "phase": phase,
@@ -385,16 +415,15 @@ impl Sortie {
         description = "Read the newest messages of a session's conversation as text: the prompts, what the agent said, and one line per tool call it made."
     )]
     async fn get_transcript(&self, Parameters(p): Parameters<GetTranscript>, extensions: Extensions) -> Answer {
+        let id = match session_id(&p.id) {
+            Ok(id) => id,
+            Err(error) => return failed(error),
+        };
         let last = p.last.unwrap_or(20).clamp(1, 200);
         answer(
-            self.rest(
-                &extensions,
-                Method::GET,
-                format!("/v1/sessions/{}/messages", p.id),
-                None,
-            )
-            .await
-            .map(|messages| ok_text(transcript_text(&messages, last))),
+            self.rest(&extensions, Method::GET, format!("/v1/sessions/{id}/messages"), None)
+                .await
+                .map(|messages| ok_text(transcript_text(&messages, last))),
         )
     }
 
@@ -402,9 +431,13 @@ impl Sortie {
         description = "Let a session's agent reach more hosts (exact public DNS names) by adding them to its egress allowlist; the next connection goes through."
     )]
     async fn allow_egress(&self, Parameters(p): Parameters<AllowEgress>, extensions: Extensions) -> Answer {
+        let id = match session_id(&p.id) {
+            Ok(id) => id,
+            Err(error) => return failed(error),
+        };
         let result = async {
             let session = self
-                .rest(&extensions, Method::GET, format!("/v1/sessions/{}", p.id), None)
+                .rest(&extensions, Method::GET, format!("/v1/sessions/{id}"), None)
                 .await?;
             let mut allow: Vec<String> = session["egress"]["allow"]
                 .as_array()
@@ -421,7 +454,7 @@ impl Sortie {
                 .rest(
                     &extensions,
                     Method::POST,
-                    format!("/v1/sessions/{}/egress", p.id),
+                    format!("/v1/sessions/{id}/egress"),
                     Some(json!({"allow": allow})),
                 )
                 .await?;
@@ -538,6 +571,20 @@ pub async fn serve_stdio(api: Arc<dyn Api>, authorization: String) -> Result<(),
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_session_ids_go_into_paths() {
+        assert!(session_id("ses_01jd8x3k4m5n6p7q8r9s0t1v2w").is_ok());
+        for bad in [
+            "ses_01jd8x3k4m5n6p7q8r9s0t1v2w/../../webhooks",
+            "../v1/webhooks",
+            "ses_x?phase=idle",
+            "",
+        ] {
+            let refused = session_id(bad).err().map(|f| f.0).unwrap_or_default();
+            assert!(refused.starts_with("SESSION_NOT_FOUND: "), "{bad}: {refused}");
+        }
+    }
 
     #[test]
     fn a_transcript_reads_as_text() {
