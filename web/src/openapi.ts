@@ -298,6 +298,29 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/sessions/{id}/diff": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * The files the session's branch changes against the commit it started from.
+         * @description What `git diff <base>...sortie/<id>` shows, as the host read it at the session's last delivery: every
+         *     file's status and line counts, and its unified diff (64 KiB a file, 2 MiB a branch; a binary file
+         *     has none), a page of files at a time. Before the first delivery the list is empty and the commits
+         *     are null.
+         */
+        get: operations["get_diff"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/sessions/{id}/egress": {
         parameters: {
             query?: never;
@@ -513,6 +536,39 @@ export interface components {
         AttachTicketRequest: {
             action?: components["schemas"]["TicketAction"] | null;
         };
+        /**
+         * @description `GET /v1/sessions/{id}/diff`: one page of the files a session's branch changes against the commit the
+         *     session started from (what `git diff --name-status <base>...sortie/<id>` lists), with each file's
+         *     counts and unified diff.
+         */
+        BranchDiff: {
+            /** @description The base branch the session was asked for (null: the repository's default branch). */
+            base?: string | null;
+            /** @description Null until the session has delivered. */
+            base_sha?: string | null;
+            /** @description `sortie/<session-id>`. */
+            branch: string;
+            /** Format: int64 */
+            deletions: number;
+            /** @description The files of this page, by path. */
+            files: components["schemas"]["FileDiff"][];
+            /**
+             * Format: int64
+             * @description Every file the branch changes (the page holds some of them), as `git diff --shortstat` counts.
+             */
+            files_changed: number;
+            /** @description Null until the session has delivered. */
+            head_sha?: string | null;
+            /** Format: int64 */
+            insertions: number;
+            /**
+             * Format: int32
+             * @description Pass as `offset` for the next page; null on the last.
+             */
+            next_offset?: number | null;
+            /** @description More files changed than sortie keeps (3,000): the branch itself has them all. */
+            truncated: boolean;
+        };
         /** @description `POST /v1/sessions`. */
         CreateSessionRequest: {
             /** @description The agent profile id; the server's default when absent. */
@@ -549,6 +605,10 @@ export interface components {
             branch: string;
             /** @description The turn produced a commit. */
             changed: boolean;
+            /**
+             * @description What the branch changes, all turns so far, against the commit the session started from (the
+             *     same diff as `GET /v1/sessions/{id}/diff`); zero when the turn pushed nothing.
+             */
             diffStat: components["schemas"]["DiffStat"];
             error?: components["schemas"]["DeliveryError"] | null;
             headSha?: string | null;
@@ -636,6 +696,29 @@ export interface components {
          * @enum {string}
          */
         FailureCode: "SANDBOX_START_FAILED" | "CLONE_FAILED" | "SETUP_FAILED" | "AGENT_START_FAILED" | "VENDOR_AUTH_REJECTED" | "TURN_TIMEOUT" | "AGENT_ERROR" | "SECRET_DETECTED" | "PUSH_CONFLICT" | "DELIVERY_FAILED" | "PR_OPEN_FAILED" | "SANDBOX_LOST" | "DISK_QUOTA_EXCEEDED" | "INTERNAL";
+        /** @description One file of a branch diff. */
+        FileDiff: {
+            /** @description Git sees a binary file: no line counts and no patch. */
+            binary: boolean;
+            /** Format: int64 */
+            deletions: number;
+            /** Format: int64 */
+            insertions: number;
+            /**
+             * @description The file's unified diff (from its `diff --git` line), absent for a binary file and for files past
+             *     the branch's patch cap (2 MiB).
+             */
+            patch?: string | null;
+            /** @description The patch stops early: it was longer than 64 KiB. */
+            patch_truncated?: boolean;
+            path: string;
+            status: components["schemas"]["FileStatus"];
+        };
+        /**
+         * @description How a file changed on a session's branch (`git diff --name-status`, renames off).
+         * @enum {string}
+         */
+        FileStatus: "added" | "modified" | "deleted" | "type_changed";
         /** @description A forge connection as the control plane shows it. Never the token. */
         ForgeConnection: {
             /** @description Empty for a plain git host. */
@@ -1923,6 +2006,59 @@ export interface operations {
                 };
             };
             403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description SESSION_NOT_FOUND */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+        };
+    };
+    get_diff: {
+        parameters: {
+            query?: {
+                /** @description Files to skip: the `next_offset` of the page before. */
+                offset?: number;
+                /** @description The most files in the page, 1 to 200 (default 50). */
+                limit?: number;
+            };
+            header?: never;
+            path: {
+                /** @description Session id */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["BranchDiff"];
+                };
+            };
+            /** @description INVALID_REQUEST */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            401: {
                 headers: {
                     [name: string]: unknown;
                 };

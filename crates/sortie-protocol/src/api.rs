@@ -346,6 +346,81 @@ pub struct SessionList {
     pub next_cursor: Option<String>,
 }
 
+/// How a file changed on a session's branch (`git diff --name-status`, renames off).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum FileStatus {
+    Added,
+    Modified,
+    Deleted,
+    /// A file that became a symlink or a submodule, or the other way round.
+    TypeChanged,
+}
+
+/// One file of a branch diff.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct FileDiff {
+    pub path: String,
+    pub status: FileStatus,
+    pub insertions: u64,
+    pub deletions: u64,
+    /// Git sees a binary file: no line counts and no patch.
+    pub binary: bool,
+    /// The file's unified diff (from its `diff --git` line), absent for a binary file and for files past
+    /// the branch's patch cap (2 MiB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub patch: Option<String>,
+    /// The patch stops early: it was longer than 64 KiB.
+    #[serde(default)]
+    pub patch_truncated: bool,
+}
+
+/// A session's branch against the commit it started from, as stored at its last delivery.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct StoredDiff {
+    /// The commit the session's workspace was cloned at (the merge base of the branch and its base).
+    pub base_sha: String,
+    /// The branch's delivered head.
+    pub head_sha: String,
+    /// Every file the branch changes, as `git diff --shortstat` counts them (binary files count no lines).
+    pub files_changed: u64,
+    pub insertions: u64,
+    pub deletions: u64,
+    /// The files, by path, up to 3,000.
+    pub files: Vec<FileDiff>,
+    /// More files changed than are listed (3,000).
+    pub truncated: bool,
+}
+
+/// `GET /v1/sessions/{id}/diff`: one page of the files a session's branch changes against the commit the
+/// session started from (what `git diff --name-status <base>...sortie/<id>` lists), with each file's
+/// counts and unified diff.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct BranchDiff {
+    /// `sortie/<session-id>`.
+    pub branch: String,
+    /// The base branch the session was asked for (null: the repository's default branch).
+    pub base: Option<String>,
+    /// Null until the session has delivered.
+    pub base_sha: Option<String>,
+    /// Null until the session has delivered.
+    pub head_sha: Option<String>,
+    /// Every file the branch changes (the page holds some of them), as `git diff --shortstat` counts.
+    pub files_changed: u64,
+    pub insertions: u64,
+    pub deletions: u64,
+    /// The files of this page, by path.
+    pub files: Vec<FileDiff>,
+    /// Pass as `offset` for the next page; null on the last.
+    pub next_offset: Option<u32>,
+    /// More files changed than sortie keeps (3,000): the branch itself has them all.
+    pub truncated: bool,
+}
+
 /// `GET /v1/sessions/{id}/turns`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

@@ -54,3 +54,14 @@ pub const MESSAGES_PAGE_TURNS_MAX: u32 = 100;
 /// takes no further turn. The turn that reaches it is still whole, so a page holds at least one turn
 /// and reads at most this plus one turn's cap ([`TURN_PART_BYTES_MAX`]).
 pub const MESSAGES_PAGE_MAX_BYTES: u64 = 16 * 1024 * 1024;
+
+/// Files a session's stored branch diff lists (`GET /v1/sessions/{id}/diff`); a branch that changes
+/// more is listed up to here and marked truncated.
+pub const DIFF_FILES_MAX: usize = 3000;
+/// The most of one file's unified diff kept; a longer one is cut at a line end and marked.
+pub const DIFF_FILE_PATCH_MAX_BYTES: usize = 64 * 1024;
+/// The most unified diff kept for a whole branch; files past it are listed with their counts only.
+pub const DIFF_PATCH_MAX_BYTES: usize = 2 * 1024 * 1024;
+/// Files in one page of `GET /v1/sessions/{id}/diff` (default, most).
+pub const DIFF_PAGE_FILES_DEFAULT: u32 = 50;
+pub const DIFF_PAGE_FILES_MAX: u32 = 200;

@@ -72,6 +72,8 @@ pub struct DeliveryData {
     /// Where the branch was before the turn.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub baseline: Option<String>,
+    /// What the branch changes, all turns so far, against the commit the session started from (the
+    /// same diff as `GET /v1/sessions/{id}/diff`); zero when the turn pushed nothing.
     pub diff_stat: DiffStat,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<DeliveryError>,

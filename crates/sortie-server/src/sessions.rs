@@ -7,11 +7,12 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use sortie_protocol::api::{
-    AttachTicket, AttachTicketRequest, CreateSessionRequest, EgressAmendment, ModelUsage, Role, Session, SessionList,
-    SteerRequest, TicketAction, Turn, TurnList, UiMessage, UsageReport, UsageRow, rfc3339_from_epoch_ms,
+    AttachTicket, AttachTicketRequest, BranchDiff, CreateSessionRequest, EgressAmendment, ModelUsage, Role, Session,
+    SessionList, SteerRequest, TicketAction, Turn, TurnList, UiMessage, UsageReport, UsageRow, rfc3339_from_epoch_ms,
 };
 use sortie_protocol::limits::{
-    LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX, MESSAGES_PAGE_TURNS_DEFAULT, MESSAGES_PAGE_TURNS_MAX, TICKET_TTL_SECONDS,
+    DIFF_PAGE_FILES_DEFAULT, DIFF_PAGE_FILES_MAX, LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX, MESSAGES_PAGE_TURNS_DEFAULT,
+    MESSAGES_PAGE_TURNS_MAX, TICKET_TTL_SECONDS,
 };
 use sortie_protocol::ticket::{TICKET_VERSION, TicketClaims};
 use sortie_protocol::validate::{self, RepoLocation};
@@ -33,6 +34,7 @@ pub fn routes() -> OpenApiRouter<ApiState> {
         .routes(routes!(get_session))
         .routes(routes!(list_turns))
         .routes(routes!(get_messages))
+        .routes(routes!(get_diff))
         .routes(routes!(steer))
         .routes(routes!(stop))
         .routes(routes!(cancel))
@@ -394,6 +396,79 @@ async fn get_messages(
         }
     }
     Ok((headers, Json(page.messages)))
+}
+
+/// The query of `GET /v1/sessions/{id}/diff`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+struct DiffQuery {
+    /// Files to skip: the `next_offset` of the page before.
+    offset: Option<u32>,
+    /// The most files in the page, 1 to 200 (default 50).
+    limit: Option<u32>,
+}
+
+/// The files the session's branch changes against the commit it started from.
+///
+/// What `git diff <base>...sortie/<id>` shows, as the host read it at the session's last delivery: every
+/// file's status and line counts, and its unified diff (64 KiB a file, 2 MiB a branch; a binary file
+/// has none), a page of files at a time. Before the first delivery the list is empty and the commits
+/// are null.
+#[utoipa::path(
+    get, path = "/v1/sessions/{id}/diff", tag = "sessions",
+    params(("id" = String, Path, description = "Session id"), DiffQuery), security(("bearer" = [])),
+    responses(
+        (status = 200, body = BranchDiff),
+        (status = 400, description = "INVALID_REQUEST", body = ApiErrorBody),
+        (status = 401, body = ApiErrorBody),
+        (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody),
+    )
+)]
+async fn get_diff(
+    State(state): State<ApiState>,
+    Viewer(caller): Viewer,
+    SessionPath(id): SessionPath,
+    ApiQuery(query): ApiQuery<DiffQuery>,
+) -> Result<Json<BranchDiff>, ApiError> {
+    let limit = query.limit.unwrap_or(DIFF_PAGE_FILES_DEFAULT);
+    if !(1..=DIFF_PAGE_FILES_MAX).contains(&limit) {
+        return Err(ApiError::invalid(format!(
+            "limit must be between 1 and {DIFF_PAGE_FILES_MAX}"
+        )));
+    }
+    let offset = query.offset.unwrap_or(0);
+    let session = state.store.session(&caller.workspace_id, &id).await?;
+    let stored = state.store.branch_diff(&id).await?;
+    let Some(stored) = stored else {
+        return Ok(Json(BranchDiff {
+            branch: id.branch(),
+            base: session.base,
+            base_sha: None,
+            head_sha: None,
+            files_changed: 0,
+            insertions: 0,
+            deletions: 0,
+            files: Vec::new(),
+            next_offset: None,
+            truncated: false,
+        }));
+    };
+    let start = (offset as usize).min(stored.files.len());
+    let end = start.saturating_add(limit as usize).min(stored.files.len());
+    let next_offset = (end < stored.files.len()).then(|| u32::try_from(end).unwrap_or(u32::MAX));
+    Ok(Json(BranchDiff {
+        branch: id.branch(),
+        base: session.base,
+        base_sha: Some(stored.base_sha),
+        head_sha: Some(stored.head_sha),
+        files_changed: stored.files_changed,
+        insertions: stored.insertions,
+        deletions: stored.deletions,
+        files: stored.files.into_iter().skip(start).take(end - start).collect(),
+        next_offset,
+        truncated: stored.truncated,
+    }))
 }
 
 /// Add a turn. `queue` waits for the running turn; `interrupt` stops it first.

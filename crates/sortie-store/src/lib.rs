@@ -130,6 +130,12 @@ pub trait Store: Send + Sync + 'static {
     /// Records the nonce the worker starts turn `n` with at the driver.
     async fn set_driver_nonce(&self, session_id: &SessionId, n: u32, nonce: &str) -> StoreResult<()>;
 
+    /// Replaces the session's stored branch diff (at each delivery).
+    async fn set_branch_diff(&self, session_id: &SessionId, diff: &sortie_protocol::api::StoredDiff)
+    -> StoreResult<()>;
+    /// The session's stored branch diff, if it has delivered.
+    async fn branch_diff(&self, session_id: &SessionId) -> StoreResult<Option<sortie_protocol::api::StoredDiff>>;
+
     /// Records the session's pull request, once: `false` if it already has one (which is kept).
     async fn set_session_pr(&self, session_id: &SessionId, url: &str, number: u64) -> StoreResult<bool>;
 

@@ -1252,6 +1252,36 @@ impl Store for SqlStore {
         Ok(())
     }
 
+    async fn set_branch_diff(
+        &self,
+        session_id: &SessionId,
+        diff: &sortie_protocol::api::StoredDiff,
+    ) -> StoreResult<()> {
+        let body = serde_json::to_string(diff).map_err(internal)?;
+        sqlx::query(
+            "INSERT INTO branch_diffs (session_id, head_sha, body, updated_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (session_id) DO UPDATE SET head_sha = excluded.head_sha, body = excluded.body, \
+             updated_at = excluded.updated_at",
+        )
+        .bind(session_id.as_str())
+        .bind(&diff.head_sha)
+        .bind(body)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn branch_diff(&self, session_id: &SessionId) -> StoreResult<Option<sortie_protocol::api::StoredDiff>> {
+        let row = sqlx::query("SELECT body FROM branch_diffs WHERE session_id = $1")
+            .bind(session_id.as_str())
+            .fetch_optional(&self.pool)
+            .await?;
+        let Some(row) = row else { return Ok(None) };
+        let body: String = row.try_get("body")?;
+        serde_json::from_str(&body).map(Some).map_err(internal)
+    }
+
     async fn set_session_pr(&self, session_id: &SessionId, url: &str, number: u64) -> StoreResult<bool> {
         let number = i64::try_from(number).map_err(internal)?;
         let updated = sqlx::query(

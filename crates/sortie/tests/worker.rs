@@ -106,6 +106,16 @@ async fn run_delivers_the_branch_and_the_transcript_is_what_a_live_client_saw(
         json!({"files": 1, "insertions": 1, "deletions": 0}),
         "git says {shortstat}"
     );
+    // The branch's diff was stored at delivery, on either database.
+    let (status, diff) = world
+        .call(reqwest::Method::GET, &format!("/v1/sessions/{id}/diff"), None)
+        .await;
+    assert_eq!(status, 200, "{diff:#}");
+    assert_eq!(diff["files"][0]["path"], "notes/hello.txt", "{diff:#}");
+    assert_eq!(
+        (&diff["files_changed"], &diff["files"][0]["status"]),
+        (&json!(1), &json!("added"))
+    );
     // Every phase is timed by the host, on the turn body and in the phase part the live client saw last.
     let timings = turns[0]["timings"].as_object().expect("timings");
     let phases = [
@@ -179,6 +189,66 @@ async fn steer_interrupt_stop_and_cancel() {
     let second = world.branch(&id).expect("branch");
     assert_eq!(session["head_sha"].as_str(), Some(second.as_str()));
     assert_eq!(git(&world.upstream, &["rev-parse", &format!("{second}^")]), first);
+
+    // Files changed: the branch against the commit the session started from, every turn so far, as
+    // git lists it; the last delivery card counts the same diff.
+    let (status, diff) = world
+        .call(reqwest::Method::GET, &format!("/v1/sessions/{id}/diff"), None)
+        .await;
+    assert_eq!(status, 200, "{diff:#}");
+    let listed: Vec<String> = diff["files"]
+        .as_array()
+        .expect("files")
+        .iter()
+        .map(|f| {
+            format!(
+                "{}\t{}",
+                &f["status"].as_str().unwrap_or("?")[..1].to_uppercase(),
+                f["path"].as_str().unwrap_or("?")
+            )
+        })
+        .collect();
+    let git_says = git(
+        &world.upstream,
+        &["diff", "--name-status", "--no-renames", &format!("main...{second}")],
+    );
+    assert_eq!(listed.join("\n"), git_says, "{diff:#}");
+    assert_eq!(diff["head_sha"].as_str(), Some(second.as_str()));
+    assert_eq!(diff["files_changed"], 2);
+    assert!(
+        diff["files"][1]["patch"]
+            .as_str()
+            .is_some_and(|p| p.starts_with("diff --git a/b.txt b/b.txt") && p.ends_with("+b\n")),
+        "{diff:#}"
+    );
+    let messages = world.messages(&id).await;
+    let last_card = messages
+        .iter()
+        .flat_map(|m| m["parts"].as_array().cloned().unwrap_or_default())
+        .rfind(|p| p["type"] == "data-sortie-delivery")
+        .expect("a delivery card");
+    assert_eq!(
+        last_card["data"]["diffStat"]["files"], diff["files_changed"],
+        "{last_card:#}"
+    );
+    let (status, page) = world
+        .call(
+            reqwest::Method::GET,
+            &format!("/v1/sessions/{id}/diff?offset=1&limit=1"),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (status, page["files"][0]["path"].as_str(), &page["next_offset"]),
+        (200, Some("b.txt"), &Value::Null)
+    );
+    let (status, refused) = world
+        .call(reqwest::Method::GET, &format!("/v1/sessions/{id}/diff?limit=0"), None)
+        .await;
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (400, Some("INVALID_REQUEST"))
+    );
 
     // An interrupt during a long sleep cancels it and runs the new prompt.
     world

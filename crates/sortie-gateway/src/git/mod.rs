@@ -2,6 +2,7 @@
 //! runs, the secret scan of pushed packs, the upstream's report-status and the proxy itself.
 
 pub mod config;
+pub mod diff;
 pub mod http;
 pub mod pktline;
 pub(crate) mod process;

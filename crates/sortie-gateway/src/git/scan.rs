@@ -50,7 +50,7 @@ impl ObjectFormat {
         }
     }
 
-    fn empty_tree(self) -> &'static str {
+    pub(crate) fn empty_tree(self) -> &'static str {
         match self {
             Self::Sha1 => "4b825dc642cb6eb9a060e54bf8d69288fbee4904",
             Self::Sha256 => "6ef19b41225c5369f1c104d45d8d85efa9b057b53b14b4b9b939dd74decc5321",
@@ -95,11 +95,16 @@ impl Quarantine {
         Ok(Self { dir, format })
     }
 
+    /// A directory of the quarantine's own, for a child's `HOME`.
+    pub fn home(&self) -> &Path {
+        self.dir.path()
+    }
+
     pub fn request_path(&self) -> PathBuf {
         self.dir.path().join("request")
     }
 
-    fn git_dir(&self) -> PathBuf {
+    pub(crate) fn git_dir(&self) -> PathBuf {
         self.dir.path().join("repo.git")
     }
 
@@ -514,7 +519,7 @@ async fn batch_check(
 }
 
 /// What a child reads on its stdin.
-enum Input {
+pub(crate) enum Input {
     Bytes(Vec<u8>),
     /// A file from `offset` to its end.
     File {
@@ -525,7 +530,7 @@ enum Input {
 
 /// Runs a scan child to its end: `input` on its stdin, its stdout handed to `on_output` chunk by
 /// chunk; an error names its exit and the tail of its stderr.
-async fn run(
+pub(crate) async fn run(
     context: &ScanContext<'_>,
     command: GitCommand,
     input: Input,
@@ -862,108 +867,5 @@ mod tests {
         assert_eq!(parse_pack_header(b"PACK\0\0\0\x02\0\0\0\0"), Some(0));
         assert_eq!(parse_pack_header(b"PAC"), Some(u32::MAX));
         assert_eq!(parse_pack_header(b"junkjunkjunk"), Some(u32::MAX));
-    }
-}
-
-/// Files changed, lines added and removed between two commits of a session's delivered history.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DiffStat {
-    pub files: u64,
-    pub insertions: u64,
-    pub deletions: u64,
-}
-
-/// What `to` changed since `from` (the empty tree when `None`), read by the host from object stores
-/// it trusts (the objects of accepted pushes, the mirror): never from the sandbox's repository.
-/// Attributes, textconv and external diffs are off, as in the scan.
-pub async fn diff_stat(
-    git: &Path,
-    scratch: &Path,
-    trusted: &[PathBuf],
-    from: Option<&str>,
-    to: &str,
-) -> Result<DiffStat, String> {
-    let hex = |oid: &str| matches!(oid.len(), 40 | 64) && oid.bytes().all(|b| b.is_ascii_hexdigit());
-    if !hex(to) || from.is_some_and(|from| !hex(from)) {
-        return Err("not commit ids".into());
-    }
-    let format = ObjectFormat::of(to);
-    let quarantine =
-        Quarantine::create(scratch, format, trusted).map_err(|e| format!("cannot make a scratch repository: {e}"))?;
-    let command = GitCommand::new(git)
-        .env("GIT_DIR", quarantine.git_dir())
-        .env("GIT_CONFIG_NOSYSTEM", "1")
-        .env("GIT_CONFIG_GLOBAL", "/dev/null")
-        .env("GIT_ATTR_NOSYSTEM", "1")
-        .env("GIT_NO_REPLACE_OBJECTS", "1")
-        .env("GIT_OPTIONAL_LOCKS", "0")
-        .env("HOME", quarantine.dir.path())
-        .config(&[
-            ("core.hooksPath", "/dev/null".into()),
-            ("core.attributesFile", "/dev/null".into()),
-            ("attr.tree", format.empty_tree().into()),
-            ("core.fsmonitor", "false".into()),
-        ])
-        .arg("diff")
-        .arg("--shortstat")
-        .arg("--no-ext-diff")
-        .arg("--no-textconv")
-        .arg("--no-renames")
-        .arg(from.unwrap_or(format.empty_tree()))
-        .arg(to);
-    let context = ScanContext {
-        git,
-        cgroup_procs: &[],
-        known: &KnownSecrets::default(),
-    };
-    let mut said = Vec::new();
-    run(&context, command, Input::Bytes(Vec::new()), |bytes| {
-        if said.len() < 4096 {
-            said.extend_from_slice(bytes);
-        }
-    })
-    .await?;
-    Ok(parse_shortstat(&String::from_utf8_lossy(&said)))
-}
-
-/// ` 2 files changed, 5 insertions(+), 1 deletion(-)` (each part optional).
-fn parse_shortstat(text: &str) -> DiffStat {
-    let mut stat = DiffStat::default();
-    for piece in text.trim().split(',') {
-        let mut words = piece.split_whitespace();
-        let (Some(count), Some(what)) = (words.next().and_then(|n| n.parse().ok()), words.next()) else {
-            continue;
-        };
-        if what.starts_with("file") {
-            stat.files = count;
-        } else if what.starts_with("insertion") {
-            stat.insertions = count;
-        } else if what.starts_with("deletion") {
-            stat.deletions = count;
-        }
-    }
-    stat
-}
-
-#[cfg(test)]
-mod stat_tests {
-    use super::*;
-
-    #[test]
-    fn shortstats_are_read_whatever_they_hold() {
-        let stat = |files, insertions, deletions| DiffStat {
-            files,
-            insertions,
-            deletions,
-        };
-        for (text, expected) in [
-            (" 2 files changed, 5 insertions(+), 1 deletion(-)\n", stat(2, 5, 1)),
-            (" 1 file changed, 1 insertion(+)", stat(1, 1, 0)),
-            (" 1 file changed, 3 deletions(-)", stat(1, 0, 3)),
-            ("", stat(0, 0, 0)),
-            ("garbage", stat(0, 0, 0)),
-        ] {
-            assert_eq!(parse_shortstat(text), expected, "{text:?}");
-        }
     }
 }

@@ -657,37 +657,43 @@ async fn delivered(
         )),
         (None, None) => None,
     };
-    let diff_stat = match &head {
+    // The branch against the commit the workspace was cloned at (what `git diff <base>...sortie/<id>`
+    // shows), stored for the dashboard's Files changed; the card counts the same diff, so they agree.
+    let branch = match &head {
         Some(head) => {
             let dirs = SessionDirs::new(&context.config.work_dir, &session.id);
-            // Counted from the last delivery, or for the first from the commit the workspace was
-            // cloned at (as `git diff --shortstat <base> sortie/<id>` counts it).
-            let from = match &session.head_sha {
-                Some(delivered) => Some(delivered.clone()),
-                None => std::fs::read_to_string(dirs.start_commit())
-                    .ok()
-                    .map(|commit| commit.trim().to_owned()),
-            };
-            sortie_gateway::git::scan::diff_stat(
+            let start = std::fs::read_to_string(dirs.start_commit())
+                .ok()
+                .map(|commit| commit.trim().to_owned());
+            match sortie_gateway::git::diff::branch_diff(
                 &context.config.git_binary,
                 &dirs.git_state.join("stat"),
                 &sandbox.0.trusted_objects,
-                from.as_deref(),
+                start.as_deref().or(session.head_sha.as_deref()),
                 head,
             )
             .await
-            .map(|stat| DiffStat {
-                files: stat.files,
-                insertions: stat.insertions,
-                deletions: stat.deletions,
-            })
-            .unwrap_or_else(|error| {
-                tracing::warn!(session = %session.id, %error, "cannot read the delivery's diff stat");
-                DiffStat::default()
-            })
+            {
+                Ok(diff) => Some(diff),
+                Err(error) => {
+                    tracing::warn!(session = %session.id, %error, "cannot read the delivered branch's diff");
+                    None
+                }
+            }
         }
-        None => DiffStat::default(),
+        None => None,
     };
+    if let Some(diff) = &branch
+        && let Err(error) = context.store.set_branch_diff(&session.id, diff).await
+    {
+        // The delivery stands without it: the dashboard's Files changed says the diff is not stored.
+        tracing::warn!(session = %session.id, %error, "cannot store the delivered branch's diff");
+    }
+    let diff_stat = branch.as_ref().map_or_else(DiffStat::default, |diff| DiffStat {
+        files: diff.files_changed,
+        insertions: diff.insertions,
+        deletions: diff.deletions,
+    });
     let card_error = failure.clone().or_else(|| {
         report
             .delivery
