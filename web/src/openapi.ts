@@ -72,6 +72,27 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/auth/links": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * A fresh one-time sign-in code that signs a browser in as the caller's token (what `sortie
+         *     signin-link` prints). Only a bearer token may ask: a browser's cookie cannot mint codes for other
+         *     browsers. Codes live in the memory of the server that issued them.
+         */
+        post: operations["signin_link"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/auth/signin": {
         parameters: {
             query?: never;
@@ -908,6 +929,13 @@ export interface components {
             /** @description A note for people (at most 200 characters), e.g. which account the key belongs to. */
             label?: string | null;
         };
+        /** @description `POST /v1/auth/links`: a fresh one-time sign-in code for the caller's own token. */
+        SignInLink: {
+            /** @description Open `<server>/signin#<code>` in a browser; it works once. */
+            code: string;
+            /** Format: int64 */
+            expires_in_seconds: number;
+        };
         /** @description `POST /v1/auth/signin`. */
         SignInRequest: {
             /** @description The one-time code of the link `sortie serve` printed (after `#`). */
@@ -1181,6 +1209,34 @@ export interface operations {
                 };
             };
             /** @description UNAUTHORIZED */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+        };
+    };
+    signin_link: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["SignInLink"];
+                };
+            };
+            /** @description UNAUTHORIZED: no bearer token, or one the server does not know */
             401: {
                 headers: {
                     [name: string]: unknown;

@@ -117,7 +117,10 @@ pub(crate) fn has_csrf_header(headers: &HeaderMap) -> bool {
 }
 
 pub(crate) fn routes() -> OpenApiRouter<ApiState> {
-    OpenApiRouter::new().routes(routes!(signin)).routes(routes!(signout))
+    OpenApiRouter::new()
+        .routes(routes!(signin))
+        .routes(routes!(signout))
+        .routes(routes!(signin_link))
 }
 
 /// `POST /v1/auth/signin`.
@@ -166,6 +169,61 @@ async fn signin(State(state): State<ApiState>, ApiJson(request): ApiJson<SignInR
         .headers_mut()
         .insert(SET_COOKIE, set_cookie(&cookie, SESSION_TTL.as_secs()));
     Ok(response)
+}
+
+/// `POST /v1/auth/links`: a fresh one-time sign-in code for the caller's own token.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct SignInLink {
+    /// Open `<server>/signin#<code>` in a browser; it works once.
+    pub code: String,
+    pub expires_in_seconds: u64,
+}
+
+/// A fresh one-time sign-in code that signs a browser in as the caller's token (what `sortie
+/// signin-link` prints). Only a bearer token may ask: a browser's cookie cannot mint codes for other
+/// browsers. Codes live in the memory of the server that issued them.
+#[utoipa::path(
+    post, path = "/v1/auth/links", tag = "auth", security(("bearer" = [])),
+    responses(
+        (status = 201, body = SignInLink),
+        (status = 401, description = "UNAUTHORIZED: no bearer token, or one the server does not know", body = ApiErrorBody),
+    )
+)]
+async fn signin_link(State(state): State<ApiState>, headers: HeaderMap) -> Result<Response, ApiError> {
+    let refused = || {
+        ApiError::new(
+            ErrorCode::Unauthorized,
+            "a sign-in link is made for a bearer token: send `Authorization: Bearer <token>`",
+        )
+    };
+    let token = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|token| !token.is_empty())
+        .ok_or_else(refused)?;
+    let token_hash = hash_token(token);
+    state
+        .store
+        .principal_by_token_hash(&token_hash)
+        .await
+        .map_err(|error| match error {
+            sortie_store::StoreError::NotFound => refused(),
+            other => other.into(),
+        })?;
+    let code = state.signins.issue_code(&token_hash).map_err(|error| {
+        tracing::error!(%error, "no randomness for a sign-in code");
+        ApiError::new(ErrorCode::Internal, "the server failed; the log has the detail")
+    })?;
+    Ok((
+        StatusCode::CREATED,
+        Json(SignInLink {
+            code,
+            expires_in_seconds: CODE_TTL.as_secs(),
+        }),
+    )
+        .into_response())
 }
 
 /// End the browser's session: the cookie stops working and is cleared.

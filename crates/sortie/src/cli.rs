@@ -96,6 +96,8 @@ pub enum Command {
         #[arg(long)]
         undo: bool,
     },
+    /// Print a fresh one-time link that signs a browser in to the dashboard as this token.
+    SigninLink,
     /// Let the session's agent reach HOST (added to its egress allowlist; the next connection goes through).
     Allow {
         id: String,

@@ -146,6 +146,17 @@ pub async fn run(args: ClientArgs, command: Command) -> anyhow::Result<ExitCode>
             };
             crate::follow::logs(&client, &logs.id, follow).await
         }
+        Command::SigninLink => {
+            let answer = client.call::<Value>(Method::POST, "/v1/auth/links", None).await?;
+            let server = client.server.trim_end_matches('/').to_owned();
+            finish(&client, answer, |link| {
+                let minutes = link["expires_in_seconds"].as_u64().unwrap_or(0) / 60;
+                format!(
+                    "{server}/signin#{}\n(works once, for {minutes} minutes)",
+                    link["code"].as_str().unwrap_or_default()
+                )
+            })
+        }
         Command::Resume { id } => {
             let answer = client
                 .call::<Session>(Method::POST, &format!("/v1/sessions/{id}/resume"), None)
