@@ -106,6 +106,12 @@ const rest = async (method, path, body) => {
   });
   return res.status === 204 ? null : res.json();
 };
+/** The page does not scroll sideways: nothing is wider than the viewport. */
+async function fitsWidth(page, what) {
+  const { scrollWidth, width } = await page.evaluate(() => ({ scrollWidth: document.documentElement.scrollWidth, width: window.innerWidth }));
+  assert.ok(scrollWidth <= width, `${what}: the page is ${scrollWidth} px wide in a ${width} px viewport`);
+  return `${what} ${scrollWidth}/${width} px`;
+}
 const phaseOf = async (id) => (await rest('GET', `/v1/sessions/${id}`)).phase;
 const untilPhase = (id, phases, ms = 60000) =>
   until(`session ${id} in ${phases}`, async () => phases.includes(await phaseOf(id)), ms);
@@ -266,9 +272,36 @@ try {
   await badge('idle').waitFor({ timeout: 30000 });
   // The header's diff stat is the delivered branch's, as git counts it.
   const [files, insertions, deletions] = (git(upstream, 'diff', '--shortstat', 'main', `sortie/${id}`).toString().match(/\d+/g) ?? []).map(Number);
-  assert.equal(await page.getByLabel('diff stat').textContent(), `${files} files +${insertions} −${deletions ?? 0}`);
+  await until('the header\'s diff stat', async () => (await page.getByLabel('diff stat').count()) === 1
+    && (await page.getByLabel('diff stat').textContent()) === `${files} files +${insertions} −${deletions ?? 0}`);
   assert.equal(files, 2);
   step('first turn streamed and delivered');
+
+  // A command's output reads as a terminal: the text with its exit code, no raw JSON anywhere.
+  const testRun = page.locator('details.tool-cmd', { hasText: 'node test/greet.test.js' });
+  await testRun.waitFor();
+  assert.equal(await testRun.locator('.term-out').textContent(), '2 assertions passed');
+  assert.equal(await testRun.locator('.exit').textContent(), 'exit 0');
+  const pageText = await page.locator('main').innerText();
+  assert.ok(!/"exitCode"|"raw"/.test(pageText), 'no raw tool JSON on the page');
+  step('a run: step shows as a terminal block (exit 0, its output as text)');
+
+  // Files changed: exactly the branch's files against its base, as git lists them, with the card's count.
+  const cardCount = Number(/(\d+) files?/.exec(await delivery.locator('.stat').textContent())[1]);
+  await delivery.locator('.stat').click();
+  await page.waitForURL(/\/files$/);
+  await page.locator('.file-list li').first().waitFor();
+  const listed = await page.locator('.file-list li summary').evaluateAll((rows) => rows.map((r) =>
+    `${r.querySelector('.file-status').textContent}\t${r.querySelector('.file-path').textContent}`));
+  const gitList = git(upstream, 'diff', '--name-status', `main...sortie/${id}`).toString().trim().split('\n');
+  assert.deepEqual(listed, gitList, 'Files changed lists the branch\'s files');
+  assert.equal(listed.length, cardCount, 'the delivery card counts the same files');
+  assert.match(await page.locator('.file', { hasText: 'test/greet.test.js' }).locator('.patch').textContent(), /\+assert\.equal\(greet\('sortie'\)/);
+  assert.match(await page.locator('.commands').textContent(), new RegExp(`git fetch origin sortie/${id}`));
+  await page.screenshot({ path: join(shots, 'dashboard-files.png'), fullPage: true });
+  await page.getByRole('link', { name: 'Conversation' }).click();
+  await page.locator('.delivery').first().waitFor();
+  step(`Files changed: ${listed.join(', ')} (the card says ${cardCount})`);
 
   // Steer: the second turn streams.
   await page.getByLabel('Steer the agent').fill(steerTask);
@@ -327,12 +360,29 @@ try {
     step('the dark theme');
   }
 
-  // Queue a steer while a turn runs: it streams live once it starts, after the running one.
+  // Queue a steer while a turn runs: it streams live once it starts, after the running one. The first
+  // is sent from this page while the session rests: Stop is enabled within 200 ms of the click.
   await page.getByLabel('Steer the agent').fill(['#!scripted', 'say: Third turn starts.', 'sleep: 3000', 'say: Third turn ends.'].join('\n'));
+  assert.equal(await page.getByRole('button', { name: 'Stop' }).isDisabled(), true);
+  await page.evaluate(() => {
+    window.pageStopAt = null;
+    const check = () => {
+      const stop = [...document.querySelectorAll('button')].find((b) => b.textContent === 'Stop');
+      if (stop && !stop.disabled && window.pageStopAt === null) window.pageStopAt = Date.now();
+    };
+    new MutationObserver(check).observe(document.body, { subtree: true, childList: true, attributes: true, characterData: true });
+    const send = [...document.querySelectorAll('button')].find((b) => b.textContent === 'Send');
+    send.addEventListener('click', () => { window.pageSentAt = Date.now(); }, { capture: true, once: true });
+  });
   await page.getByRole('button', { name: 'Send' }).click();
+  const pageStopLag = await until('Stop enabled after a send from the page', () => page.evaluate(() => window.pageStopAt && window.pageStopAt - window.pageSentAt), 10000);
+  step(`Stop enabled ${pageStopLag} ms after a steer sent from the page (budget 200 ms)`);
+  assert.ok(pageStopLag < 200, `Stop took ${pageStopLag} ms to enable`);
   await page.getByText('Third turn starts.', { exact: true }).waitFor({ timeout: 30000 });
   await page.getByLabel('Steer the agent').fill(['#!scripted', 'say: Queued turn streams.', 'sleep: 2000', 'say: Queued turn goes on.', 'sleep: 3000', 'say: Queued turn ends.'].join('\n'));
   await page.getByRole('button', { name: 'Send' }).click();
+  // Pending under the running turn until it starts.
+  await page.getByLabel('queued prompts').getByText('say: Queued turn streams.').waitFor({ timeout: 10000 });
   // Live, its middle shows before its end (a history reloaded on phase changes shows both at once).
   await page.getByText('Queued turn goes on.', { exact: true }).waitFor({ timeout: 30000 });
   assert.equal(await page.getByText('Queued turn ends.', { exact: true }).count(), 0, 'the queued turn streams while it runs');
@@ -410,11 +460,46 @@ try {
   await page.getByLabel('Repo').blur();
   const table = await page.locator('table.sessions').boundingBox();
   await page.screenshot({ path: join(shots, 'dashboard-sessions.png'), clip: { x: 0, y: 0, width: 1280, height: Math.ceil(table.y + table.height + 24) } });
+  assert.equal(await row(id).locator('.badge.outcome').textContent(), 'Ready for review');
+  assert.equal(await row(failing.id).locator('.badge.outcome').textContent(), `Failed · ${(await rest('GET', `/v1/sessions/${failing.id}`)).failure.code}`);
+  const widths = [await fitsWidth(page, 'list at 1280')];
+  await page.goto(sessionUrl);
+  await page.locator('.delivery').first().waitFor();
+  widths.push(await fitsWidth(page, 'session at 1280'));
+  // A phone: the list as cards, the session page with its header actions, terminal blocks and diffs
+  // scrolling inside themselves.
+  {
+    const phone = await browser.newContext({ viewport: { width: 390, height: 844 }, deviceScaleFactor: 2, isMobile: true, hasTouch: true, colorScheme: 'light' });
+    await phone.addCookies(await context.cookies());
+    const p = await phone.newPage();
+    await p.goto(url + '/');
+    await p.locator('table.sessions tbody tr').first().waitFor();
+    widths.push(await fitsWidth(p, 'list at 390'));
+    await p.screenshot({ path: join(shots, 'dashboard-phone-list.png'), fullPage: false });
+    await p.goto(sessionUrl);
+    await p.locator('.delivery').first().waitFor();
+    await p.locator('details.tool-cmd').first().waitFor();
+    widths.push(await fitsWidth(p, 'session at 390'));
+    assert.ok(await p.getByRole('button', { name: 'Stop' }).isVisible(), 'the header\'s actions fit');
+    await p.screenshot({ path: join(shots, 'dashboard-phone-session.png'), fullPage: false });
+    await p.goto(`${sessionUrl}/files`);
+    await p.locator('.file-list li').first().waitFor();
+    widths.push(await fitsWidth(p, 'files at 390'));
+    await phone.close();
+  }
+  step(`no page scrolls sideways: ${widths.join(', ')}`);
 
   // A failed session: its failure shows, and Retry runs the last prompt again as a new turn.
   await page.goto(`${url}/sessions/${failing.id}`);
   await badge('failed').waitFor({ timeout: 30000 });
   await page.getByText(/the parser test still fails/).first().waitFor();
+  const failureCard = page.getByLabel('turn failure');
+  await failureCard.waitFor();
+  const failed = await rest('GET', `/v1/sessions/${failing.id}`);
+  assert.match(await failureCard.textContent(), new RegExp(`${failed.failure.code}: `), 'the failed turn ends with its code');
+  assert.ok((await failureCard.textContent()).includes(failed.failure.reason.split('\n')[0]), 'and its reason');
+  assert.equal(await page.locator('.session-header .badge.outcome').textContent(), `Failed · ${failed.failure.code}`);
+  step(`a failed turn ends with its failure (${failed.failure.code})`);
   await page.getByRole('button', { name: 'Retry' }).click();
   await page.waitForFunction(() => document.querySelectorAll('.msg.assistant').length === 2, null, { timeout: 30000 });
   await badge('failed').waitFor({ timeout: 30000 });
@@ -442,7 +527,10 @@ try {
   await badge('canceled').waitFor({ timeout: 30000 });
   assert.equal(await phaseOf(bump.id), 'canceled');
   assert.equal(await page.getByRole('button', { name: 'Cancel' }).isDisabled(), true);
-  step('canceled');
+  await page.getByText('This session is canceled: it takes no more turns.').waitFor();
+  assert.equal(await page.getByLabel('Steer the agent').count(), 0, 'a canceled session has no steer box');
+  assert.equal(await page.locator('.session-header .badge.outcome').textContent(), 'Canceled');
+  step('canceled; no steer box');
 
   // A steer from another client: the page hears the control plane's event (it does not poll) and
   // enables Stop within 200 ms of the steer's answer.
@@ -491,6 +579,39 @@ try {
   assert.equal(await rows.count(), 1, 'the archived list has only the archived session');
   step('archived; the list filters archived sessions');
 
+  // The live view follows a 1,000-line stream to its end, and stops following when the reader scrolls up.
+  {
+    const follow = ['#!scripted', '# Count to a thousand.'];
+    for (let i = 0; i < 1000; i++) {
+      follow.push(`say: line ${i} of the long stream`);
+      if (i % 40 === 39) follow.push('sleep: 300');
+    }
+    const long = await rest('POST', '/v1/sessions', { repo: upstream, agent: 'scripted', task: follow.join('\n'), title: 'A long stream' });
+    await page.goto(`${url}/sessions/${long.id}`);
+    await page.getByText('line 100 of the long stream', { exact: true }).waitFor({ timeout: 30000 });
+    const atEnd = () => page.evaluate(() => window.innerHeight + window.scrollY >= document.documentElement.scrollHeight - 60);
+    // Following: each time more arrives, the view is at the end again.
+    for (const n of [200, 300]) {
+      await page.getByText(`line ${n} of the long stream`, { exact: true }).waitFor({ timeout: 30000 });
+      await until(`the view at the end after line ${n}`, atEnd, 5000);
+    }
+    await page.getByLabel('agent status').waitFor();
+    // Scrolled up: the view stays where the reader is while more arrives, and offers the way back.
+    await page.mouse.move(640, 400);
+    await page.mouse.wheel(0, -3000);
+    const jump = page.getByRole('button', { name: 'Jump to latest ↓' });
+    await jump.waitFor({ timeout: 5000 });
+    const heldAt = await page.evaluate(() => window.scrollY);
+    const grownFrom = await page.evaluate(() => document.documentElement.scrollHeight);
+    await until('more lines while scrolled up', () => page.evaluate((h) => document.documentElement.scrollHeight > h + 200, grownFrom), 30000);
+    assert.ok(Math.abs((await page.evaluate(() => window.scrollY)) - heldAt) < 4, 'the view stays where the reader scrolled');
+    assert.equal(await atEnd(), false);
+    await jump.click();
+    await until('back at the end', atEnd, 5000);
+    await untilPhase(long.id, ['idle'], 60000);
+    step('the live view follows a 1,000-line stream and stops following when scrolled up');
+  }
+
   // First render of a 2,000-part session.
   const lines = ['#!scripted'];
   for (let i = 0; i < 1000; i++) lines.push(`think: step ${i}`, `say: Part ${i} with \`code\` and **bold**.`);
@@ -530,6 +651,18 @@ try {
   await page.getByRole('alert').waitFor();
   assert.match(await page.getByRole('alert').textContent(), /UNAUTHORIZED/);
   step('the used link is refused');
+  // Signed out on a session page: a fresh link from `sortie signin-link` brings the user back to it.
+  await page.evaluate(() => sessionStorage.clear());
+  await context.clearCookies();
+  await page.goto(`${url}/sessions/${handbook.id}`);
+  await page.waitForURL(/\/signin$/);
+  const fresh = execFileSync(bin, ['--server', url, 'signin-link'], { env: { ...env, SORTIE_TOKEN: token } }).toString();
+  const freshLink = /(http:\/\/\S+\/signin#\S+)/.exec(fresh)?.[1];
+  assert.ok(freshLink, fresh);
+  await page.goto(freshLink);
+  await page.waitForURL(new RegExp(`/sessions/${handbook.id}$`));
+  await page.locator('.session-header').waitFor();
+  step('sortie signin-link signs in and lands on the page the user was sent away from');
 
   assert.deepEqual(consoleErrors, []);
   // The JS the browser received over the wire (sortie serves the build's gzip twins).

@@ -27,6 +27,8 @@ export type AttachTicket = Schemas['AttachTicket'];
 export type ErrorCode = Schemas['ErrorCode'];
 export type ErrorBody = Schemas['ApiErrorBody'];
 export type UiMessage = Schemas['UiMessage'];
+export type BranchDiff = Schemas['BranchDiff'];
+export type FileDiff = Schemas['FileDiff'];
 
 // Every phase of the API, in life order; a phase added to or dropped from the API fails the typecheck here.
 const PHASE_ORDER: Record<Phase, number> = {
@@ -80,6 +82,16 @@ async function call<T>(method: string, path: string, body?: unknown): Promise<{ 
   return { body: json as T, headers: res.headers };
 }
 
+/** The API's own sentence in an error that carries a response body as text (as the AI SDK transport throws
+ * a refused send), e.g. `Turn queue full: …`; the text itself when it is not an API error body. */
+export function sentence(text: string): string {
+  try {
+    const err = (JSON.parse(text) as Partial<ErrorBody> | null)?.error;
+    if (err?.message) return err.message;
+  } catch { /* not JSON */ }
+  return text;
+}
+
 export async function api<T>(method: string, path: string, body?: unknown): Promise<T> {
   return (await call<T>(method, path, body)).body;
 }
@@ -111,6 +123,8 @@ export const client = {
     const { body, headers } = await call<Answer<'/v1/sessions/{id}/messages', 'get'>>('GET', `/v1/sessions/${id}/messages${q}`);
     return { messages: body, older: cursor(headers.get(OLDER_CURSOR_HEADER)) };
   },
+  diff: (id: string, offset?: number) =>
+    api<Answer<'/v1/sessions/{id}/diff', 'get'>>('GET', `/v1/sessions/${id}/diff${offset ? `?offset=${offset}` : ''}`),
   create: (body: Body<'/v1/sessions', 'post'>) => api<Answer<'/v1/sessions', 'post'>>('POST', '/v1/sessions', body),
   steer: (id: string, prompt: string, mode: Schemas['TurnMode']) =>
     api<Answer<'/v1/sessions/{id}/steer', 'post'>>('POST', `/v1/sessions/${id}/steer`, { prompt, mode } satisfies Body<'/v1/sessions/{id}/steer', 'post'>),

@@ -3,21 +3,9 @@ import { ApiError, auth, client, setUnauthorizedHandler } from './api';
 import { Sessions } from './sessions';
 import { Composer } from './composer';
 import { SessionPage } from './session';
+import { Link, navigate } from './link';
 
-export function navigate(to: string) {
-  history.pushState(null, '', to);
-  dispatchEvent(new PopStateEvent('popstate'));
-}
-
-export function Link({ to, children, className }: { to: string; children: React.ReactNode; className?: string }) {
-  return (
-    <a href={to} className={className} onClick={(e) => {
-      if (e.metaKey || e.ctrlKey || e.shiftKey || e.button !== 0) return;
-      e.preventDefault();
-      navigate(to);
-    }}>{children}</a>
-  );
-}
+export { Link, navigate };
 
 function usePath() {
   const [path, setPath] = useState(location.pathname);
@@ -27,6 +15,14 @@ function usePath() {
     return () => removeEventListener('popstate', on);
   }, []);
   return path;
+}
+
+const NEXT_KEY = 'sortie.next';
+/** Where to go after signing in: the page the user was sent away from (same origin paths only). */
+function takeNext(): string {
+  const next = sessionStorage.getItem(NEXT_KEY);
+  sessionStorage.removeItem(NEXT_KEY);
+  return next && next.startsWith('/') && !next.startsWith('//') && !next.startsWith('/signin') ? next : '/';
 }
 
 function SignIn() {
@@ -42,7 +38,7 @@ function SignIn() {
       setBusy(true);
       setError(null);
       client.exchange(code)
-        .then(() => { auth.setToken(null); navigate('/'); })
+        .then(() => { auth.setToken(null); navigate(takeNext()); })
         .catch((e: ApiError) => setError(`${e.code}: ${e.message}`))
         .finally(() => setBusy(false));
     };
@@ -55,7 +51,7 @@ function SignIn() {
     auth.setToken(token.trim());
     try {
       await client.sessions({});
-      navigate('/');
+      navigate(takeNext());
     } catch (err) {
       auth.setToken(null);
       setError(err instanceof ApiError ? `${err.code}: ${err.message}` : String(err));
@@ -66,7 +62,7 @@ function SignIn() {
       <h1>Sign in to sortie</h1>
       {busy && <p>Signing in…</p>}
       {error && <p className="error" role="alert">{error}</p>}
-      <p>Open the sign-in link that <code>sortie serve</code> printed, or paste a token.</p>
+      <p>Open the sign-in link that <code>sortie serve</code> printed (<code>sortie signin-link</code> prints a fresh one), or paste a token.</p>
       <form onSubmit={submit}>
         <label htmlFor="token">Token</label>
         <input id="token" type="password" autoComplete="off" value={token} onChange={(e) => setToken(e.target.value)} />
@@ -79,10 +75,13 @@ function SignIn() {
 export function App() {
   const path = usePath();
   useEffect(() => setUnauthorizedHandler(() => {
-    if (location.pathname !== '/signin') navigate('/signin');
+    if (location.pathname === '/signin') return;
+    // The page is kept, so signing in brings the user back to it.
+    sessionStorage.setItem(NEXT_KEY, location.pathname + location.search);
+    navigate('/signin');
   }), []);
   if (path === '/signin') return <SignIn />;
-  const session = /^\/sessions\/([^/]+)$/.exec(path);
+  const session = /^\/sessions\/([^/]+)(\/files)?$/.exec(path);
   return (
     <div className="shell">
       <header className="top">
@@ -97,7 +96,7 @@ export function App() {
           }}>Sign out</button>
         </nav>
       </header>
-      {path === '/new' ? <Composer /> : session ? <SessionPage key={session[1]} id={session[1]} /> : path === '/' ? <Sessions /> : <p className="empty">Nothing here. <Link to="/">Sessions</Link></p>}
+      {path === '/new' ? <Composer /> : session ? <SessionPage key={session[1]} id={session[1]} tab={session[2] ? 'files' : 'conversation'} /> : path === '/' ? <Sessions /> : <p className="empty">Nothing here. <Link to="/">Sessions</Link></p>}
     </div>
   );
 }

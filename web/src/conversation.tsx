@@ -1,6 +1,9 @@
 // The conversation: UIMessage parts (AI SDK UI message stream v1, DESIGN §5.1) rendered one by one.
 import { memo, useState, type ReactNode } from 'react';
 import { Markdown } from './markdown';
+import { commandRun, TerminalBlock } from './terminal';
+import { Link } from './link';
+import { allows } from './status';
 import { files, ms } from './util';
 
 export interface Part { type: string; [key: string]: unknown }
@@ -82,15 +85,22 @@ function Tool({ part }: { part: Part }) {
   const state = str(part.state);
   const status = state === 'output-available' ? 'done' : state === 'output-error' ? 'failed' : 'running';
   const duration = status === 'running' ? null : took(part);
+  // A command's output reads as a terminal, open, whether it failed or not; any other tool keeps its
+  // input and output as JSON one click away.
+  const run = commandRun(part);
   return (
-    <details className={`card tool tool-${status}`}>
+    <details className={`card tool tool-${status}${run ? ' tool-cmd' : ''}`} open={run != null}>
       <summary>
         <span className="kind">{str(part.toolName)}</span> {title} <span className={`status status-${status}`}>{status}</span>
         {duration != null && <span className="took" title="how long the call took">{ms(duration)}</span>}
       </summary>
-      {part.input != null && <pre className="io">{str(part.input)}</pre>}
-      {part.output != null && <pre className="io">{str(part.output)}</pre>}
-      {part.errorText != null && <pre className="io err">{str(part.errorText)}</pre>}
+      {run ? <TerminalBlock run={run} running={status === 'running'} /> : (
+        <>
+          {part.input != null && <pre className="io">{str(part.input)}</pre>}
+          {part.output != null && <pre className="io">{str(part.output)}</pre>}
+          {part.errorText != null && <pre className="io err">{str(part.errorText)}</pre>}
+        </>
+      )}
     </details>
   );
 }
@@ -127,11 +137,18 @@ function UsageLine({ tokens, context }: { tokens?: Record<string, unknown>; cont
   return <div className="usage-line" aria-label="turn usage">{bits.join(' · ')}</div>;
 }
 
+/** How a turn ended, when the answer should say so below it. */
+export interface TurnEnd { status: string; failure?: { code: string; reason: string } | null }
+
 export interface Actions {
   /** Adds a host to the session's egress allowlist (the button on a blocked connection). */
   allowHost?: (host: string) => void;
-  /** The session's allowlist: a blocked host in it shows as allowed instead of offering the button. */
+  /** The session's allowlist: a blocked host it admits shows as allowed instead of offering the button. */
   allowed?: string[];
+  /** Where the session's Files changed view is (the delivery card's file count links there). */
+  filesHref?: string;
+  /** Ended turns by number: an interrupted one is marked, a failed one ends with its failure. */
+  ends?: Record<number, TurnEnd>;
 }
 
 export const PartView = memo(function PartView({ part, actions, repeats }: { part: Part; actions: Actions; repeats?: number }) {
@@ -147,16 +164,18 @@ export const PartView = memo(function PartView({ part, actions, repeats }: { par
       return <Diff data={data} />;
     case 'data-acp-plan':
       return <Plan data={data} />;
-    case 'data-acp-terminal':
+    case 'data-acp-terminal': {
+      const exit = (data.exitStatus ?? {}) as { exitCode?: unknown; signal?: unknown };
       return (
         <div className="card terminal">
-          <div className="kind">terminal {data.exitStatus != null ? `· exit ${str((data.exitStatus as { exitCode?: number }).exitCode ?? data.exitStatus)}` : ''}</div>
-          <pre>{str(data.output)}</pre>
+          <TerminalBlock run={{ command: null, text: str(data.output), exitCode: typeof exit.exitCode === 'number' ? exit.exitCode : null, signal: typeof exit.signal === 'string' ? exit.signal : null }}
+            running={data.exitStatus == null} />
         </div>
       );
+    }
     case 'data-sortie-egress-denied': {
       const host = str(data.host);
-      const allowed = actions.allowed?.includes(host);
+      const allowed = allows(actions.allowed ?? [], host);
       return (
         <div className={`card egress${allowed ? ' egress-allowed' : ''}`} role={allowed ? undefined : 'alert'}>
           <span>Blocked connection to <code>{host}:{str(data.port)}</code> ({str(data.reason)}){repeats != null && repeats > 1 && <span className="repeats"> ×{repeats}</span>}</span>
@@ -167,11 +186,21 @@ export const PartView = memo(function PartView({ part, actions, repeats }: { par
     }
     case 'data-sortie-delivery': {
       const stat = (data.diffStat ?? {}) as { files?: number; insertions?: number; deletions?: number };
+      const error = data.error as { code?: string; reason?: string } | undefined;
+      const count = <>{files(stat.files ?? 0)} <span className="add">+{stat.insertions ?? 0}</span> <span className="del">−{stat.deletions ?? 0}</span></>;
+      if (!data.pushed) {
+        return (
+          <div className={`card delivery-none${error ? ' delivery-failed' : ''}`} aria-label="delivery">
+            <span className="kind">{error ? 'not delivered' : 'no changes'}</span>{' '}
+            {error ? <span><strong>{error.code}</strong>: {error.reason}</span> : <span>This turn changed no files; <code>{str(data.branch)}</code> is as it was.</span>}
+          </div>
+        );
+      }
       return (
         <div className="card delivery" aria-label="delivery">
-          <span className="kind">{data.pushed ? 'delivered' : 'not pushed'}</span> <code>{str(data.branch)}</code>{' '}
+          <span className="kind">delivered</span> <code>{str(data.branch)}</code>{' '}
           <code>{str(data.headSha).slice(0, 10)}</code>{' '}
-          <span>{files(stat.files ?? 0)} <span className="add">+{stat.insertions ?? 0}</span> <span className="del">−{stat.deletions ?? 0}</span></span>
+          {actions.filesHref ? <Link to={actions.filesHref} className="stat">{count}</Link> : <span className="stat">{count}</span>}
           {typeof data.prUrl === 'string' && <> · <a href={data.prUrl}>pull request</a></>}
         </div>
       );
@@ -206,6 +235,13 @@ export const PartView = memo(function PartView({ part, actions, repeats }: { par
   }
 });
 
+/** A failure's reason; an output tail in it (the agent's stderr, the setup script's output) reads as a terminal. */
+function FailureReason({ text }: { text: string }) {
+  const cut = text.indexOf('\n');
+  if (cut < 0) return <span>{text}</span>;
+  return <><span>{text.slice(0, cut)}</span><TerminalBlock run={{ command: null, text: text.slice(cut + 1), exitCode: null, signal: null }} /></>;
+}
+
 /** A user prompt; a long one (a pasted log, a whole spec) shows its first lines until expanded. */
 function Prompt({ text }: { text: string }) {
   const [open, setOpen] = useState(false);
@@ -231,13 +267,14 @@ export const MessageView = memo(function MessageView({ message, actions }: { mes
   const parts = message.parts;
   const out: ReactNode[] = [];
   // An agent that retries a blocked host gets one card for it, with the count.
-  const denials = new Map<string, { first: number; count: number }>();
+  // The card sits where the host was first blocked and says the newest attempt's reason.
+  const denials = new Map<string, { first: number; latest: number; count: number }>();
   parts.forEach((p, i) => {
     if (p.type !== 'data-sortie-egress-denied') return;
     const d = (p.data ?? {}) as { host?: unknown; port?: unknown };
     const key = `${str(d.host)}:${str(d.port)}`;
     const seen = denials.get(key);
-    if (seen) seen.count++; else denials.set(key, { first: i, count: 1 });
+    if (seen) { seen.count++; seen.latest = i; } else denials.set(key, { first: i, latest: i, count: 1 });
   });
   const view = (i: number) => {
     let repeats: number | undefined;
@@ -246,6 +283,7 @@ export const MessageView = memo(function MessageView({ message, actions }: { mes
       const seen = denials.get(`${str(d.host)}:${str(d.port)}`)!;
       if (seen.first !== i) return null;
       repeats = seen.count;
+      return <PartView key={`egress-${i}`} part={parts[seen.latest]} actions={actions} repeats={repeats} />;
     }
     return <PartView key={(parts[i].id as string | undefined) ?? (parts[i].toolCallId as string | undefined) ?? i} part={parts[i]} actions={actions} repeats={repeats} />;
   };
@@ -269,10 +307,18 @@ export const MessageView = memo(function MessageView({ message, actions }: { mes
     }
   }
   const find = (type: string, id: string) => parts.find((p) => p.type === type && p.id === id)?.data as Record<string, unknown> | undefined;
+  const n = /-t(\d+)$/.exec(message.id);
+  const end = n ? actions.ends?.[Number(n[1])] : undefined;
   return (
     <div className="msg assistant" data-message-id={message.id}>
       {out}
       <UsageLine tokens={find('data-sortie-usage', 'tokens')} context={find('data-acp-usage', 'usage')} />
+      {end?.status === 'stopped' && <div className="note interrupted" role="status">Interrupted: the turn was stopped here.</div>}
+      {end?.failure && (end.status === 'failed' || end.status === 'lost') && (
+        <div className="card failure" role="alert" aria-label="turn failure">
+          <span className="kind">turn {end.status}</span> <strong>{end.failure.code}</strong>: <FailureReason text={end.failure.reason} />
+        </div>
+      )}
     </div>
   );
 });

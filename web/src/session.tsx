@@ -1,33 +1,19 @@
-import { useCallback, useEffect, useMemo, useRef, useState, type FormEvent } from 'react';
+import { useCallback, useEffect, useLayoutEffect, useMemo, useRef, useState, type FormEvent } from 'react';
 import { useChat } from '@ai-sdk/react';
 import { DefaultChatTransport, type UIMessage } from 'ai';
-import { ApiError, client, LIVE, type MessagesPage, type Session, type Turn, type UiMessage } from './api';
-import { Conversation, type Message } from './conversation';
+import { ApiError, client, LIVE, sentence, type MessagesPage, type Session, type Turn, type UiMessage } from './api';
+import { Conversation, type Message, type TurnEnd } from './conversation';
 import { subscribeEvents } from './events';
-import { PhaseBadge } from './sessions';
+import { FilesChanged } from './files';
+import { Link } from './link';
+import { OutcomeBadge, PhaseBadge } from './sessions';
+import { activity, blockedOn, clock, outcome } from './status';
 import { age, files, ms } from './util';
 
 /** `GET /messages` as useChat's messages: the API documents `parts` only as objects (they are AI SDK parts). */
 const asUi = (m: UiMessage[]) => m as unknown as UIMessage[];
 
 type Action = 'stop' | 'cancel' | 'resume' | 'archive' | 'retry';
-interface Delivery { branch?: string; headSha?: string; pushed?: boolean; prUrl?: string; diffStat?: { files?: number; insertions?: number; deletions?: number } }
-
-/** The last delivery of the conversation that changed the branch (`data-sortie-delivery`), for the header. */
-function lastDelivery(messages: UIMessage[]): Delivery | null {
-  let last: Delivery | null = null;
-  for (let m = messages.length - 1; m >= 0; m--) {
-    const parts = messages[m].parts;
-    for (let p = parts.length - 1; p >= 0; p--) {
-      const part = parts[p] as { type: string; data?: Delivery & { changed?: boolean } };
-      if (part.type !== 'data-sortie-delivery' || !part.data) continue;
-      if (part.data.changed !== false) return part.data;
-      last ??= part.data;
-    }
-  }
-  return last;
-}
-
 /** The turn the last assistant message answers: its id is `<session>-t<n>` (the driver names it, every replay keeps it). */
 export function turnOfLastAnswer(messages: UIMessage[]): number | null {
   for (let m = messages.length - 1; m >= 0; m--) {
@@ -82,17 +68,26 @@ function phaseOrder(timings: Record<string, number>): [string, number][] {
   return Object.entries(timings).sort(([a], [b]) => rank(a) - rank(b) || a.localeCompare(b));
 }
 
-function Header({ s, turns, onAction, busy, delivery }: { s: Session; turns: Turn[]; onAction: (a: Action) => void; busy: boolean; delivery: Delivery | null }) {
+function Header({ s, turns, onAction, busy, streaming, needsInput, tab }: { s: Session; turns: Turn[]; onAction: (a: Action) => void; busy: boolean; streaming: boolean; needsInput: string | null; tab: Tab }) {
   const last = turns[turns.length - 1];
   const timings = last?.timings ?? {};
   const live = LIVE.includes(s.phase);
+  const [stat, setStat] = useState<{ files: number; insertions: number; deletions: number } | null>(null);
+  // The branch's totals, as Files changed counts them (one diff: the card, the header and the view agree).
+  useEffect(() => {
+    let on = true;
+    if (!s.head_sha) { setStat(null); return; }
+    client.diff(s.id).then((d) => { if (on) setStat({ files: d.files_changed, insertions: d.insertions, deletions: d.deletions }); }).catch(() => {});
+    return () => { on = false; };
+  }, [s.id, s.head_sha]);
   return (
     <section className="session-header" aria-label="session">
       <div className="title-row">
-        <PhaseBadge phase={s.phase} />
+        <OutcomeBadge outcome={outcome(s, needsInput)} />
         <h1>{s.title || s.id}</h1>
         <div className="actions">
-          <button onClick={() => onAction('stop')} disabled={busy || !live}>Stop</button>
+          {/* A turn this page started is live before the control plane's event says so. */}
+          <button onClick={() => onAction('stop')} disabled={busy || !(live || streaming)}>Stop</button>
           <button onClick={() => onAction('cancel')} disabled={busy || s.phase === 'canceled' || s.phase === 'canceling'}>Cancel</button>
           {s.phase === 'failed' && last && <button onClick={() => onAction('retry')} disabled={busy} title="Run the last prompt again">Retry</button>}
           {s.phase === 'hibernated' && <button onClick={() => onAction('resume')} disabled={busy}>Wake</button>}
@@ -100,11 +95,12 @@ function Header({ s, turns, onAction, busy, delivery }: { s: Session; turns: Tur
         </div>
       </div>
       <dl className="facts">
+        <div><dt>State</dt><dd><PhaseBadge phase={s.phase} /> <span className="sub">sandbox {s.sandbox}</span></dd></div>
         <div><dt>Repo</dt><dd><code>{s.repo}</code>{s.base && <> @ <code>{s.base}</code></>}</dd></div>
         <div><dt>Agent</dt><dd>{s.agent}{s.model && ` · ${s.model}`}</dd></div>
         <div><dt>Branch</dt><dd><code className="branch">{s.branch}</code>{s.head_sha && <> at <code>{s.head_sha.slice(0, 10)}</code></>}{s.pr && <> · <a href={s.pr.url}>PR #{s.pr.number}</a></>}
         </dd></div>
-        {delivery?.diffStat && <div><dt>Last delivery</dt><dd><span className="stat" aria-label="diff stat">{files(delivery.diffStat.files ?? 0)} <span className="add">+{delivery.diffStat.insertions ?? 0}</span> <span className="del">−{delivery.diffStat.deletions ?? 0}</span></span>{delivery.headSha && <> in <code>{delivery.headSha.slice(0, 10)}</code></>}</dd></div>}
+        {stat && <div><dt>Files changed</dt><dd><Link to={`/sessions/${s.id}/files`} className="stat"><span aria-label="diff stat">{files(stat.files)} <span className="add">+{stat.insertions}</span> <span className="del">−{stat.deletions}</span></span></Link></dd></div>}
         <div><dt>Turns</dt><dd>{s.turns}</dd></div>
         <div><dt>Usage</dt><dd>{s.usage.compute_seconds}s compute · {s.usage.input_tokens} in / {s.usage.output_tokens} out tokens</dd></div>
         <div><dt>Created</dt><dd title={s.created_at}>{age(s.created_at)} ago</dd></div>
@@ -115,13 +111,45 @@ function Header({ s, turns, onAction, busy, delivery }: { s: Session; turns: Tur
           {phaseOrder(timings).map(([k, v]) => <li key={k}><span>{k.replace('_', ' ')}</span> {ms(v)}</li>)}
         </ol>
       )}
-      {s.failure && <p className="error" role="alert">{s.failure.code}: {s.failure.reason}</p>}
+      {s.failure && <p className="error failure-line" role="alert"><strong>{s.failure.code}</strong>: {s.failure.reason}</p>}
       {s.queued_reason && <p className="note">Queued: {s.queued_reason}</p>}
+      <nav className="tabs" aria-label="session views">
+        <Link to={`/sessions/${s.id}`} className={tab === 'conversation' ? 'tab active' : 'tab'}>Conversation</Link>
+        <Link to={`/sessions/${s.id}/files`} className={tab === 'files' ? 'tab active' : 'tab'}>Files changed{stat && <span className="count"> {stat.files}</span>}</Link>
+      </nav>
     </section>
   );
 }
 
-function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDelivery, allowed }: { id: string; initial: MessagesPage; onActivity: () => void; reattach: number; syncKey: string; runningTurn: number | null; onDelivery: (d: Delivery | null) => void; allowed: string[] }) {
+/** Re-renders every `ms` while `on`, for clocks. */
+function useNow(on: boolean, ms = 1000): number {
+  const [now, setNow] = useState(() => Date.now());
+  useEffect(() => {
+    if (!on) return;
+    setNow(Date.now());
+    const timer = setInterval(() => setNow(Date.now()), ms);
+    return () => clearInterval(timer);
+  }, [on, ms]);
+  return now;
+}
+
+/** The pinned line of a running turn: what the agent does now, for how long, and the turn's clock. */
+function StatusLine({ messages, turn }: { messages: UIMessage[]; turn: Turn | undefined }) {
+  const now = useNow(true);
+  const doing = activity(messages as unknown as Message[]);
+  const started = turn?.started_at ? Date.parse(turn.started_at) : null;
+  return (
+    <div className="status-line" role="status" aria-label="agent status">
+      <span className="pulse" aria-hidden="true" />
+      <span className="doing">{doing?.what ?? 'Starting'}{doing?.since != null && <> · {clock(now - doing.since)}</>}</span>
+      {started != null && <span className="turn-clock">turn {turn?.n} · {clock(now - started)}</span>}
+    </div>
+  );
+}
+
+type Tab = 'conversation' | 'files';
+
+function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, allowed, session, turns, onBusy, onBlocked, visible }: { visible: boolean; id: string; initial: MessagesPage; onActivity: () => void; reattach: number; syncKey: string; runningTurn: number | null; allowed: string[]; session: Session; turns: Turn[]; onBusy: (busy: boolean) => void; onBlocked: (host: string | null) => void }) {
   const [streamError, setStreamError] = useState<string | null>(null);
   // The newest page's cursor to older turns, and the older turns loaded on demand.
   const [older, setOlder] = useState<number | null>(initial.older);
@@ -142,12 +170,29 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
   }), [id]);
   // The turn this chat has a stream of (or had, to its end); see the attach effect below.
   const attachedTurn = useRef<number | null>(runningTurn);
+  // The prompt of a send in flight through the chat (null once its stream began or it was refused).
+  const sending = useRef<string | null>(null);
   const { messages, sendMessage, status, resumeStream, setMessages } = useChat({
     id,
     messages: asUi(initial.messages),
     transport,
     resume: true,
-    onError: (e: Error) => setStreamError(e.message),
+    onError: (e: Error) => {
+      // A refused send: the prompt goes back into the box, its optimistic message away, and the API's
+      // sentence shows (the transport throws the error body as text).
+      const prompt = sending.current;
+      sending.current = null;
+      if (prompt !== null) {
+        setMessages((ms) => {
+          const last = ms[ms.length - 1];
+          return last?.role === 'user' ? ms.slice(0, -1) : ms;
+        });
+        setText((t) => t || prompt);
+        setError(`Not sent: ${sentence(e.message)}`);
+        return;
+      }
+      setStreamError(sentence(e.message));
+    },
     onFinish: ({ isDisconnect }) => {
       // A stream the network (or the gateway, for a slow client) cut: its turn may still run, attach again.
       if (isDisconnect) attachedTurn.current = null;
@@ -202,8 +247,11 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
     }).catch(() => {});
     return () => { live = false; };
   }, [syncKey, idle]); // eslint-disable-line react-hooks/exhaustive-deps
-  const delivery = useMemo(() => lastDelivery(messages), [messages]);
-  useEffect(() => onDelivery(delivery), [delivery]); // eslint-disable-line react-hooks/exhaustive-deps
+  const busy = status === 'streaming' || status === 'submitted';
+  useEffect(() => { if (status === 'streaming') sending.current = null; }, [status]);
+  useEffect(() => onBusy(busy), [busy]); // eslint-disable-line react-hooks/exhaustive-deps
+  const blocked = useMemo(() => (busy || runningTurn !== null ? blockedOn(messages as unknown as Message[], allowed) : null), [messages, allowed, busy, runningTurn]);
+  useEffect(() => onBlocked(blocked), [blocked]); // eslint-disable-line react-hooks/exhaustive-deps
   const [text, setText] = useState('');
   const [mode, setMode] = useState<'queue' | 'interrupt'>('queue');
   const [error, setError] = useState<string | null>(null);
@@ -222,7 +270,9 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
       setError(err instanceof ApiError ? `${err.code}: ${err.message}` : String(err));
     } finally { setLoadingEarlier(false); }
   };
+  // A queued or interrupting prompt's notice goes once its turn runs.
   useEffect(() => { if (status === 'streaming') setNotice(null); }, [status]);
+  useEffect(() => { setNotice(null); }, [runningTurn]);
   const allowHost = useCallback(async (host: string) => {
     try {
       const s = await client.session(id);
@@ -232,7 +282,16 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
   }, [id, onActivity]);
   // Stable while the allowlist's value is (the session is polled): every part view is memoized on it.
   const allowedKey = allowed.join('\n');
-  const actions = useMemo(() => ({ allowHost, allowed: allowedKey ? allowedKey.split('\n') : [] }), [allowHost, allowedKey]);
+  // How each ended turn ended (a stopped one is marked, a failed one shows its failure), stable while
+  // the turns' outcomes are.
+  const endsKey = turns.filter((t) => t.status === 'stopped' || t.status === 'failed' || t.status === 'lost')
+    .map((t) => `${t.n}\u0000${t.status}\u0000${t.failure?.code ?? ''}\u0000${t.failure?.reason ?? ''}`).join('\u0001');
+  const ends = useMemo(() => {
+    const out: Record<number, TurnEnd> = {};
+    for (const t of turns) if (t.status === 'stopped' || t.status === 'failed' || t.status === 'lost') out[t.n] = { status: t.status, failure: t.failure };
+    return out;
+  }, [endsKey]); // eslint-disable-line react-hooks/exhaustive-deps
+  const actions = useMemo(() => ({ allowHost, allowed: allowedKey ? allowedKey.split('\n') : [], filesHref: `/sessions/${id}/files`, ends }), [allowHost, allowedKey, id, ends]);
   const submit = async (e: FormEvent) => {
     e.preventDefault();
     const prompt = text.trim();
@@ -242,6 +301,7 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
     setStreamError(null);
     try {
       if (mode === 'queue' && status !== 'streaming' && status !== 'submitted') {
+        sending.current = prompt;
         await sendMessage({ text: prompt });
       } else if (mode === 'queue') {
         // It runs after the current turn; the chat attaches to it when it starts.
@@ -256,16 +316,52 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
         onActivity();
       }
     } catch (err) {
-      setError(err instanceof ApiError ? `${err.code}: ${err.message}` : String(err));
+      // Refused: the prompt is not lost.
+      setText((t) => t || prompt);
+      setError(err instanceof ApiError ? `Not sent: ${err.message}` : String(err));
     }
   };
+  // Follow the stream while the reader is at the end; scrolling up stops it, "Jump to latest" resumes.
+  const [following, setFollowing] = useState(true);
+  // The last scroll position seen, the page's own scrolls included: a move up is the reader's.
+  const lastY = useRef(0);
+  useEffect(() => {
+    const onScroll = () => {
+      const y = window.scrollY;
+      if (window.innerHeight + y >= document.documentElement.scrollHeight - 48) setFollowing(true);
+      else if (y < lastY.current - 8) setFollowing(false);
+      lastY.current = y;
+    };
+    addEventListener('scroll', onScroll, { passive: true });
+    return () => removeEventListener('scroll', onScroll);
+  }, []);
+  const live = busy || runningTurn !== null;
+  useLayoutEffect(() => {
+    if (!live || !following || !visible) return;
+    window.scrollTo(0, document.documentElement.scrollHeight);
+    lastY.current = window.scrollY;
+  }, [messages, live, following, visible]);
+  const jump = () => {
+    setFollowing(true);
+    window.scrollTo(0, document.documentElement.scrollHeight);
+    lastY.current = window.scrollY;
+  };
+  const pending = turns.filter((t) => t.status === 'accepted' && (runningTurn === null || t.n > runningTurn) && t.n > 1);
+  const closed = session.phase === 'canceled' || session.phase === 'canceling' ? 'This session is canceled: it takes no more turns.'
+    : session.archived ? 'This session is archived: unarchive it (sortie archive --undo) to steer it again.' : null;
   return (
     <>
       {streamError && <p className="note" role="status">Stream unavailable: {streamError}. The session's state above still updates.</p>}
       {before !== null && <button className="link more" onClick={() => void showEarlier()} disabled={loadingEarlier}>Show earlier turns</button>}
       <Conversation messages={conversation as unknown as Message[]} actions={actions} />
-      {(status === 'streaming' || status === 'submitted') && <p className="working" role="status">Working…</p>}
-      <form className="steer" onSubmit={submit}>
+      {pending.length > 0 && (
+        <ol className="pending" aria-label="queued prompts">
+          {pending.map((t) => <li key={t.n}><span className="kind">queued · turn {t.n}</span> <span className="pending-prompt">{t.prompt.split('\n').find((l) => l.trim() && !l.startsWith('#!')) ?? t.prompt}</span></li>)}
+        </ol>
+      )}
+      {live && <StatusLine messages={messages} turn={turns.find((t) => t.n === (runningTurn ?? turnOfLastAnswer(messages)))} />}
+      {live && !following && visible && <button className="jump" onClick={jump}>Jump to latest ↓</button>}
+      {closed ? <p className="note closed" role="status">{closed}</p> : <form className="steer" onSubmit={submit}>
         <label htmlFor="steer">Steer the agent</label>
         <textarea id="steer" rows={3} value={text} onChange={(e) => setText(e.target.value)}
           onKeyDown={(e) => { if (e.key === 'Enter' && (e.metaKey || e.ctrlKey)) (e.currentTarget.form as HTMLFormElement).requestSubmit(); }} />
@@ -276,12 +372,12 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, onDeliv
         </div>
         {error && <p className="field-error" role="alert">{error}</p>}
         {notice && <p className="note" role="status">{notice}</p>}
-      </form>
+      </form>}
     </>
   );
 }
 
-export function SessionPage({ id }: { id: string }) {
+export function SessionPage({ id, tab = 'conversation' }: { id: string; tab?: Tab }) {
   const [session, setSession] = useState<Session | null>(null);
   const [turns, setTurns] = useState<Turn[]>([]);
   const [history, setHistory] = useState<MessagesPage | null>(null);
@@ -289,7 +385,8 @@ export function SessionPage({ id }: { id: string }) {
   const [busy, setBusy] = useState(false);
   const [tick, setTick] = useState(0);
   const [reattach, setReattach] = useState(0);
-  const [delivery, setDelivery] = useState<Delivery | null>(null);
+  const [streaming, setStreaming] = useState(false);
+  const [blocked, setBlocked] = useState<string | null>(null);
   const refresh = useCallback(() => setTick((t) => t + 1), []);
   useEffect(() => {
     client.messages(id).then(setHistory).catch((e: ApiError) => setError(`${e.code}: ${e.message}`));
@@ -316,6 +413,14 @@ export function SessionPage({ id }: { id: string }) {
     const off = subscribeEvents((event) => { if (!event || event.session === id) void load(); });
     return () => { live = false; clearTimeout(timer); off(); };
   }, [id, tick]);
+  // The tab says the state, so a background tab shows when the agent is done or needs someone.
+  useEffect(() => {
+    if (!session) return;
+    const o = outcome(session, blocked);
+    const running = o.tone === 'run' || streaming;
+    document.title = `${running && o.tone !== 'run' ? 'Running' : o.label} · ${session.title || session.id} — sortie`;
+    return () => { document.title = 'sortie'; };
+  }, [session, blocked, streaming]);
   const onAction = async (a: Action) => {
     if (a === 'cancel' && !confirm('Cancel this session? It takes no more turns.')) return;
     setBusy(true);
@@ -333,10 +438,13 @@ export function SessionPage({ id }: { id: string }) {
   return (
     <main className="session">
       {error && <p className="error" role="alert">{error}</p>}
-      {session ? <Header s={session} turns={turns} onAction={onAction} busy={busy} delivery={delivery} /> : !error && <p className="empty">Loading…</p>}
-      {/* The chat starts once the session is known too, so it knows which turn its resume on mount covers. */}
-      {history && session ? <Chat id={id} initial={history} onActivity={refresh} reattach={reattach} syncKey={`${session.turns}:${session.phase}`} runningTurn={session.phase === 'running' ? session.current_turn ?? null : null} onDelivery={setDelivery} allowed={session.egress.allow} /> : !error && <p className="empty">Loading the conversation…</p>}
+      {session ? <Header s={session} turns={turns} onAction={onAction} busy={busy} streaming={streaming} needsInput={blocked && `allow ${blocked}?`} tab={tab} /> : !error && <p className="empty">Loading…</p>}
+      {session && tab === 'files' && <FilesChanged session={session} />}
+      {/* The chat starts once the session is known too, so it knows which turn its resume on mount covers;
+          it stays mounted (hidden) under Files changed, so its stream goes on. */}
+      <div hidden={tab !== 'conversation'}>
+        {history && session ? <Chat id={id} initial={history} onActivity={refresh} reattach={reattach} syncKey={`${session.turns}:${session.phase}`} runningTurn={session.phase === 'running' ? session.current_turn ?? null : null} allowed={session.egress.allow} session={session} turns={turns} onBusy={setStreaming} onBlocked={setBlocked} visible={tab === 'conversation'} /> : !error && <p className="empty">Loading the conversation…</p>}
+      </div>
     </main>
   );
 }
-

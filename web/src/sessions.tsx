@@ -1,11 +1,17 @@
 import { useEffect, useState } from 'react';
 import { ApiError, client, LIVE, PHASES, type Phase, type Session } from './api';
-import { Link } from './app';
+import { Link } from './link';
 import { subscribeEvents } from './events';
+import { outcome, type Outcome } from './status';
 import { age } from './util';
 
 export function PhaseBadge({ phase }: { phase: string }) {
   return <span className={`badge phase-${phase}`}>{phase}</span>;
+}
+
+/** The outcome that needs the user (Ready for review, PR open, Failed · CODE, Running · phase, …). */
+export function OutcomeBadge({ outcome: o }: { outcome: Outcome }) {
+  return <span className={`badge outcome tone-${o.tone}`}>{o.label}{o.detail && <span className="detail"> · {o.detail}</span>}</span>;
 }
 
 /** A repository as people name it: `host/owner/name` for a URL, the last two path segments for a local path. */
@@ -14,6 +20,12 @@ export function shortRepo(repo: string): string {
   const url = /^https?:\/\/(?:[^@/]+@)?([^/]+)\/(.+)$/.exec(trimmed);
   if (url) return `${url[1]}/${url[2]}`;
   return trimmed.split('/').filter(Boolean).slice(-2).join('/');
+}
+
+/** A failure's reason for a list row: its first line, cut at 160 characters (the page has all of it). */
+export function brief(reason: string): string {
+  const line = reason.split('\n')[0];
+  return line.length > 160 ? `${line.slice(0, 159)}…` : line;
 }
 
 export function Sessions() {
@@ -68,25 +80,25 @@ export function Sessions() {
       {error && <p className="error" role="alert">{error}</p>}
       {sessions == null ? <p className="empty">Loading…</p> : sessions.length === 0 ? <p className="empty">No sessions{phase || repo || archived ? ' match these filters' : ' yet'}.</p> : (
         <table className="sessions">
-          <thead><tr><th>Phase</th><th>Session</th><th>Repository</th><th>Agent</th><th className="num">Turns</th><th className="num">Updated</th><th className="num">Created</th></tr></thead>
+          <thead><tr><th>State</th><th>Session</th><th>Repository</th><th>Agent</th><th className="num">Turns</th><th className="num">Updated</th><th className="num">Created</th></tr></thead>
           <tbody>
             {sessions.map((s) => (
               <tr key={s.id}>
-                <td><PhaseBadge phase={s.phase} /></td>
+                <td className="state"><OutcomeBadge outcome={outcome(s)} /> <PhaseBadge phase={s.phase} /></td>
                 <td>
                   <Link to={`/sessions/${s.id}`}>{s.title || s.id}</Link>
                   <div className="sub">
                     <code>{s.branch}</code>{s.head_sha && <> at <code>{s.head_sha.slice(0, 7)}</code></>}
                     {s.pr && <> · <a href={s.pr.url}>PR #{s.pr.number}</a></>}
-                    {s.failure && <span className="error"> · {s.failure.code}: {s.failure.reason}</span>}
+                    {s.failure && <span className="error" title={s.failure.reason}> · {brief(s.failure.reason)}</span>}
                     {s.queued_reason && <> · waits: {s.queued_reason}</>}
                   </div>
                 </td>
-                <td title={s.repo}><code>{shortRepo(s.repo)}</code></td>
-                <td>{s.agent}{s.model && <div className="sub">{s.model}</div>}</td>
-                <td className="num">{s.turns}</td>
-                <td className="num" title={s.updated_at}>{age(s.updated_at)} ago</td>
-                <td className="num" title={s.created_at}>{age(s.created_at)} ago</td>
+                <td title={s.repo} data-label="Repository"><code>{shortRepo(s.repo)}</code></td>
+                <td data-label="Agent">{s.agent}{s.model && <div className="sub">{s.model}</div>}</td>
+                <td className="num" data-label="Turns">{s.turns}</td>
+                <td className="num" title={s.updated_at} data-label="Updated">{age(s.updated_at)} ago</td>
+                <td className="num" title={s.created_at} data-label="Created">{age(s.created_at)} ago</td>
               </tr>
             ))}
           </tbody>

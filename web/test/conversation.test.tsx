@@ -84,8 +84,13 @@ describe('conversation renderer', () => {
     expect(priming.textContent).toBe('The agent was given the conversation so far (a fresh agent process).');
     // terminal output with its exit status
     expect(turn2.querySelectorAll('.terminal')).toHaveLength(1);
-    expect(turn2.querySelector('.terminal pre')?.textContent).toBe('running 3 tests\nok\n');
-    expect(turn2.querySelector('.terminal .kind')?.textContent).toContain('exit 0');
+    expect(turn2.querySelector('.terminal .term-out')?.textContent).toBe('running 3 tests\nok');
+    expect(turn2.querySelector('.terminal .exit')?.textContent).toBe('exit 0');
+    // a command's output as a terminal block, failed or not, with no raw JSON shown
+    const commands = [...turn1.querySelectorAll('details.tool-cmd')] as HTMLDetailsElement[];
+    expect(commands.map((c) => [c.open, c.querySelector('.term-cmd')?.textContent, c.querySelector('.exit')?.textContent, c.querySelector('.term-out')?.textContent ?? null]))
+      .toEqual([[true, '$ cat hello.txt; echo done', 'exit 0', 'hello\ndone'], [true, '$ exit 3', 'exit 3', null]]);
+    expect(turn1.textContent).not.toMatch(/exitCode|"raw"/);
     // an egress denial the agent ran into twice: one card, with the count
     const denials = turn2.querySelectorAll('.egress');
     expect(denials).toHaveLength(1);
