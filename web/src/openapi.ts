@@ -226,6 +226,25 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/presets": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** The workspace's repository presets: what the composer fills in for each repository. */
+        get: operations["list_presets"];
+        /** Set (or replace) a repository's preset. Each field is checked as a session's would be. */
+        put: operations["put_preset"];
+        post?: never;
+        /** Remove a repository's preset. */
+        delete: operations["delete_preset"];
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/sessions": {
         parameters: {
             query?: never;
@@ -452,6 +471,44 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/tokens": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** The workspace's tokens, newest first, revoked ones too: role, label and dates, never a secret. */
+        get: operations["list_tokens"];
+        put?: never;
+        /** Create a token of the workspace. Its secret is in this answer only: the store keeps its hash. */
+        post: operations["create_token"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/tokens/{id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post?: never;
+        /**
+         * Revoke a token: from now on it signs nothing in (a dashboard cookie made from it stops working too).
+         *     The token making the request cannot revoke itself.
+         */
+        delete: operations["revoke_token"];
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/usage": {
         parameters: {
             query?: never;
@@ -608,6 +665,12 @@ export interface components {
             /** @description A title for people; the first line of the task when absent. */
             title?: string | null;
         };
+        /** @description `POST /v1/tokens`. */
+        CreateTokenRequest: {
+            /** @description Who or what the token is for (≤ 100 characters). */
+            label?: string | null;
+            role: components["schemas"]["Role"];
+        };
         /** @description `POST /v1/webhooks`. */
         CreateWebhookRequest: {
             /** @description The event kinds it receives; default all. */
@@ -619,6 +682,11 @@ export interface components {
             secret: string;
             /** @description Where deliveries are POSTed: `http(s)://`, a public address. */
             url: string;
+        };
+        /** @description A new token: the secret is in this answer and nowhere else, ever. */
+        CreatedToken: {
+            info: components["schemas"]["TokenInfo"];
+            token: string;
         };
         DeliveryData: {
             /** @description Where the branch was before the turn. */
@@ -674,7 +742,7 @@ export interface components {
          * @description A refusal the control plane answers with, and its HTTP status.
          * @enum {string}
          */
-        ErrorCode: "INVALID_REQUEST" | "UNSUPPORTED_MEDIA_TYPE" | "BODY_TOO_LARGE" | "UNAUTHORIZED" | "FORBIDDEN" | "SESSION_NOT_FOUND" | "NOT_FOUND" | "METHOD_NOT_ALLOWED" | "PROMPT_TOO_LARGE" | "SESSION_PROMPTS_TOO_LARGE" | "SETUP_TOO_LARGE" | "TITLE_TOO_LONG" | "EGRESS_ALLOWLIST_INVALID" | "AGENT_UNKNOWN" | "AGENT_NOT_INSTALLED" | "REPO_INVALID" | "REPO_NOT_ALLOWED" | "BASE_INVALID" | "BASE_NOT_FOUND" | "REPO_NOT_READABLE" | "MODEL_INVALID" | "TURN_QUEUE_FULL" | "SESSION_NOT_STEERABLE" | "NO_TURN_RUNNING" | "SESSION_ACTIVE" | "TICKET_INVALID" | "TICKET_EXPIRED" | "TICKET_REPLAYED" | "MODEL_API_UNKNOWN" | "MODEL_KEY_INVALID" | "MODEL_KEY_NOT_FOUND" | "FORGE_CONNECTION_INVALID" | "FORGE_CONNECTION_NOT_FOUND" | "WEBHOOK_INVALID" | "WEBHOOK_URL_REFUSED" | "WEBHOOK_NOT_FOUND" | "IDEMPOTENCY_KEY_REUSED" | "IDEMPOTENCY_KEY_IN_USE" | "EVENTS_PRUNED" | "STORE_UNAVAILABLE" | "INTERNAL";
+        ErrorCode: "INVALID_REQUEST" | "UNSUPPORTED_MEDIA_TYPE" | "BODY_TOO_LARGE" | "UNAUTHORIZED" | "FORBIDDEN" | "SESSION_NOT_FOUND" | "NOT_FOUND" | "METHOD_NOT_ALLOWED" | "PROMPT_TOO_LARGE" | "SESSION_PROMPTS_TOO_LARGE" | "SETUP_TOO_LARGE" | "TITLE_TOO_LONG" | "EGRESS_ALLOWLIST_INVALID" | "AGENT_UNKNOWN" | "AGENT_NOT_INSTALLED" | "REPO_INVALID" | "REPO_NOT_ALLOWED" | "BASE_INVALID" | "BASE_NOT_FOUND" | "REPO_NOT_READABLE" | "MODEL_INVALID" | "TURN_QUEUE_FULL" | "SESSION_NOT_STEERABLE" | "NO_TURN_RUNNING" | "SESSION_ACTIVE" | "TICKET_INVALID" | "TICKET_EXPIRED" | "TICKET_REPLAYED" | "MODEL_API_UNKNOWN" | "MODEL_KEY_INVALID" | "MODEL_KEY_NOT_FOUND" | "FORGE_CONNECTION_INVALID" | "FORGE_CONNECTION_NOT_FOUND" | "WEBHOOK_INVALID" | "WEBHOOK_URL_REFUSED" | "WEBHOOK_NOT_FOUND" | "IDEMPOTENCY_KEY_REUSED" | "IDEMPOTENCY_KEY_IN_USE" | "EVENTS_PRUNED" | "TOKEN_NOT_FOUND" | "TOKEN_IN_USE" | "PRESET_NOT_FOUND" | "STORE_UNAVAILABLE" | "INTERNAL";
         /** @description One error: a stable code, a sentence for people, and structured details (an empty object if none). */
         ErrorDetail: {
             code: components["schemas"]["ErrorCode"];
@@ -832,6 +900,19 @@ export interface components {
             number: number;
             url: string;
         };
+        /** @description What the composer fills in for a repository: its egress allowlist, setup script and agent. */
+        RepoPreset: {
+            agent?: string | null;
+            egress_allow: string[];
+            /** @description The repository as sessions name it (`https://…` or a local path). */
+            repo: string;
+            setup?: string | null;
+            updated_at: string;
+        };
+        /** @description `GET /v1/presets`. */
+        RepoPresetList: {
+            presets: components["schemas"]["RepoPreset"][];
+        };
         /**
          * @description A token's role (DESIGN §4). Ordered: each role may do what the roles below it may.
          * @enum {string}
@@ -929,6 +1010,13 @@ export interface components {
             /** @description A note for people (at most 200 characters), e.g. which account the key belongs to. */
             label?: string | null;
         };
+        /** @description `PUT /v1/presets`: sets (or replaces) the preset of one repository. */
+        SetRepoPresetRequest: {
+            agent?: string | null;
+            egress_allow?: string[];
+            repo: string;
+            setup?: string | null;
+        };
         /** @description `POST /v1/auth/links`: a fresh one-time sign-in code for the caller's own token. */
         SignInLink: {
             /** @description Open `<server>/signin#<code>` in a browser; it works once. */
@@ -987,6 +1075,21 @@ export interface components {
          * @enum {string}
          */
         TicketAction: "attach" | "turn";
+        /** @description A token of the workspace as its admin sees it: never the secret (the store keeps only its hash). */
+        TokenInfo: {
+            created_at: string;
+            /** @description The token this request was made with. */
+            current: boolean;
+            id: string;
+            label?: string | null;
+            /** @description Set once revoked: the token no longer signs anything in. */
+            revoked_at?: string | null;
+            role: components["schemas"]["Role"];
+        };
+        /** @description `GET /v1/tokens`. */
+        TokenList: {
+            tokens: components["schemas"]["TokenInfo"][];
+        };
         /** @description One turn of a session's ledger. */
         Turn: {
             completed_at?: string | null;
@@ -1682,6 +1785,150 @@ export interface operations {
                 };
             };
             /** @description MODEL_API_UNKNOWN, MODEL_KEY_NOT_FOUND */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+        };
+    };
+    list_presets: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["RepoPresetList"];
+                };
+            };
+            /** @description UNAUTHORIZED */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+        };
+    };
+    put_preset: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["SetRepoPresetRequest"];
+            };
+        };
+        responses: {
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["RepoPreset"];
+                };
+            };
+            /** @description INVALID_REQUEST, REPO_INVALID, AGENT_UNKNOWN, EGRESS_ALLOWLIST_INVALID */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description UNAUTHORIZED */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description FORBIDDEN: only an admin token */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description SETUP_TOO_LARGE */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+        };
+    };
+    delete_preset: {
+        parameters: {
+            query: {
+                /** @description The repository whose preset goes. */
+                repo: string;
+            };
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Removed */
+            204: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+            /** @description INVALID_REQUEST */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description UNAUTHORIZED */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description FORBIDDEN: only an admin token */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description PRESET_NOT_FOUND */
             404: {
                 headers: {
                     [name: string]: unknown;
@@ -2499,6 +2746,150 @@ export interface operations {
             };
             /** @description SESSION_NOT_FOUND */
             404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+        };
+    };
+    list_tokens: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["TokenList"];
+                };
+            };
+            /** @description UNAUTHORIZED */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description FORBIDDEN: only an admin token */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+        };
+    };
+    create_token: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["CreateTokenRequest"];
+            };
+        };
+        responses: {
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["CreatedToken"];
+                };
+            };
+            /** @description INVALID_REQUEST */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description UNAUTHORIZED */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description FORBIDDEN: only an admin token */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+        };
+    };
+    revoke_token: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description Token id */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Revoked */
+            204: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+            /** @description UNAUTHORIZED */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description FORBIDDEN: only an admin token */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description TOKEN_NOT_FOUND */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description TOKEN_IN_USE */
+            409: {
                 headers: {
                     [name: string]: unknown;
                 };

@@ -346,6 +346,79 @@ pub struct SessionList {
     pub next_cursor: Option<String>,
 }
 
+/// A token of the workspace as its admin sees it: never the secret (the store keeps only its hash).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct TokenInfo {
+    pub id: String,
+    pub role: Role,
+    pub label: Option<String>,
+    pub created_at: String,
+    /// Set once revoked: the token no longer signs anything in.
+    pub revoked_at: Option<String>,
+    /// The token this request was made with.
+    pub current: bool,
+}
+
+/// `GET /v1/tokens`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct TokenList {
+    pub tokens: Vec<TokenInfo>,
+}
+
+/// `POST /v1/tokens`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CreateTokenRequest {
+    pub role: Role,
+    /// Who or what the token is for (≤ 100 characters).
+    #[serde(default)]
+    pub label: Option<String>,
+}
+
+/// A new token: the secret is in this answer and nowhere else, ever.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct CreatedToken {
+    pub token: String,
+    pub info: TokenInfo,
+}
+
+/// What the composer fills in for a repository: its egress allowlist, setup script and agent.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct RepoPreset {
+    /// The repository as sessions name it (`https://…` or a local path).
+    pub repo: String,
+    pub agent: Option<String>,
+    pub setup: Option<String>,
+    pub egress_allow: Vec<String>,
+    pub updated_at: String,
+}
+
+/// `GET /v1/presets`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct RepoPresetList {
+    pub presets: Vec<RepoPreset>,
+}
+
+/// `PUT /v1/presets`: sets (or replaces) the preset of one repository.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct SetRepoPresetRequest {
+    pub repo: String,
+    #[serde(default)]
+    pub agent: Option<String>,
+    #[serde(default)]
+    pub setup: Option<String>,
+    #[serde(default)]
+    pub egress_allow: Vec<String>,
+}
+
 /// How a file changed on a session's branch (`git diff --name-status`, renames off).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

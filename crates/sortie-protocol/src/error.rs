@@ -110,6 +110,13 @@ error_codes! {
     /// `Last-Event-ID` is older than the events the server still keeps: some were lost. Read the
     /// sessions again and reconnect without it.
     EventsPruned = 410,
+    /// The workspace has no token with this id.
+    TokenNotFound = 404,
+    /// The token named is the one making the request: revoking it would lock the caller out. Revoke it
+    /// with another admin token.
+    TokenInUse = 409,
+    /// The workspace has no preset for this repository.
+    PresetNotFound = 404,
     /// The store did not answer; try again.
     StoreUnavailable = 503,
     /// A fault of the server; the log has the detail.

@@ -17,6 +17,7 @@ mod local_repo;
 mod metrics_layer;
 mod model_keys;
 mod sessions;
+mod settings;
 pub mod signin;
 pub mod tokens;
 mod transcript;
@@ -152,6 +153,7 @@ fn api_routes() -> OpenApiRouter<ApiState> {
         .merge(events::routes())
         .merge(webhooks::routes())
         .merge(model_keys::routes())
+        .merge(settings::routes())
         .merge(forges::routes())
         .merge(signin::routes())
         .merge(agents::routes())

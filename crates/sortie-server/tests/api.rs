@@ -70,6 +70,8 @@ on_every_server!(
     events_tell_the_workspaces_changes_in_order_and_resume_after_the_last_seen,
     idempotency_keys_give_a_retry_the_first_answer,
     webhooks_are_added_listed_and_removed_by_admins_only,
+    tokens_are_listed_created_once_and_revoked_by_admins_only,
+    presets_are_kept_per_repository_checked_like_a_session,
 );
 
 /// Security review S8 over a real socket, on each database (the flood is stored once per test).
@@ -210,6 +212,168 @@ async fn forge_connections_are_set_listed_and_removed_by_admins_only(h: Harness)
     let again = answers.keep(h.send(Method::DELETE, path, Some(&h.admin), Payload::Empty).await);
     assert_error(&again, StatusCode::NOT_FOUND, "FORGE_CONNECTION_NOT_FOUND");
     answers.assert_none_holds(TOKEN);
+}
+
+async fn tokens_are_listed_created_once_and_revoked_by_admins_only(h: Harness) {
+    let created = h
+        .send(
+            Method::POST,
+            "/v1/tokens",
+            Some(&h.admin),
+            Payload::Json(json!({"role": "operator", "label": "ci"})),
+        )
+        .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    let secret = created.body["token"].as_str().expect("the secret, once").to_owned();
+    let id = created.body["info"]["id"].as_str().expect("id").to_owned();
+    // The new token works, at its role.
+    let seen = h.get("/v1/sessions", &secret).await;
+    assert_eq!(seen.status, StatusCode::OK, "{}", seen.body);
+    let listed = h.get("/v1/tokens", &h.admin).await;
+    assert_eq!(listed.status, StatusCode::OK);
+    assert!(
+        !listed.body.to_string().contains(&secret),
+        "a list never shows a secret"
+    );
+    let mine = listed.body["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .find(|t| t["id"] == id.as_str())
+        .expect("the new token is listed")
+        .clone();
+    assert_eq!(
+        (&mine["role"], &mine["label"], &mine["revoked_at"], &mine["current"]),
+        (&json!("operator"), &json!("ci"), &Value::Null, &json!(false))
+    );
+    assert_eq!(
+        listed.body["tokens"]
+            .as_array()
+            .expect("tokens")
+            .iter()
+            .filter(|t| t["current"] == true)
+            .count(),
+        1,
+        "the caller's own token is marked"
+    );
+    for token in [&h.operator, &h.viewer] {
+        assert_error(&h.get("/v1/tokens", token).await, StatusCode::FORBIDDEN, "FORBIDDEN");
+        let refused = h
+            .send(
+                Method::POST,
+                "/v1/tokens",
+                Some(token),
+                Payload::Json(json!({"role": "admin"})),
+            )
+            .await;
+        assert_error(&refused, StatusCode::FORBIDDEN, "FORBIDDEN");
+    }
+    let bad = h
+        .send(
+            Method::POST,
+            "/v1/tokens",
+            Some(&h.admin),
+            Payload::Json(json!({"role": "root"})),
+        )
+        .await;
+    assert_error(&bad, StatusCode::BAD_REQUEST, "INVALID_REQUEST");
+    // Revoked: it signs nothing in any more; twice is a miss; the caller's own cannot go.
+    let path = format!("/v1/tokens/{id}");
+    let revoked = h.send(Method::DELETE, &path, Some(&h.admin), Payload::Empty).await;
+    assert_eq!(revoked.status, StatusCode::NO_CONTENT, "{}", revoked.body);
+    assert_error(
+        &h.get("/v1/sessions", &secret).await,
+        StatusCode::UNAUTHORIZED,
+        "UNAUTHORIZED",
+    );
+    assert_error(
+        &h.send(Method::DELETE, &path, Some(&h.admin), Payload::Empty).await,
+        StatusCode::NOT_FOUND,
+        "TOKEN_NOT_FOUND",
+    );
+    let own = listed.body["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .find(|t| t["current"] == true)
+        .expect("own")["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let refused = h
+        .send(
+            Method::DELETE,
+            &format!("/v1/tokens/{own}"),
+            Some(&h.admin),
+            Payload::Empty,
+        )
+        .await;
+    assert_error(&refused, StatusCode::CONFLICT, "TOKEN_IN_USE");
+    assert_eq!(
+        h.get("/v1/tokens", &h.admin).await.status,
+        StatusCode::OK,
+        "the admin still works"
+    );
+}
+
+async fn presets_are_kept_per_repository_checked_like_a_session(h: Harness) {
+    let repo = "https://github.com/acme/app.git";
+    let set = h
+        .send(
+            Method::PUT,
+            "/v1/presets",
+            Some(&h.admin),
+            Payload::Json(
+                json!({"repo": repo, "agent": "scripted", "setup": "npm ci", "egress_allow": ["registry.npmjs.org"]}),
+            ),
+        )
+        .await;
+    assert_eq!(set.status, StatusCode::OK, "{}", set.body);
+    // Every role reads them (the composer applies them); only an admin changes them.
+    let listed = h.get("/v1/presets", &h.viewer).await;
+    assert_eq!(listed.status, StatusCode::OK);
+    assert_eq!(listed.body["presets"], json!([set.body]));
+    let refused = h
+        .send(
+            Method::PUT,
+            "/v1/presets",
+            Some(&h.operator),
+            Payload::Json(json!({"repo": repo})),
+        )
+        .await;
+    assert_error(&refused, StatusCode::FORBIDDEN, "FORBIDDEN");
+    for (body, code) in [
+        (json!({"repo": "ftp://x"}), "REPO_INVALID"),
+        (json!({"repo": repo, "agent": "nobody"}), "AGENT_UNKNOWN"),
+        (
+            json!({"repo": repo, "egress_allow": ["bad_host!"]}),
+            "EGRESS_ALLOWLIST_INVALID",
+        ),
+        (json!({"repo": repo, "setup": "x".repeat(70 * 1024)}), "SETUP_TOO_LARGE"),
+        (json!({"repo": repo, "extra": 1}), "INVALID_REQUEST"),
+    ] {
+        let reply = h
+            .send(Method::PUT, "/v1/presets", Some(&h.admin), Payload::Json(body.clone()))
+            .await;
+        assert_eq!(reply.body["error"]["code"], code, "{body}: {}", reply.body);
+    }
+    assert_eq!(
+        h.get("/v1/presets", &h.admin).await.body,
+        listed.body,
+        "a refusal writes nothing"
+    );
+    let path = format!("/v1/presets?repo={}", "https%3A%2F%2Fgithub.com%2Facme%2Fapp.git");
+    assert_eq!(
+        h.send(Method::DELETE, &path, Some(&h.admin), Payload::Empty)
+            .await
+            .status,
+        StatusCode::NO_CONTENT
+    );
+    assert_error(
+        &h.send(Method::DELETE, &path, Some(&h.admin), Payload::Empty).await,
+        StatusCode::NOT_FOUND,
+        "PRESET_NOT_FOUND",
+    );
 }
 
 async fn model_keys_are_set_listed_and_removed_by_admins_only(h: Harness) {

@@ -130,6 +130,18 @@ pub trait Store: Send + Sync + 'static {
     /// Records the nonce the worker starts turn `n` with at the driver.
     async fn set_driver_nonce(&self, session_id: &SessionId, n: u32, nonce: &str) -> StoreResult<()>;
 
+    /// The workspace's tokens, newest first, revoked ones included.
+    async fn tokens(&self, workspace_id: &str) -> StoreResult<Vec<TokenRow>>;
+    /// Revokes a token of the workspace: `false` if it has none with this id or it was revoked already.
+    async fn revoke_token(&self, workspace_id: &str, token_id: &str) -> StoreResult<bool>;
+
+    /// The workspace's repository presets, by repository.
+    async fn presets(&self, workspace_id: &str) -> StoreResult<Vec<PresetRow>>;
+    /// Sets (or replaces) the preset of one repository.
+    async fn put_preset(&self, workspace_id: &str, preset: &PresetRow) -> StoreResult<()>;
+    /// Removes a repository's preset: `false` if it had none.
+    async fn delete_preset(&self, workspace_id: &str, repo: &str) -> StoreResult<bool>;
+
     /// Replaces the session's stored branch diff (at each delivery).
     async fn set_branch_diff(&self, session_id: &SessionId, diff: &sortie_protocol::api::StoredDiff)
     -> StoreResult<()>;

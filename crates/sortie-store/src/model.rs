@@ -263,6 +263,26 @@ pub struct ForgeConnectionRow {
     pub created_at: i64,
 }
 
+/// A token of a workspace, without its hash.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenRow {
+    pub id: String,
+    pub role: Role,
+    pub label: Option<String>,
+    pub created_at: i64,
+    pub revoked_at: Option<i64>,
+}
+
+/// A repository's preset for new sessions (`repo_presets`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PresetRow {
+    pub repo: String,
+    pub agent: Option<String>,
+    pub setup: Option<String>,
+    pub egress_allow: Vec<String>,
+    pub updated_at: i64,
+}
+
 /// A workspace's sealed key for one model API (see [`crate::keys`]): only ciphertext and nonce, base64.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelKeyRow {

@@ -1252,6 +1252,90 @@ impl Store for SqlStore {
         Ok(())
     }
 
+    async fn tokens(&self, workspace_id: &str) -> StoreResult<Vec<TokenRow>> {
+        let rows = sqlx::query(
+            "SELECT id, role, label, created_at, revoked_at FROM tokens WHERE workspace_id = $1 \
+             ORDER BY created_at DESC, id DESC",
+        )
+        .bind(workspace_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                let role: String = row.try_get("role")?;
+                Ok(TokenRow {
+                    id: row.try_get("id")?,
+                    role: Role::from_str(&role).map_err(internal)?,
+                    label: row.try_get("label")?,
+                    created_at: row.try_get("created_at")?,
+                    revoked_at: row.try_get("revoked_at")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn revoke_token(&self, workspace_id: &str, token_id: &str) -> StoreResult<bool> {
+        let updated =
+            sqlx::query("UPDATE tokens SET revoked_at = $3 WHERE workspace_id = $1 AND id = $2 AND revoked_at IS NULL")
+                .bind(workspace_id)
+                .bind(token_id)
+                .bind(now_ms())
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+        Ok(updated > 0)
+    }
+
+    async fn presets(&self, workspace_id: &str) -> StoreResult<Vec<PresetRow>> {
+        let rows = sqlx::query(
+            "SELECT repo, agent, setup, egress_allow, updated_at FROM repo_presets WHERE workspace_id = $1 ORDER BY repo",
+        )
+        .bind(workspace_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                let allow: String = row.try_get("egress_allow")?;
+                Ok(PresetRow {
+                    repo: row.try_get("repo")?,
+                    agent: row.try_get("agent")?,
+                    setup: row.try_get("setup")?,
+                    egress_allow: serde_json::from_str(&allow).map_err(internal)?,
+                    updated_at: row.try_get("updated_at")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn put_preset(&self, workspace_id: &str, preset: &PresetRow) -> StoreResult<()> {
+        let allow = serde_json::to_string(&preset.egress_allow).map_err(internal)?;
+        sqlx::query(
+            "INSERT INTO repo_presets (workspace_id, repo, agent, setup, egress_allow, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (workspace_id, repo) DO UPDATE SET \
+             agent = excluded.agent, setup = excluded.setup, egress_allow = excluded.egress_allow, \
+             updated_at = excluded.updated_at",
+        )
+        .bind(workspace_id)
+        .bind(&preset.repo)
+        .bind(preset.agent.as_deref())
+        .bind(preset.setup.as_deref())
+        .bind(allow)
+        .bind(preset.updated_at)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn delete_preset(&self, workspace_id: &str, repo: &str) -> StoreResult<bool> {
+        let deleted = sqlx::query("DELETE FROM repo_presets WHERE workspace_id = $1 AND repo = $2")
+            .bind(workspace_id)
+            .bind(repo)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        Ok(deleted > 0)
+    }
+
     async fn set_branch_diff(
         &self,
         session_id: &SessionId,
