@@ -632,6 +632,52 @@ try {
   assert.ok(parts >= 2000, `the big session has ${parts} parts`);
   assert.ok(firstRender < 1000, 'the budget is 1 s');
 
+  // Settings (the admin's): a model key set and removed (never shown back), a token made (its secret shown
+  // once) that works and is then revoked, and a repository preset that the composer fills in.
+  {
+    await page.getByRole('link', { name: 'Settings' }).click();
+    await page.getByRole('heading', { name: 'Model keys' }).waitFor();
+    const KEY = 'sk-ant-e2e-never-shown-0123456789abcd';
+    const keyForm = page.getByRole('form', { name: 'set a model key' });
+    await keyForm.getByLabel('Key').fill(KEY);
+    await keyForm.getByLabel('Label').fill('e2e account');
+    await keyForm.getByRole('button', { name: 'Set key' }).click();
+    await page.getByRole('cell', { name: '…abcd' }).waitFor();
+    assert.ok(!(await page.content()).includes(KEY.slice(0, -4)), 'the key is never shown back');
+    page.once('dialog', (d) => d.accept());
+    await page.getByRole('row', { name: /anthropic/ }).getByRole('button', { name: 'Remove' }).click();
+    await page.getByText('No model keys yet.').waitFor();
+    const tokenForm = page.getByRole('form', { name: 'create a token' });
+    await tokenForm.getByLabel('Role').selectOption('viewer');
+    await tokenForm.getByLabel('Label').fill('e2e reader');
+    await tokenForm.getByRole('button', { name: 'Create token' }).click();
+    const secret = (await page.getByLabel('new token').textContent()).trim();
+    assert.match(secret, /^sortie_/);
+    const asViewer = await fetch(`${url}/v1/sessions`, { headers: { authorization: `Bearer ${secret}` } });
+    assert.equal(asViewer.status, 200, 'the new token works');
+    await page.getByRole('button', { name: 'Done' }).click();
+    assert.equal(await page.getByLabel('new token').count(), 0, 'the secret is gone once dismissed');
+    page.once('dialog', (d) => d.accept());
+    await page.getByRole('row', { name: /e2e reader/ }).getByRole('button', { name: 'Revoke' }).click();
+    await page.getByRole('row', { name: /e2e reader/ }).getByText(/^revoked/).waitFor();
+    assert.equal((await fetch(`${url}/v1/sessions`, { headers: { authorization: `Bearer ${secret}` } })).status, 401, 'revoked');
+    const presetForm = page.getByRole('form', { name: 'set a preset' });
+    await presetForm.getByLabel('Repository').fill(upstream);
+    await presetForm.getByLabel('Agent').selectOption('scripted');
+    await presetForm.getByLabel('Egress allowlist').fill('registry.example.org, docs.example.com');
+    await presetForm.getByLabel('Setup script').fill('npm ci');
+    await presetForm.getByRole('button', { name: 'Save preset' }).click();
+    await page.getByRole('cell', { name: upstream }).waitFor();
+    await fitsWidth(page, 'settings at 1280');
+    await page.screenshot({ path: join(shots, 'dashboard-settings.png'), fullPage: true });
+    await page.getByRole('link', { name: 'New session' }).first().click();
+    await page.getByLabel('Repository').fill(upstream);
+    await until('the preset filled in', async () => (await page.getByLabel('Egress allowlist').inputValue()) === 'registry.example.org, docs.example.com');
+    assert.equal(await page.getByLabel('Setup script').inputValue(), 'npm ci');
+    assert.equal(await page.getByLabel('Agent').inputValue(), 'scripted');
+    step('settings: a model key set and removed unseen, a token shown once then revoked, a preset the composer applies');
+  }
+
   // A 401 sends the app to sign-in.
   await context.clearCookies();
   await page.goto(url + '/');

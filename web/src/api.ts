@@ -28,6 +28,13 @@ export type ErrorCode = Schemas['ErrorCode'];
 export type ErrorBody = Schemas['ApiErrorBody'];
 export type UiMessage = Schemas['UiMessage'];
 export type BranchDiff = Schemas['BranchDiff'];
+export type ModelApi = Schemas['ModelApi'];
+export type ModelKey = Schemas['ModelKey'];
+export type ForgeConnection = Schemas['ForgeConnection'];
+export type ForgeKind = Schemas['ForgeKind'];
+export type TokenInfo = Schemas['TokenInfo'];
+export type Role = Schemas['Role'];
+export type RepoPreset = Schemas['RepoPreset'];
 export type FileDiff = Schemas['FileDiff'];
 
 // Every phase of the API, in life order; a phase added to or dropped from the API fails the typecheck here.
@@ -133,6 +140,20 @@ export const client = {
     api<Answer<'/v1/sessions/{id}/egress', 'post'>>('POST', `/v1/sessions/${id}/egress`, { allow } satisfies Body<'/v1/sessions/{id}/egress', 'post'>),
   ticket: async (id: string, action: Schemas['TicketAction']) =>
     (await api<Answer<'/v1/sessions/{id}/attach-ticket', 'post'>>('POST', `/v1/sessions/${id}/attach-ticket`, { action } satisfies Body<'/v1/sessions/{id}/attach-ticket', 'post'>)).ticket,
+  modelKeys: () => api<Answer<'/v1/model-keys', 'get'>>('GET', '/v1/model-keys'),
+  setModelKey: (apiName: ModelApi, body: Body<'/v1/model-keys/{api}', 'put'>) =>
+    api<Answer<'/v1/model-keys/{api}', 'put'>>('PUT', `/v1/model-keys/${apiName}`, body),
+  deleteModelKey: (apiName: ModelApi) => api<unknown>('DELETE', `/v1/model-keys/${apiName}`),
+  forges: () => api<Answer<'/v1/forge-connections', 'get'>>('GET', '/v1/forge-connections'),
+  setForge: (host: string, body: Body<'/v1/forge-connections/{host}', 'put'>) =>
+    api<Answer<'/v1/forge-connections/{host}', 'put'>>('PUT', `/v1/forge-connections/${encodeURIComponent(host)}`, body),
+  deleteForge: (host: string) => api<unknown>('DELETE', `/v1/forge-connections/${encodeURIComponent(host)}`),
+  tokens: () => api<Answer<'/v1/tokens', 'get'>>('GET', '/v1/tokens'),
+  createToken: (body: Body<'/v1/tokens', 'post'>) => api<Answer<'/v1/tokens', 'post'>>('POST', '/v1/tokens', body),
+  revokeToken: (id: string) => api<unknown>('DELETE', `/v1/tokens/${encodeURIComponent(id)}`),
+  presets: () => api<Answer<'/v1/presets', 'get'>>('GET', '/v1/presets'),
+  setPreset: (body: Body<'/v1/presets', 'put'>) => api<Answer<'/v1/presets', 'put'>>('PUT', '/v1/presets', body),
+  deletePreset: (repo: string) => api<unknown>('DELETE', `/v1/presets?repo=${encodeURIComponent(repo)}`),
   agents: () => api<Answer<'/v1/agents', 'get'>>('GET', '/v1/agents'),
   exchange: (code: string) => api<unknown>('POST', '/v1/auth/signin', { code } satisfies Body<'/v1/auth/signin', 'post'>),
   signout: () => api<unknown>('POST', '/v1/auth/signout'),

@@ -3,6 +3,7 @@ import { ApiError, auth, client, setUnauthorizedHandler } from './api';
 import { Sessions } from './sessions';
 import { Composer } from './composer';
 import { SessionPage } from './session';
+import { Settings } from './settings';
 import { Link, navigate } from './link';
 
 export { Link, navigate };
@@ -89,6 +90,7 @@ export function App() {
         <nav>
           <Link to="/">Sessions</Link>
           <Link to="/new">New session</Link>
+          <Link to="/settings">Settings</Link>
           <button className="link" onClick={async () => {
             auth.setToken(null);
             await client.signout().catch(() => {});
@@ -96,7 +98,7 @@ export function App() {
           }}>Sign out</button>
         </nav>
       </header>
-      {path === '/new' ? <Composer /> : session ? <SessionPage key={session[1]} id={session[1]} tab={session[2] ? 'files' : 'conversation'} /> : path === '/' ? <Sessions /> : <p className="empty">Nothing here. <Link to="/">Sessions</Link></p>}
+      {path === '/new' ? <Composer /> : path === '/settings' ? <Settings /> : session ? <SessionPage key={session[1]} id={session[1]} tab={session[2] ? 'files' : 'conversation'} /> : path === '/' ? <Sessions /> : <p className="empty">Nothing here. <Link to="/">Sessions</Link></p>}
     </div>
   );
 }

@@ -1,5 +1,5 @@
 import { useEffect, useState, type FormEvent } from 'react';
-import { ApiError, client, type AgentInfo, type ErrorCode } from './api';
+import { ApiError, client, type AgentInfo, type ErrorCode, type RepoPreset } from './api';
 import { navigate } from './app';
 
 type Field = 'repo' | 'agent' | 'title' | 'model' | 'task' | 'base' | 'allow' | 'setup' | 'form';
@@ -38,6 +38,26 @@ export function Composer() {
   const [setup, setSetup] = useState('');
   const [errors, setErrors] = useState<Partial<Record<Field, string>>>({});
   const [busy, setBusy] = useState(false);
+  // The repository picker: the workspace's presets first, then repositories of recent sessions.
+  const [presets, setPresets] = useState<RepoPreset[]>([]);
+  const [recent, setRecent] = useState<string[]>([]);
+  const [applied, setApplied] = useState<string | null>(null);
+  useEffect(() => {
+    let live = true;
+    client.presets().then((r) => { if (live) setPresets(r.presets); }).catch(() => {});
+    client.sessions({}).then((r) => { if (live) setRecent([...new Set(r.sessions.map((x) => x.repo))].slice(0, 20)); }).catch(() => {});
+    return () => { live = false; };
+  }, []);
+  const chooseRepo = (value: string) => {
+    setRepo(value);
+    const preset = presets.find((p) => p.repo === value.trim());
+    if (!preset || applied === preset.repo) return;
+    // The preset fills the session's settings; each can still be changed before starting.
+    setAllow(preset.egress_allow.join(', '));
+    setSetup(preset.setup ?? '');
+    if (preset.agent && (agents ?? []).some((a) => a.id === preset.agent && a.installed)) setAgent(preset.agent);
+    setApplied(preset.repo);
+  };
   useEffect(() => {
     let live = true;
     client.agents().then((r) => {
@@ -79,7 +99,12 @@ export function Composer() {
       <h1>New session</h1>
       <form className="composer" onSubmit={submit}>
         <label htmlFor="repo">Repository</label>
-        <input id="repo" required value={repo} onChange={(e) => setRepo(e.target.value)} placeholder="https://github.com/acme/app.git or /srv/git/app.git" {...field('repo')} />
+        <input id="repo" required value={repo} onChange={(e) => chooseRepo(e.target.value)} placeholder="https://github.com/acme/app.git or /srv/git/app.git" list="repo-options" autoComplete="off" {...field('repo')} />
+        <datalist id="repo-options">
+          {presets.map((p) => <option key={`p:${p.repo}`} value={p.repo}>preset</option>)}
+          {recent.filter((r) => !presets.some((p) => p.repo === r)).map((r) => <option key={`r:${r}`} value={r}>recent</option>)}
+        </datalist>
+        {applied && applied === repo.trim() && <p className="hint" role="status">Filled in from this repository's preset: allowlist, setup script and agent.</p>}
         {err('repo')}
         <label htmlFor="agent">Agent</label>
         <select id="agent" value={agent} onChange={(e) => setAgent(e.target.value)} disabled={agents === null} {...field('agent')}>

@@ -28,13 +28,10 @@ export function outcome(s: Pick<Session, 'phase' | 'failure' | 'pr' | 'head_sha'
   }
 }
 
-/** Whether an egress allowlist admits `host` (an exact name, or `*.domain` for its subdomains). */
+/** Whether an egress allowlist admits `host`: the gateway allows listed names exactly (no wildcards). */
 export function allows(allowlist: readonly string[], host: string): boolean {
   const name = host.toLowerCase().replace(/\.$/, '');
-  return allowlist.some((entry) => {
-    const e = entry.toLowerCase().replace(/\.$/, '');
-    return e === name || (e.startsWith('*.') && name.endsWith(e.slice(1)));
-  });
+  return allowlist.some((entry) => entry.toLowerCase().replace(/\.$/, '') === name);
 }
 
 /**

@@ -30,6 +30,26 @@ function stub(agents: () => Response, create: () => Response = () => json(202, {
   return requests;
 }
 
+describe('composer presets', () => {
+  it('offers presets and recent repositories, and fills a preset\'s allowlist, setup and agent in', async () => {
+    const preset = { repo: 'https://github.com/acme/app.git', agent: 'scripted', setup: 'npm ci', egress_allow: ['registry.npmjs.org'], updated_at: '2026-12-05T00:00:00Z' };
+    vi.stubGlobal('fetch', vi.fn(async (url: string) => {
+      if (url === '/v1/agents') return json(200, { ...AGENTS, default: 'scripted' });
+      if (url === '/v1/presets') return json(200, { presets: [preset] });
+      if (url.startsWith('/v1/sessions?')) return json(200, { sessions: [{ repo: '/srv/git/old.git' }, { repo: preset.repo }], next_cursor: null });
+      return json(404, { error: { code: 'NOT_FOUND', message: url, details: {} } });
+    }));
+    const { container } = render(<Composer />);
+    await waitFor(() => expect(container.querySelectorAll('#repo-options option')).toHaveLength(2));
+    expect([...container.querySelectorAll('#repo-options option')].map((o) => [(o as HTMLOptionElement).value, o.textContent]))
+      .toEqual([[preset.repo, 'preset'], ['/srv/git/old.git', 'recent']]);
+    fireEvent.change(screen.getByLabelText('Repository'), { target: { value: preset.repo } });
+    expect((screen.getByLabelText('Egress allowlist') as HTMLInputElement).value).toBe('registry.npmjs.org');
+    expect((screen.getByLabelText('Setup script') as HTMLTextAreaElement).value).toBe('npm ci');
+    expect(screen.getByRole('status').textContent).toMatch(/preset/);
+  });
+});
+
 describe('composer', () => {
   it('offers the installed agents from /v1/agents and shows the others disabled with what they need', async () => {
     stub(() => json(200, AGENTS));

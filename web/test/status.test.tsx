@@ -20,11 +20,10 @@ describe('outcome', () => {
     expect(outcome({ ...base, phase: 'canceled' }).label).toBe('Canceled');
   });
 
-  it('an allowlist admits exact names and wildcard subdomains only', () => {
-    expect(allows(['docs.rs', '*.example.com'], 'docs.rs')).toBe(true);
-    expect(allows(['*.example.com'], 'a.b.example.com')).toBe(true);
-    expect(allows(['*.example.com'], 'example.com')).toBe(false);
-    expect(allows(['*.example.com'], 'badexample.com')).toBe(false);
+  it('an allowlist admits the names it lists, exactly, as the gateway does', () => {
+    expect(allows(['docs.rs'], 'Docs.rs.')).toBe(true);
+    expect(allows(['example.com'], 'a.example.com')).toBe(false);
+    expect(allows([], 'docs.rs')).toBe(false);
   });
 });
 
