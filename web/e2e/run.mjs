@@ -430,7 +430,7 @@ try {
   // The list: sessions in several phases, filters, and live updates.
   const failing = await rest('POST', '/v1/sessions', { repo: upstream, agent: 'scripted', title: 'Fix the flaky parser test', task: '#!scripted\n# The parser test fails one run in ten; find out why.\nsay: Looking at the parser test.\nfail: the parser test still fails: expected 3 tokens, got 2' });
   const bump = await rest('POST', '/v1/sessions', { repo: upstream, agent: 'scripted', title: 'Bump the dependencies', task: '#!scripted\nplan: Bump | Test\nsleep: 120000' });
-  const handbook = await rest('POST', '/v1/sessions', { repo: docsRepo, agent: 'scripted', title: 'Document the release process', task: '#!scripted\nwrite: RELEASING.md\n# Releasing\n\n1. Tag the commit.\n>>>\nsay: Wrote RELEASING.md.' });
+  const handbook = await rest('POST', '/v1/sessions', { repo: docsRepo, agent: 'scripted', title: 'Document the release process', task: '#!scripted\nask: May I write RELEASING.md?\nwrite: RELEASING.md\n# Releasing\n\n1. Tag the commit.\n>>>\nsay: Wrote RELEASING.md.' });
   await untilPhase(failing.id, ['failed']);
   await untilPhase(bump.id, ['running']);
   await untilPhase(handbook.id, ['idle']);
@@ -709,6 +709,8 @@ try {
   await page.waitForURL(new RegExp(`/sessions/${handbook.id}$`));
   await page.locator('.session-header').waitFor();
   step('sortie signin-link signs in and lands on the page the user was sent away from');
+  // The agent asked before writing: the page says how sortie answered.
+  assert.match(await page.locator('.permission').first().textContent(), /^Permission asked: allowed once \(“Allow”\)/);
 
   assert.deepEqual(consoleErrors, []);
   // The JS the browser received over the wire (sortie serves the build's gzip twins).

@@ -205,6 +205,16 @@ export const PartView = memo(function PartView({ part, actions, repeats }: { par
         </div>
       );
     }
+    case 'data-acp-permission': {
+      // The agent asked before a tool call; sortie's driver answers for the unattended agent.
+      const answer = str(data.answer);
+      const said = answer === 'allow_once' ? 'allowed once' : answer === 'allow_always' ? 'allowed always' : answer === 'cancelled' ? 'refused (no option to allow)' : answer;
+      return (
+        <div className={`note permission permission-${answer}`} role="status">
+          Permission asked: {said}{typeof data.option === 'string' && data.option && <> (“{data.option}”)</>}, answered by sortie
+        </div>
+      );
+    }
     case 'data-sortie-priming': {
       const rung = str(data.rung);
       return (
@@ -256,7 +266,7 @@ function Prompt({ text }: { text: string }) {
 }
 const PROMPT_LINES = 6;
 
-const TOOLISH = new Set(['dynamic-tool', 'data-acp-diff', 'data-acp-terminal', 'step-start']);
+const TOOLISH = new Set(['dynamic-tool', 'data-acp-diff', 'data-acp-terminal', 'data-acp-permission', 'step-start']);
 
 export const MessageView = memo(function MessageView({ message, actions }: { message: Message; actions: Actions }) {
   if (message.role === 'user') {

@@ -62,4 +62,12 @@ describe('turn endings', () => {
     expect(container.querySelector('.delivery-none')?.textContent).toContain('no changes');
     expect(container.querySelectorAll('.interrupted')).toHaveLength(1);
   });
+
+  it('a permission request says how sortie answered it', () => {
+    const messages: Message[] = [{ id: 'ses_x-t1', role: 'assistant', parts: [
+      { type: 'data-acp-permission', id: 'permission:b1', data: { toolCallId: 'b1', answer: 'allow_once', option: 'Allow' } },
+    ] }];
+    const { container } = render(<Conversation messages={messages} actions={{}} />);
+    expect(container.querySelector('.permission')?.textContent).toBe('Permission asked: allowed once (“Allow”), answered by sortie');
+  });
 });

@@ -161,6 +161,32 @@ impl Mapper {
         if let Some(tool_call) = params.get("toolCall") {
             self.upsert_tool(tool_call, at, out);
         }
+        // How the driver answers (crate::agent answers every request the same way: allow once, else
+        // allow always, else cancel), so a reader sees what the agent was let do.
+        let tool_call_id = params
+            .pointer("/toolCall/toolCallId")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        let options = params
+            .get("options")
+            .and_then(Value::as_array)
+            .map(Vec::as_slice)
+            .unwrap_or(&[]);
+        let chosen = ["allow_once", "allow_always"].iter().find_map(|kind| {
+            options
+                .iter()
+                .find(|o| o.get("kind").and_then(Value::as_str) == Some(kind))
+        });
+        let answer = chosen
+            .and_then(|o| o.get("kind"))
+            .cloned()
+            .unwrap_or_else(|| json!("cancelled"));
+        let option = chosen.and_then(|o| o.get("name")).cloned().unwrap_or(Value::Null);
+        out.push(data(
+            "acp-permission",
+            Some(format!("permission:{tool_call_id}")),
+            json!({ "toolCallId": tool_call_id, "answer": answer, "option": option }),
+        ));
     }
 
     /// Token usage reported in the `session/prompt` response.
@@ -813,12 +839,34 @@ mod tests {
                 "tool-input-start",
                 "tool-input-available",
                 "data-acp-diff",
+                "data-acp-permission",
                 "tool-output-available"
             ]
         );
         assert_eq!(
             chunks[4],
             json!({"type": "data-acp-diff", "id": "diff:w1:/w/a.txt", "data": {"toolCallId": "w1", "path": "/w/a.txt", "oldText": null, "newText": "hi\n"}})
+        );
+        assert_eq!(
+            chunks[5],
+            json!({"type": "data-acp-permission", "id": "permission:w1", "data": {"toolCallId": "w1", "answer": "cancelled", "option": null}}),
+            "no option to allow: cancelled"
+        );
+    }
+
+    #[test]
+    fn a_permission_request_says_how_it_was_answered() {
+        let (chunks, _) = run(vec![Permission(
+            json!({"sessionId": "s", "toolCall": {"toolCallId": "b1", "title": "rm -rf build", "kind": "execute"},
+            "options": [{"optionId": "r", "name": "Reject", "kind": "reject_once"}, {"optionId": "a", "name": "Always", "kind": "allow_always"}, {"optionId": "o", "name": "Allow", "kind": "allow_once"}]}),
+        )]);
+        let permission = chunks
+            .iter()
+            .find(|c| c["type"] == "data-acp-permission")
+            .expect("a permission part");
+        assert_eq!(
+            permission["data"],
+            json!({"toolCallId": "b1", "answer": "allow_once", "option": "Allow"})
         );
     }
 
