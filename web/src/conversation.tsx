@@ -1,7 +1,7 @@
 // The conversation: UIMessage parts (AI SDK UI message stream v1, DESIGN §5.1) rendered one by one.
 import { memo, useState, type ReactNode } from 'react';
 import { Markdown } from './markdown';
-import { commandRun, TerminalBlock } from './terminal';
+import { commandRun, TerminalBlock, type CommandRun } from './terminal';
 import { Link } from './link';
 import { allows } from './status';
 import { files, ms } from './util';
@@ -79,7 +79,19 @@ function Plan({ data }: { data: { entries?: { content: string; status?: string; 
   );
 }
 
-function Tool({ part }: { part: Part }) {
+/** A terminal part's output as a command run (the command, when known, is the tool call's). */
+function terminalRun(terminal: Part, command: string | null): CommandRun {
+  const data = (terminal.data ?? {}) as { output?: unknown; exitStatus?: { exitCode?: unknown; signal?: unknown } | null; truncated?: unknown };
+  const exit = data.exitStatus ?? {};
+  return {
+    command,
+    text: `${data.truncated ? '[earlier output dropped]\n' : ''}${typeof data.output === 'string' ? data.output : ''}`,
+    exitCode: typeof exit.exitCode === 'number' ? exit.exitCode : null,
+    signal: typeof exit.signal === 'string' ? exit.signal : null,
+  };
+}
+
+function Tool({ part, terminal }: { part: Part; terminal?: Part }) {
   const input = part.input as { title?: string } | undefined;
   const title = str(part.title ?? input?.title ?? part.toolName);
   const state = str(part.state);
@@ -87,7 +99,9 @@ function Tool({ part }: { part: Part }) {
   const duration = status === 'running' ? null : took(part);
   // A command's output reads as a terminal, open, whether it failed or not; any other tool keeps its
   // input and output as JSON one click away.
-  const run = commandRun(part);
+  const called = commandRun(part);
+  // An agent that reports the output as a terminal (Codex) has it there, not in the call's output.
+  const run = terminal ? terminalRun(terminal, called?.command ?? title) : called;
   return (
     <details className={`card tool tool-${status}${run ? ' tool-cmd' : ''}`} open={run != null}>
       <summary>
@@ -151,7 +165,7 @@ export interface Actions {
   ends?: Record<number, TurnEnd>;
 }
 
-export const PartView = memo(function PartView({ part, actions, repeats }: { part: Part; actions: Actions; repeats?: number }) {
+export const PartView = memo(function PartView({ part, actions, repeats, terminal }: { part: Part; actions: Actions; repeats?: number; terminal?: Part }) {
   const data = (part.data ?? {}) as Record<string, unknown>;
   switch (part.type) {
     case 'text':
@@ -159,20 +173,14 @@ export const PartView = memo(function PartView({ part, actions, repeats }: { par
     case 'reasoning':
       return <Reasoning part={part} />;
     case 'dynamic-tool':
-      return <Tool part={part} />;
+      return <Tool part={part} terminal={terminal} />;
     case 'data-acp-diff':
       return <Diff data={data} />;
     case 'data-acp-plan':
       return <Plan data={data} />;
-    case 'data-acp-terminal': {
-      const exit = (data.exitStatus ?? {}) as { exitCode?: unknown; signal?: unknown };
-      return (
-        <div className="card terminal">
-          <TerminalBlock run={{ command: null, text: str(data.output), exitCode: typeof exit.exitCode === 'number' ? exit.exitCode : null, signal: typeof exit.signal === 'string' ? exit.signal : null }}
-            running={data.exitStatus == null} />
-        </div>
-      );
-    }
+    case 'data-acp-terminal':
+      // Shown in its tool call's card when the message has that call (see MessageView).
+      return <div className="card terminal"><TerminalBlock run={terminalRun(part, null)} running={data.exitStatus == null} /></div>;
     case 'data-sortie-egress-denied': {
       const host = str(data.host);
       const allowed = allows(actions.allowed ?? [], host);
@@ -286,8 +294,17 @@ export const MessageView = memo(function MessageView({ message, actions }: { mes
     const seen = denials.get(key);
     if (seen) { seen.count++; seen.latest = i; } else denials.set(key, { first: i, latest: i, count: 1 });
   });
+  // Terminal parts by the tool call they belong to: the call's card shows them.
+  const terminals = new Map<string, Part>();
+  const calls = new Set<string>();
+  for (const p of parts) {
+    if (p.type === 'data-acp-terminal') terminals.set(String((p.data as { toolCallId?: unknown } | undefined)?.toolCallId ?? ''), p);
+    else if (p.type === 'dynamic-tool' && typeof p.toolCallId === 'string') calls.add(p.toolCallId);
+  }
   const view = (i: number) => {
     let repeats: number | undefined;
+    const p = parts[i];
+    if (p.type === 'data-acp-terminal' && calls.has(String((p.data as { toolCallId?: unknown } | undefined)?.toolCallId ?? ''))) return null;
     if (parts[i].type === 'data-sortie-egress-denied') {
       const d = (parts[i].data ?? {}) as { host?: unknown; port?: unknown };
       const seen = denials.get(`${str(d.host)}:${str(d.port)}`)!;
@@ -295,7 +312,8 @@ export const MessageView = memo(function MessageView({ message, actions }: { mes
       repeats = seen.count;
       return <PartView key={`egress-${i}`} part={parts[seen.latest]} actions={actions} repeats={repeats} />;
     }
-    return <PartView key={(parts[i].id as string | undefined) ?? (parts[i].toolCallId as string | undefined) ?? i} part={parts[i]} actions={actions} repeats={repeats} />;
+    const terminal = p.type === 'dynamic-tool' ? terminals.get(String(p.toolCallId)) : undefined;
+    return <PartView key={(parts[i].id as string | undefined) ?? (parts[i].toolCallId as string | undefined) ?? i} part={parts[i]} actions={actions} repeats={repeats} terminal={terminal} />;
   };
   for (let i = 0; i < parts.length;) {
     let j = i;

@@ -51,6 +51,12 @@ function textOf(raw: unknown): string | null {
   return null;
 }
 
+/** Text wrapped whole in a Markdown code fence (```console … ```), without the fence. */
+function unfence(text: string | null): string | null {
+  const fenced = text === null ? null : /^```[\w-]*\n([\s\S]*?)\n?```\s*$/.exec(text);
+  return fenced ? fenced[1] : text;
+}
+
 /**
  * A tool part as a command run, or null when it is not one. A part is one when its tool runs commands
  * (by name, or an input with a command) and its output — or its error — is text, possibly with a raw
@@ -71,7 +77,9 @@ export function commandRun(part: { readonly [field: string]: unknown }): Command
   let text: string | null;
   let exit: { exitCode: number | null; signal: string | null };
   if (isObject(output) && 'raw' in output) {
-    text = textOf(output.text) ?? textOf(output.raw);
+    // The raw report is the command's own text when it is a string (Claude Code's: its `text` is the
+    // same wrapped in a Markdown fence).
+    text = typeof output.raw === 'string' ? output.raw : unfence(textOf(output.text)) ?? textOf(output.raw);
     exit = exitOf(output.raw);
   } else {
     text = textOf(output);
@@ -125,7 +133,8 @@ export function TerminalBlock({ run, running, took }: { run: CommandRun; running
         </span>
       </div>
       {long && <button className="link more" aria-expanded={all} onClick={() => setAll(!all)}>{all ? `Show the last ${TAIL_LINES} lines` : `Show all ${lines.length} lines`}</button>}
-      {lines.length > 0 ? <pre className="term-out">{shown.join('\n')}</pre> : !running && <div className="term-empty">no output</div>}
+      {lines.length > 0 ? <pre className="term-out">{shown.join('\n')}</pre>
+        : !running && <div className="term-empty">{run.exitCode == null ? 'the agent reported no output' : 'no output'}</div>}
     </div>
   );
 }

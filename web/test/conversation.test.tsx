@@ -83,9 +83,11 @@ describe('conversation renderer', () => {
     expect(priming.dataset.rung).toBe('transcript');
     expect(priming.textContent).toBe('The agent was given the conversation so far (a fresh agent process).');
     // terminal output with its exit status
-    expect(turn2.querySelectorAll('.terminal')).toHaveLength(1);
-    expect(turn2.querySelector('.terminal .term-out')?.textContent).toBe('running 3 tests\nok');
-    expect(turn2.querySelector('.terminal .exit')?.textContent).toBe('exit 0');
+    // (in the card of the tool call it belongs to, not as a card of its own)
+    expect(turn2.querySelectorAll('.card.terminal')).toHaveLength(0);
+    const owner = turn2.querySelector('details.tool-cmd') as HTMLElement;
+    expect(owner.querySelector('.term-out')?.textContent).toBe('running 3 tests\nok');
+    expect(owner.querySelector('.exit')?.textContent).toBe('exit 0');
     // a command's output as a terminal block, failed or not, with no raw JSON shown
     const commands = [...turn1.querySelectorAll('details.tool-cmd')] as HTMLDetailsElement[];
     expect(commands.map((c) => [c.open, c.querySelector('.term-cmd')?.textContent, c.querySelector('.exit')?.textContent, c.querySelector('.term-out')?.textContent ?? null]))

@@ -1,9 +1,10 @@
-// The terminal block over the shapes each agent reports a shell command in. The scripted agent's comes
-// from a recorded stream (fixtures/scripted-turn.sse, through `sortie driver`); the others are the
-// `tool_call`/`tool_call_update` fields those agents send as sortie's driver maps them (rawInput → input;
-// text content and rawOutput → output `{text, raw}`; rawOutput alone → output), written from the shapes
-// in the agents' ACP adapters rather than recorded from a model run.
-import { readFileSync } from 'node:fs';
+// The terminal block over the shapes each agent reports a shell command in, recorded: the scripted
+// agent's through `sortie driver` (fixtures/scripted-turn.sse), and each real agent's own shell tool
+// (Claude Code's Bash, Codex's exec_command, Gemini CLI's run_shell_command, opencode's bash) as
+// crates/sortie/tests/agents.rs recorded them from real runs (fixtures/agents/*-shell.json,
+// SORTIE_RECORD_FIXTURES=1). Further shapes (failures) are written from the same fields by hand.
+import { readdirSync, readFileSync } from 'node:fs';
+import { Conversation, type Message } from '../src/conversation';
 import { join } from 'node:path';
 import { cleanup, fireEvent, render } from '@testing-library/react';
 import { afterEach, describe, expect, it } from 'vitest';
@@ -20,6 +21,36 @@ function partOf(callId: string) {
   const end = recorded.find((c) => (c.type === 'tool-output-available' || c.type === 'tool-output-error') && c.toolCallId === callId)!;
   return { toolName: input.toolName, title: input.title, input: input.input, state: end.type === 'tool-output-error' ? 'output-error' : 'output-available', output: end.output, errorText: end.errorText };
 }
+
+describe('recorded shell calls of the real agents', () => {
+  const dir = join(__dirname, 'fixtures', 'agents');
+  const recordings = readdirSync(dir).filter((f) => f.endsWith('-shell.json'));
+  it('has a recording of each agent', () => {
+    expect(recordings.sort()).toEqual(['claude-code-shell.json', 'codex-shell.json', 'gemini-shell.json', 'opencode-shell.json']);
+  });
+  // What each agent lets us show: the output (Gemini CLI reports none) and the exit code (when reported).
+  const expected: Record<string, { text: string | null; exit: string | null }> = {
+    'claude-code': { text: 'sortie-shell-ok\nsecond line', exit: null },
+    codex: { text: 'sortie-shell-ok\nsecond line', exit: 'exit 0' },
+    gemini: { text: null, exit: null },
+    opencode: { text: 'sortie-shell-ok\nsecond line', exit: 'exit 0' },
+  };
+  for (const file of recordings) {
+    it(`${file}: the command, its output as text, its exit code, no JSON`, () => {
+      const recorded = JSON.parse(readFileSync(join(dir, file), 'utf8')) as { agent: string; parts: Message['parts'] };
+      const { container } = render(<Conversation messages={[{ id: 'ses_x-t1', role: 'assistant', parts: recorded.parts }]} actions={{}} />);
+      const block = container.querySelector('details.tool-cmd');
+      expect(block, 'a terminal block').not.toBeNull();
+      expect(block?.querySelector('.term-cmd')?.textContent).toBe("$ printf 'sortie-%s\\n' shell-ok; printf 'second line\\n'");
+      const want = expected[recorded.agent];
+      expect(block?.querySelector('.term-out')?.textContent ?? null).toBe(want.text);
+      if (want.text === null) expect(block?.querySelector('.term-empty')?.textContent).toBe('the agent reported no output');
+      expect(block?.querySelector('.exit')?.textContent ?? null).toBe(want.exit);
+      expect(container.textContent).not.toMatch(/exitCode|"raw"|```/);
+      expect(container.querySelectorAll('.card.terminal'), 'a terminal part shows in its call\'s card').toHaveLength(0);
+    });
+  }
+});
 
 describe('command runs of every agent', () => {
   it('the scripted agent (recorded): text with the exit code beside it, and a failure that is only a raw report', () => {

@@ -58,7 +58,87 @@ struct Tool {
     raw_output: Option<Value>,
     /// The agent sent a diff for it.
     diffed: bool,
+    /// Its terminal, for agents that report a command's output as one (`content` of type `terminal`,
+    /// the output and exit in `_meta`).
+    terminal: Option<Terminal>,
     finished: bool,
+}
+
+/// A tool's terminal as the updates so far described it.
+#[derive(Debug, Default)]
+struct Terminal {
+    id: String,
+    /// The output so far, its last [`TERMINAL_OUTPUT_MAX_BYTES`] (the tail is where results and errors are).
+    output: String,
+    /// Earlier output was dropped to keep the cap.
+    cut: bool,
+    /// `{exitCode, signal}`, once the command ended.
+    exit: Option<Value>,
+    /// How much output the last part carried: more is sent as the output grows by
+    /// [`TERMINAL_PART_STEP_BYTES`], so a chatty command costs the stream linear bytes, not quadratic.
+    sent: Option<usize>,
+}
+
+/// Output growth that earns a running terminal a new part (its exit always does).
+const TERMINAL_PART_STEP_BYTES: usize = 16 * 1024;
+
+/// The most of one terminal's output a part carries.
+const TERMINAL_OUTPUT_MAX_BYTES: usize = 256 * 1024;
+
+impl Terminal {
+    /// Applies what an update's `_meta` says: `terminal_output` (the output so far: Codex's old adapter),
+    /// `terminal_output_delta` (more of it: the new adapter) and `terminal_exit`; `true` if a new part
+    /// is due: the first output, the exit, or output grown by a step (never again once cut, until the
+    /// exit).
+    fn apply_meta(&mut self, meta: Option<&Value>) -> bool {
+        let Some(meta) = meta else { return false };
+        let text = |v: &Value| v.get("data").or(Some(v)).and_then(Value::as_str).map(str::to_owned);
+        let mut changed = false;
+        if let Some(whole) = meta.get("terminal_output").and_then(text) {
+            self.output = whole;
+            changed = true;
+        }
+        if let Some(more) = meta.get("terminal_output_delta").and_then(text) {
+            self.output.push_str(&more);
+            changed = true;
+        }
+        if self.output.len() > TERMINAL_OUTPUT_MAX_BYTES {
+            let mut from = self.output.len() - TERMINAL_OUTPUT_MAX_BYTES;
+            while !self.output.is_char_boundary(from) {
+                from += 1;
+            }
+            self.output.drain(..from);
+            self.cut = true;
+        }
+        if let Some(exit) = meta.get("terminal_exit").filter(|v| v.is_object()) {
+            let code = exit
+                .get("exitCode")
+                .or_else(|| exit.get("exit_code"))
+                .cloned()
+                .unwrap_or(Value::Null);
+            let signal = exit.get("signal").cloned().unwrap_or(Value::Null);
+            self.exit = Some(json!({ "exitCode": code, "signal": signal }));
+            return true;
+        }
+        changed
+            && match self.sent {
+                None | Some(0) => true,
+                Some(_) if self.cut => false,
+                Some(sent) => self.output.len() >= sent + TERMINAL_PART_STEP_BYTES,
+            }
+    }
+
+    fn part(&mut self, tool_call_id: &str) -> UiChunk {
+        self.sent = Some(self.output.len());
+        let mut body = json!({ "toolCallId": tool_call_id, "terminalId": self.id, "output": self.output });
+        if let Some(exit) = &self.exit {
+            body["exitStatus"] = exit.clone();
+        }
+        if self.cut {
+            body["truncated"] = Value::Bool(true);
+        }
+        data("acp-terminal", Some(format!("terminal:{}", self.id)), body)
+    }
 }
 
 /// The state of one turn's stream.
@@ -361,6 +441,7 @@ impl Mapper {
                         text_output: String::new(),
                         raw_output: None,
                         diffed: false,
+                        terminal: None,
                         finished: false,
                     },
                 );
@@ -405,11 +486,10 @@ impl Mapper {
                     }
                     Some("terminal") => {
                         let terminal_id = item.get("terminalId").and_then(Value::as_str).unwrap_or_default();
-                        out.push(data(
-                            "acp-terminal",
-                            Some(format!("terminal:{terminal_id}")),
-                            terminal_data(id, terminal_id, fields),
-                        ));
+                        tool.terminal.get_or_insert_with(|| Terminal {
+                            id: terminal_id.to_owned(),
+                            ..Terminal::default()
+                        });
                     }
                     Some("content") => {
                         if let Some(text) = content_text(item.get("content")) {
@@ -420,6 +500,30 @@ impl Mapper {
                 }
             }
             tool.text_output = texts.join("");
+        }
+        // A terminal's output and exit may come in updates without `content` (Codex's new adapter
+        // sends them with the completion only).
+        let meta = fields.get("_meta");
+        if tool.terminal.is_none()
+            && let Some(terminal_id) = meta
+                .and_then(|m| m.get("terminal_output_delta").or_else(|| m.get("terminal_exit")))
+                .and_then(|t| t.get("terminal_id"))
+                .and_then(Value::as_str)
+        {
+            tool.terminal = Some(Terminal {
+                id: terminal_id.to_owned(),
+                ..Terminal::default()
+            });
+        }
+        if let Some(terminal) = &mut tool.terminal {
+            let announced = fields.get("content").and_then(Value::as_array).is_some_and(|content| {
+                content
+                    .iter()
+                    .any(|item| item.get("type").and_then(Value::as_str) == Some("terminal"))
+            });
+            if terminal.apply_meta(meta) || (announced && terminal.sent.is_none()) {
+                out.push(terminal.part(id));
+            }
         }
         if let Some(raw_output) = fields.get("rawOutput").filter(|v| !v.is_null()) {
             tool.raw_output = Some(raw_output.clone());
@@ -527,22 +631,6 @@ fn content_text(content: Option<&Value>) -> Option<String> {
         "audio" => Some("[audio]".to_owned()),
         _ => None,
     }
-}
-
-/// A terminal's output as agents without client terminals report it (`_meta.terminal_output`,
-/// `_meta.terminal_exit`); the terminal id may never have come from `terminal/create`.
-fn terminal_data(tool_call_id: &str, terminal_id: &str, fields: &Value) -> Value {
-    let meta = fields.get("_meta");
-    let output = meta
-        .and_then(|m| m.get("terminal_output"))
-        .and_then(|o| o.get("data").or(Some(o)))
-        .and_then(Value::as_str)
-        .unwrap_or_default();
-    let mut data = json!({ "toolCallId": tool_call_id, "terminalId": terminal_id, "output": output });
-    if let Some(exit) = meta.and_then(|m| m.get("terminal_exit")).filter(|v| !v.is_null()) {
-        data["exitStatus"] = exit.clone();
-    }
-    data
 }
 
 #[cfg(test)]
@@ -879,8 +967,73 @@ mod tests {
         }))]);
         assert_eq!(
             chunks[4],
-            json!({"type": "data-acp-terminal", "id": "terminal:call_1", "data": {"toolCallId": "call_1", "terminalId": "call_1", "output": "a.txt\n", "exitStatus": {"exitCode": 0}}})
+            json!({"type": "data-acp-terminal", "id": "terminal:call_1", "data": {"toolCallId": "call_1", "terminalId": "call_1", "output": "a.txt\n", "exitStatus": {"exitCode": 0, "signal": null}}})
         );
+    }
+
+    #[test]
+    fn a_terminal_whose_output_comes_with_the_completion_is_shown() {
+        // Codex's new adapter (recorded from a real run): the output as a delta and the exit, both
+        // in the completing update, which has no `content`.
+        let (chunks, _) = run(vec![
+            Update(
+                json!({"sessionUpdate": "tool_call", "toolCallId": "call_fake_1", "name": "exec_command", "kind": "execute",
+                "title": "printf ok", "status": "in_progress", "content": [{"type": "terminal", "terminalId": "call_fake_1"}],
+                "rawInput": {"command": "printf ok", "cwd": "/workspace"}, "_meta": {"terminal_info": {"cwd": "/workspace", "terminal_id": "call_fake_1"}}}),
+            ),
+            Update(
+                json!({"sessionUpdate": "tool_call_update", "toolCallId": "call_fake_1", "status": "completed",
+                "_meta": {"terminal_output_delta": {"data": "sortie-shell-ok\n", "terminal_id": "call_fake_1"}}}),
+            ),
+            Update(json!({"sessionUpdate": "tool_call_update", "toolCallId": "call_fake_1",
+                "_meta": {"terminal_output_delta": {"data": "second line\n", "terminal_id": "call_fake_1"},
+                          "terminal_exit": {"exit_code": 0, "signal": null, "terminal_id": "call_fake_1"}}})),
+        ]);
+        let last = chunks
+            .iter()
+            .rev()
+            .find(|c| c["type"] == "data-acp-terminal")
+            .expect("a terminal part");
+        assert_eq!(
+            last["data"],
+            json!({"toolCallId": "call_fake_1", "terminalId": "call_fake_1", "output": "sortie-shell-ok\nsecond line\n", "exitStatus": {"exitCode": 0, "signal": null}})
+        );
+        assert_eq!(
+            chunks.iter().filter(|c| c["type"] == "data-acp-terminal").count(),
+            3,
+            "announced, its first output, its exit"
+        );
+    }
+
+    #[test]
+    fn a_terminal_keeps_the_tail_of_long_output() {
+        let line = "x".repeat(1023) + "\n";
+        let mut updates = vec![Update(
+            json!({"sessionUpdate": "tool_call", "toolCallId": "t", "kind": "execute",
+            "content": [{"type": "terminal", "terminalId": "t"}]}),
+        )];
+        for _ in 0..300 {
+            updates.push(Update(json!({"sessionUpdate": "tool_call_update", "toolCallId": "t", "_meta": {"terminal_output_delta": {"data": line}}})));
+        }
+        updates.push(Update(json!({"sessionUpdate": "tool_call_update", "toolCallId": "t", "_meta": {"terminal_output_delta": {"data": "the end\n"}}})));
+        updates.push(Update(json!({"sessionUpdate": "tool_call_update", "toolCallId": "t", "status": "completed", "_meta": {"terminal_exit": {"exit_code": 1}}})));
+        let (chunks, _) = run(updates);
+        let parts: Vec<&Value> = chunks.iter().filter(|c| c["type"] == "data-acp-terminal").collect();
+        let last = parts.last().expect("a terminal part");
+        let output = last["data"]["output"].as_str().expect("output");
+        assert!(output.len() <= TERMINAL_OUTPUT_MAX_BYTES && output.ends_with("the end\n"));
+        assert_eq!(
+            (&last["data"]["truncated"], &last["data"]["exitStatus"]["exitCode"]),
+            (&json!(true), &json!(1))
+        );
+        // 300 KiB of output in 301 updates: a part per 16 KiB until the cap, then only the exit.
+        let sent: usize = parts.iter().map(|p| p.to_string().len()).sum();
+        assert!(
+            parts.len() <= 2 + TERMINAL_OUTPUT_MAX_BYTES / TERMINAL_PART_STEP_BYTES + 1,
+            "{} parts",
+            parts.len()
+        );
+        assert!(sent < 3 << 20, "{sent} bytes of terminal parts for 300 KiB of output");
     }
 
     #[test]
