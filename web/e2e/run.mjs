@@ -497,7 +497,7 @@ try {
   await failureCard.waitFor();
   const failed = await rest('GET', `/v1/sessions/${failing.id}`);
   assert.match(await failureCard.textContent(), new RegExp(`${failed.failure.code}: `), 'the failed turn ends with its code');
-  assert.ok((await failureCard.textContent()).includes(failed.failure.reason.split('\n')[0]), 'and its reason');
+  assert.ok((await failureCard.textContent()).includes(failed.failure.reason.split(/;? (?:the agent's|its) last (?:words|output):|\n/)[0]), 'and its reason');
   assert.equal(await page.locator('.session-header .badge.outcome').textContent(), `Failed · ${failed.failure.code}`);
   step(`a failed turn ends with its failure (${failed.failure.code})`);
   await page.getByRole('button', { name: 'Retry' }).click();

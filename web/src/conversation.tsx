@@ -253,11 +253,18 @@ export const PartView = memo(function PartView({ part, actions, repeats, termina
   }
 });
 
-/** A failure's reason; an output tail in it (the agent's stderr, the setup script's output) reads as a terminal. */
-function FailureReason({ text }: { text: string }) {
-  const cut = text.indexOf('\n');
+/** A failure's reason; the output tail it quotes (the agent's stderr, the setup script's output) reads as a terminal. */
+export function FailureReason({ text }: { text: string }) {
+  const quote = /;? (?:the agent's|its) last (?:words|output):\s*/.exec(text);
+  const cut = quote ? quote.index : text.indexOf('\n');
   if (cut < 0) return <span>{text}</span>;
-  return <><span>{text.slice(0, cut)}</span><TerminalBlock run={{ command: null, text: text.slice(cut + 1), exitCode: null, signal: null }} /></>;
+  const tail = quote ? text.slice(quote.index + quote[0].length) : text.slice(cut + 1);
+  return (
+    <>
+      <span>{text.slice(0, cut)}{quote && ' — its last output:'}</span>
+      <TerminalBlock run={{ command: null, text: tail, exitCode: null, signal: null }} />
+    </>
+  );
 }
 
 /** A user prompt; a long one (a pasted log, a whole spec) shows its first lines until expanded. */

@@ -1,7 +1,7 @@
 // What the page says needs the user: outcomes, a blocked host, what the agent does now, turn endings.
 import { cleanup, render } from '@testing-library/react';
 import { afterEach, describe, expect, it } from 'vitest';
-import { Conversation, type Message } from '../src/conversation';
+import { Conversation, FailureReason, type Message } from '../src/conversation';
 import { activity, allows, blockedOn, clock, outcome } from '../src/status';
 
 afterEach(cleanup);
@@ -53,14 +53,20 @@ describe('turn endings', () => {
       { id: 'ses_x-t1', role: 'assistant', parts: [{ type: 'text', text: 'Trying.' }, { type: 'data-sortie-delivery', data: { branch: 'sortie/ses_x', pushed: false, changed: false, diffStat: { files: 0, insertions: 0, deletions: 0 } } }] },
       { id: 'ses_x-t2', role: 'assistant', parts: [{ type: 'text', text: 'Again.' }] },
     ];
-    const ends = { 1: { status: 'failed', failure: { code: 'AGENT_CRASHED', reason: 'the agent exited with status 1; its stderr ends:\nTypeError: x is undefined\n    at main.js:3' } }, 2: { status: 'stopped' } };
+    const ends = { 1: { status: 'failed', failure: { code: 'AGENT_CRASHED', reason: "the agent exited with status 1; the agent's last words: TypeError: x is undefined\n    at main.js:3" } }, 2: { status: 'stopped' } };
     const { container } = render(<Conversation messages={messages} actions={{ ends }} />);
     const failure = container.querySelector('[aria-label="turn failure"]');
-    expect(failure?.textContent).toContain('AGENT_CRASHED: the agent exited with status 1');
+    expect(failure?.textContent).toContain('AGENT_CRASHED: the agent exited with status 1 — its last output:');
     expect(failure?.querySelector('.term-out')?.textContent).toBe('TypeError: x is undefined\n    at main.js:3');
     expect(container.querySelector('.delivery'), 'no green card for a turn that delivered nothing').toBeNull();
     expect(container.querySelector('.delivery-none')?.textContent).toContain('no changes');
     expect(container.querySelectorAll('.interrupted')).toHaveLength(1);
+  });
+
+  it('a setup script\'s failure shows its output as a terminal', () => {
+    const { container } = render(<FailureReason text={'the setup script exited with status 2; its last output:\nnpm ERR! missing script: ci'} />);
+    expect(container.querySelector('.term-out')?.textContent).toBe('npm ERR! missing script: ci');
+    expect(container.textContent).toMatch(/^the setup script exited with status 2 — its last output:/);
   });
 
   it('a permission request says how sortie answered it', () => {
