@@ -24,7 +24,8 @@ export function shortRepo(repo: string): string {
 
 /** A failure's reason for a list row: its first line, cut at 160 characters (the page has all of it). */
 export function brief(reason: string): string {
-  const line = reason.split('\n')[0];
+  // The output a reason quotes (the agent's last words, a setup script's output) is for the session page.
+  const line = reason.split(/;? (?:the agent's|its) last (?:words|output):|\n/)[0];
   return line.length > 160 ? `${line.slice(0, 159)}…` : line;
 }
 
