@@ -205,3 +205,45 @@ async fn the_dashboard_is_told_to_sign_in_by_a_401_with_a_stable_code() {
     assert_eq!(status, StatusCode::OK);
     assert!(doc["paths"]["/v1/auth/signin"]["post"].is_object());
 }
+
+#[tokio::test]
+async fn a_bearer_token_mints_links_that_sign_in_as_itself_and_a_cookie_cannot() {
+    let h = Harness::start(Transport::InProcess, TestBackend::Sqlite).await;
+    // What `sortie signin-link` asks for: a code for the caller's own token (here a viewer's).
+    let bearer = format!("Bearer {}", h.viewer);
+    let (status, _, link) = send(&h, "POST", "/v1/auth/links", &[("authorization", &bearer)], None).await;
+    assert_eq!(status, StatusCode::CREATED, "{link}");
+    assert_eq!(link["expires_in_seconds"], 900);
+    let code = link["code"].as_str().expect("code");
+    let (status, headers, _) = send(&h, "POST", "/v1/auth/signin", &[], Some(json!({ "code": code }))).await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let cookie = headers
+        .get("set-cookie")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .expect("a cookie")
+        .to_owned();
+    // The cookie is the viewer's, no more: an admin endpoint refuses it.
+    let (status, _, _) = send(
+        &h,
+        "GET",
+        "/v1/model-keys",
+        &[("cookie", &cookie), ("x-sortie-csrf", "1")],
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    // A browser's cookie cannot mint codes for other browsers, and neither can an unknown token.
+    for headers in [
+        vec![("cookie", cookie.as_str()), ("x-sortie-csrf", "1")],
+        vec![("authorization", "Bearer sortie_not-a-token")],
+        vec![],
+    ] {
+        let (status, _, body) = send(&h, "POST", "/v1/auth/links", &headers, None).await;
+        assert_eq!(
+            (status, body["error"]["code"].as_str()),
+            (StatusCode::UNAUTHORIZED, Some("UNAUTHORIZED")),
+            "{headers:?}"
+        );
+    }
+}
