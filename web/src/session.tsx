@@ -346,7 +346,9 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, allowed
     window.scrollTo(0, document.documentElement.scrollHeight);
     lastY.current = window.scrollY;
   };
-  const pending = turns.filter((t) => t.status === 'accepted' && (runningTurn === null || t.n > runningTurn) && t.n > 1);
+  // Prompts waiting behind the running turn (one sent while the session rests starts at once and shows
+  // as the conversation's newest prompt instead).
+  const pending = runningTurn === null ? [] : turns.filter((t) => t.status === 'accepted' && t.n > runningTurn);
   const closed = session.phase === 'canceled' || session.phase === 'canceling' ? 'This session is canceled: it takes no more turns.'
     : session.archived ? 'This session is archived: unarchive it (sortie archive --undo) to steer it again.' : null;
   return (

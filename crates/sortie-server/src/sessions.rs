@@ -88,14 +88,7 @@ async fn create(
         validate::check_setup(setup)?;
     }
     let egress_allow = request.egress.map(|egress| egress.allow).unwrap_or_default();
-    if let Err(violations) = egress::validate_allowlist(&egress_allow) {
-        let named: Vec<&str> = violations.iter().map(|v| v.entry.as_str()).collect();
-        return Err(ApiError::new(
-            ErrorCode::EgressAllowlistInvalid,
-            format!("egress.allow has invalid entries: {named:?}"),
-        )
-        .with_details(serde_json::json!({ "entries": violations })));
-    }
+    check_allowlist("egress.allow", &egress_allow)?;
     let agent = choose_agent(&state.agents, request.agent)?;
     if let Some(base) = &request.base {
         validate::check_base(base)?;
@@ -179,12 +172,14 @@ fn list_or_none(ids: &[String]) -> String {
     if ids.is_empty() { "none".into() } else { ids.join(", ") }
 }
 
-fn check_allowlist(allow: &[String]) -> Result<(), ApiError> {
+/// An egress allowlist (the request's `field`) as the gateway will read it, or `EGRESS_ALLOWLIST_INVALID`
+/// naming every offending entry.
+pub(crate) fn check_allowlist(field: &str, allow: &[String]) -> Result<(), ApiError> {
     egress::validate_allowlist(allow).map_err(|violations| {
         let named: Vec<&str> = violations.iter().map(|v| v.entry.as_str()).collect();
         ApiError::new(
             ErrorCode::EgressAllowlistInvalid,
-            format!("egress.allow has invalid entries: {named:?}"),
+            format!("{field} has invalid entries: {named:?}"),
         )
         .with_details(serde_json::json!({ "entries": violations }))
     })
@@ -208,7 +203,7 @@ async fn amend_egress(
     SessionPath(id): SessionPath,
     ApiJson(request): ApiJson<EgressAmendment>,
 ) -> Result<Json<Session>, ApiError> {
-    check_allowlist(&request.allow)?;
+    check_allowlist("egress.allow", &request.allow)?;
     let row = state
         .store
         .set_egress_allow(&caller.workspace_id, &id, &request.allow)

@@ -12,7 +12,7 @@ use sortie_protocol::api::{
     check_model_key_label, rfc3339_from_epoch_ms,
 };
 use sortie_protocol::validate::{self, RepoLocation};
-use sortie_protocol::{ApiErrorBody, ErrorCode, egress};
+use sortie_protocol::{ApiErrorBody, ErrorCode};
 use sortie_store::{PresetRow, TokenRow, now_ms};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
@@ -191,14 +191,7 @@ async fn put_preset(
     if let Some(setup) = &setup {
         validate::check_setup(setup)?;
     }
-    egress::validate_allowlist(&request.egress_allow).map_err(|violations| {
-        let named: Vec<&str> = violations.iter().map(|v| v.entry.as_str()).collect();
-        ApiError::new(
-            ErrorCode::EgressAllowlistInvalid,
-            format!("egress_allow has invalid entries: {named:?}"),
-        )
-        .with_details(serde_json::json!({ "entries": violations }))
-    })?;
+    crate::sessions::check_allowlist("egress_allow", &request.egress_allow)?;
     let row = PresetRow {
         repo,
         agent,

@@ -152,14 +152,7 @@ async fn signin(State(state): State<ApiState>, ApiJson(request): ApiJson<SignInR
     let refused = || ApiError::new(ErrorCode::Unauthorized, "this sign-in code is unknown, used or expired");
     let token_hash = state.signins.redeem(request.code.trim()).ok_or_else(refused)?;
     // The token may have been revoked since the code was issued.
-    state
-        .store
-        .principal_by_token_hash(&token_hash)
-        .await
-        .map_err(|error| match error {
-            sortie_store::StoreError::NotFound => refused(),
-            other => other.into(),
-        })?;
+    live_token(&state, &token_hash, refused).await?;
     let cookie = state.signins.open_session(token_hash).map_err(|error| {
         tracing::error!(%error, "no randomness for a session cookie");
         ApiError::new(ErrorCode::Internal, "the server failed; the log has the detail")
@@ -204,14 +197,7 @@ async fn signin_link(State(state): State<ApiState>, headers: HeaderMap) -> Resul
         .filter(|token| !token.is_empty())
         .ok_or_else(refused)?;
     let token_hash = hash_token(token);
-    state
-        .store
-        .principal_by_token_hash(&token_hash)
-        .await
-        .map_err(|error| match error {
-            sortie_store::StoreError::NotFound => refused(),
-            other => other.into(),
-        })?;
+    live_token(&state, &token_hash, refused).await?;
     let code = state.signins.issue_code(&token_hash).map_err(|error| {
         tracing::error!(%error, "no randomness for a sign-in code");
         ApiError::new(ErrorCode::Internal, "the server failed; the log has the detail")
@@ -224,6 +210,16 @@ async fn signin_link(State(state): State<ApiState>, headers: HeaderMap) -> Resul
         }),
     )
         .into_response())
+}
+
+/// Whether the token whose hash is `token_hash` is one the store knows and has not revoked (`refused`
+/// otherwise).
+async fn live_token(state: &ApiState, token_hash: &str, refused: impl Fn() -> ApiError) -> Result<(), ApiError> {
+    match state.store.principal_by_token_hash(token_hash).await {
+        Ok(_) => Ok(()),
+        Err(sortie_store::StoreError::NotFound) => Err(refused()),
+        Err(other) => Err(other.into()),
+    }
 }
 
 /// End the browser's session: the cookie stops working and is cleared.
