@@ -14,7 +14,8 @@ pub mod delivery;
 pub mod driver;
 pub mod mapping;
 pub mod priming;
-pub mod profile;
+/// Agent profiles live in their own crate, which the worker reads without linking the driver.
+pub use sortie_profile as profile;
 pub mod relay;
 /// What counts as a secret: its own crate, shared with the gateway's scan of pushed packs.
 pub use sortie_secrets as secrets;

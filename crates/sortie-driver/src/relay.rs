@@ -5,8 +5,7 @@ use std::path::{Path, PathBuf};
 
 use tokio::net::{TcpListener, UnixStream};
 
-/// Where the relay listens inside the sandbox.
-pub const RELAY_ADDRESS: &str = "127.0.0.1:3128";
+pub use sortie_protocol::driver::RELAY_ADDRESS;
 
 /// Accepts connections forever and splices each onto a fresh connection to `socket`.
 pub async fn run(listener: TcpListener, socket: PathBuf) {

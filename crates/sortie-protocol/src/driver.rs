@@ -11,6 +11,10 @@
 
 use serde::{Deserialize, Serialize};
 
+/// Where the egress relay listens inside the sandbox's network namespace (the driver binds it; the host
+/// names it in the workspace's git remote).
+pub const RELAY_ADDRESS: &str = "127.0.0.1:3128";
+
 /// The version of this API; `GET /status` reports it and the host refuses a driver of another one.
 pub const VERSION: u32 = 2;
 

@@ -51,8 +51,8 @@ impl SessionUpstream {
 /// `/usr` and the agents dir): absolute paths that exist, else the turn cannot start.
 fn agent_read_only_paths(manifest: Option<&Path>, agent: &str, exe_dir: &Path) -> Result<Vec<PathBuf>, Failure> {
     let agent_failed = |what: String| (FailureCode::AgentStartFailed, what);
-    let profiles = sortie_driver::profile::load(manifest).map_err(|e| agent_failed(e.to_string()))?;
-    let profile = sortie_driver::profile::find(&profiles, agent).map_err(|e| agent_failed(e.to_string()))?;
+    let profiles = sortie_profile::load(manifest).map_err(|e| agent_failed(e.to_string()))?;
+    let profile = sortie_profile::find(&profiles, agent).map_err(|e| agent_failed(e.to_string()))?;
     let mut paths = Vec::new();
     // The driver looks for a bare command beside its own binary first: that one file is bound, not
     // the directory (which may hold anything: a build tree, other tools).
@@ -278,7 +278,7 @@ pub(super) async fn provision(
     }
     let origin = format!(
         "http://{}/_sortie/git/{}.git",
-        sortie_driver::relay::RELAY_ADDRESS,
+        sortie_protocol::driver::RELAY_ADDRESS,
         session.id
     );
     let started_at = prepare::ensure_workspace(
