@@ -219,6 +219,8 @@ pub const TURN_TRANSITIONS: &[(TurnStatus, TurnStatus)] = {
     &[
         (Accepted, Running),
         (Accepted, Canceled),
+        // Claimed, but its worker stopped before the agent was given the prompt: it waits again.
+        (Running, Accepted),
         (Running, Completed),
         (Running, Failed),
         (Running, Stopped),
@@ -354,7 +356,7 @@ mod tests {
             for to in T::ALL {
                 let expected = match from {
                     T::Accepted => matches!(to, T::Running | T::Canceled),
-                    T::Running => to.is_terminal(),
+                    T::Running => to.is_terminal() || to == T::Accepted,
                     _ => false,
                 };
                 assert_eq!(from.can_become(to), expected, "{from} -> {to}");

@@ -93,6 +93,11 @@ pub trait Store: Send + Sync + 'static {
     /// Ends a running turn; `false` if it was not running any more.
     async fn finish_turn(&self, session_id: &SessionId, n: u32, outcome: TurnOutcome) -> StoreResult<bool>;
 
+    /// Puts back in the queue a turn its worker claimed but never started at a driver (no nonce, nothing
+    /// stored of its transcript), with its session, in one transaction: `false` if the turn no longer
+    /// qualifies (its agent may have run: it is `lost` instead).
+    async fn requeue_unstarted_turn(&self, session_id: &SessionId, n: u32) -> StoreResult<bool>;
+
     /// Sessions with work for a worker (queued with a waiting turn or a resume request), oldest first.
     async fn claimable_sessions(&self, limit: u32) -> StoreResult<Vec<SessionRow>>;
     /// Every session in one of `phases`, of any workspace (the worker's reconciliation at start).

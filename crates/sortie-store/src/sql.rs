@@ -1052,6 +1052,58 @@ impl Store for SqlStore {
         Ok(Some(self.fetch_turn(session_id, n).await?))
     }
 
+    async fn requeue_unstarted_turn(&self, session_id: &SessionId, n: u32) -> StoreResult<bool> {
+        let now = now_ms();
+        let mut tx = self.begin_write().await?;
+        let turn = sqlx::query(
+            "UPDATE turns SET status = 'accepted', started_at = NULL, claimed_by = NULL \
+             WHERE session_id = $1 AND n = $2 AND status = 'running' AND driver_nonce IS NULL \
+             AND NOT EXISTS (SELECT 1 FROM parts WHERE session_id = $1 AND turn = $2)",
+        )
+        .bind(session_id.as_str())
+        .bind(i64::from(n))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        let session = if turn == 1 {
+            sqlx::query(
+                "UPDATE sessions SET phase = 'queued', n_waiting = n_waiting + 1, updated_at = $2 \
+                 WHERE id = $1 AND phase = 'provisioning'",
+            )
+            .bind(session_id.as_str())
+            .bind(now)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+        } else {
+            0
+        };
+        if session != 1 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        self.record_event(
+            &mut tx,
+            session_id,
+            None,
+            EventChange::Phase(SessionPhase::Queued),
+            None,
+            now,
+        )
+        .await?;
+        self.record_event(
+            &mut tx,
+            session_id,
+            Some(n),
+            EventChange::Status(TurnStatus::Accepted),
+            None,
+            now,
+        )
+        .await?;
+        self.commit_events(tx).await?;
+        Ok(true)
+    }
+
     async fn transition_session(
         &self,
         session_id: &SessionId,

@@ -511,8 +511,9 @@ async fn hibernate(context: &Arc<Context>, slots: &mut HashMap<SessionId, Slot>,
 /// At start, for what this worker held before it stopped (its claims and sandboxes, by
 /// `worker_id`; other workers' are theirs): a sandbox that outlived the earlier process (its keeper
 /// waits the orphan grace) and whose driver answers is adopted, its running turn followed to its end
-/// and its warm sandbox kept warm. Otherwise its running turn is `lost` (its log harvested into the
-/// transcript first) and its session `failed` with a reason; a warm session becomes `hibernated`.
+/// and its warm sandbox kept warm. A turn caught provisioning (never started at a driver) is queued
+/// again. Otherwise its running turn is `lost` (its log harvested into the transcript first) and its
+/// session `failed` with a reason; a warm session becomes `hibernated`.
 async fn reconcile(context: &Arc<Context>) -> Vec<Adopted> {
     let me = context.config.worker_id.as_str();
     let mut had_sandbox = std::collections::HashSet::new();
@@ -546,6 +547,24 @@ async fn reconcile(context: &Arc<Context>) -> Vec<Adopted> {
                 had_sandbox.contains(&session.id) || turn.as_ref().and_then(|t| t.claimed_by.as_deref()) == Some(me);
             if !mine || taken.contains(&session.id) {
                 continue;
+            }
+            // Caught while its sandbox was being made: its agent never had the prompt, so nothing of
+            // the turn happened yet and it is provisioned again (a rolling restart fails nothing).
+            if session.phase == SessionPhase::Provisioning
+                && let Some(turn) = &turn
+                && turn.driver_nonce.is_none()
+            {
+                match context.store.requeue_unstarted_turn(&session.id, turn.n).await {
+                    Ok(true) => {
+                        tracing::info!(session = %session.id, turn = turn.n, "re-queued a turn caught provisioning when this worker stopped");
+                        continue;
+                    }
+                    // Its transcript had begun after all: it is lost below, like a turn that ran.
+                    Ok(false) => {}
+                    Err(error) => {
+                        tracing::warn!(%error, session = %session.id, turn = turn.n, "cannot re-queue the turn; it is lost");
+                    }
+                }
             }
             let dirs = prepare::SessionDirs::new(&context.config.work_dir, &session.id);
             if let Some(n) = session.current_turn {

@@ -1452,3 +1452,47 @@ async fn the_setup_script_reaches_the_setup_hosts_and_the_agent_does_not() {
     assert!(outputs.contains("HTTP Error 403"), "{outputs}");
     assert!(!outputs.contains("reached-the-registry"), "{outputs}");
 }
+
+/// A rolling restart catches sessions provisioning: each turn whose agent never had its prompt is queued
+/// again and runs on the restarted server (issue 19), whatever moment of provisioning the kill hit —
+/// before the claim or the clone, and while the setup script runs in a live sandbox.
+async fn a_restart_while_provisioning_runs_the_turn_again(database: Option<&sortie_store::testing::TestDatabase>) {
+    let mut world = World::start_on(&[], database);
+    let task = "#!scripted\nwrite: provisioned.txt\nmade after the restart\n>>>\nsay: done";
+    for moment in ["at once after the create", "while the setup script runs"] {
+        let id = world.create(task, json!({"setup": "sleep 4"})).await;
+        if moment == "while the setup script runs" {
+            world.wait(&id, 30, |s, _| s["phase"] == "provisioning").await;
+            let live = Instant::now() + Duration::from_secs(30);
+            while !live_sandboxes().contains(&id) {
+                assert!(Instant::now() < live, "the sandbox never came up");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        world.kill_server();
+        world.restart_server();
+        let (session, turns) = world.settled(&id, 1).await;
+        assert_eq!(
+            (session["phase"].as_str(), status_of(&turns, 1)),
+            (Some("idle"), "completed"),
+            "killed {moment}: {session:#} {turns:#?}"
+        );
+        assert_eq!(
+            world.files_on_branch(&id),
+            vec!["provisioned.txt".to_owned()],
+            "killed {moment}"
+        );
+        assert_eq!(turns.len(), 1, "the same turn ran, not a new one");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_while_provisioning_runs_the_turn_again_on_sqlite() {
+    a_restart_while_provisioning_runs_the_turn_again(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_while_provisioning_runs_the_turn_again_on_postgres() {
+    let database = sortie_store::testing::TestDatabase::postgres().await.expect("postgres");
+    a_restart_while_provisioning_runs_the_turn_again(Some(&database)).await;
+}
