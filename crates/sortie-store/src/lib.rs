@@ -90,8 +90,16 @@ pub trait Store: Send + Sync + 'static {
         from: SessionPhase,
         to: SessionPhase,
     ) -> StoreResult<bool>;
-    /// Ends a running turn; `false` if it was not running any more.
+    /// Ends a running turn; `false` if it was not running any more. The worker ends a turn with
+    /// [`Store::end_turn`]; this alone is for a turn that fails before its settlement (a vendor's refusal).
     async fn finish_turn(&self, session_id: &SessionId, n: u32, outcome: TurnOutcome) -> StoreResult<bool>;
+    /// Ends turn `n` and moves its session, in one transaction: the turn takes `ending` if it still
+    /// runs (one that already ended keeps its end); a session still in the turn's phases (`provisioning`,
+    /// `running`, `delivering`) is settled — `queued` when turns wait behind, else `failed` when the
+    /// ending failed or was lost, else `idle` — passing through `delivering` from `running` as every
+    /// turn's session does. Any other phase (`canceling`, a session settled already) is left as it is.
+    /// Returns the session's phase after it.
+    async fn end_turn(&self, session_id: &SessionId, n: u32, ending: TurnOutcome) -> StoreResult<SessionPhase>;
 
     /// Puts back in the queue a turn its worker claimed but never started at a driver (no nonce, nothing
     /// stored of its transcript), with its session, in one transaction: `false` if the turn no longer

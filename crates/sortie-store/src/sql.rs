@@ -1858,6 +1858,116 @@ impl Store for SqlStore {
         Ok(true)
     }
 
+    async fn end_turn(&self, session_id: &SessionId, n: u32, ending: TurnOutcome) -> StoreResult<SessionPhase> {
+        if !TurnStatus::Running.can_become(ending.status) || ending.status == TurnStatus::Accepted {
+            return Err(StoreError::IllegalTransition {
+                from: "running".into(),
+                to: ending.status.to_string(),
+            });
+        }
+        let failed = matches!(ending.status, TurnStatus::Failed | TurnStatus::Lost);
+        let (failure_code, failure_reason) = match ending.failure {
+            Some((code, reason)) => (Some(failure_code_text(code)), Some(reason)),
+            None => (None, None),
+        };
+        let now = now_ms();
+        let mut tx = self.begin_write().await?;
+        let lock = match self.backend {
+            // SQLite's BEGIN IMMEDIATE already serialises writers; PostgreSQL holds the session's row
+            // so a steer cannot slip a waiting turn in between the read and the write below.
+            Backend::Postgres => "SELECT phase FROM sessions WHERE id = $1 FOR UPDATE",
+            Backend::Sqlite => "SELECT phase FROM sessions WHERE id = $1",
+        };
+        let row = sqlx::query(lock)
+            .bind(session_id.as_str())
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        let phase: String = row.try_get("phase")?;
+        let before = SessionPhase::from_str(&phase).map_err(internal)?;
+        let turn_ended = sqlx::query(
+            "UPDATE turns SET status = $3, head_sha = $4, failure_code = $5, failure_reason = $6, completed_at = $7 \
+             WHERE session_id = $1 AND n = $2 AND status = 'running'",
+        )
+        .bind(session_id.as_str())
+        .bind(i64::from(n))
+        .bind(ending.status.as_str())
+        .bind(ending.head_sha.as_deref())
+        .bind(failure_code.as_deref())
+        .bind(failure_reason.as_deref())
+        .bind(now)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected()
+            == 1;
+        if turn_ended {
+            sqlx::query(
+                "UPDATE sessions SET head_sha = COALESCE($2, head_sha), failure_code = $3, failure_reason = $4, \
+                 updated_at = $5 WHERE id = $1",
+            )
+            .bind(session_id.as_str())
+            .bind(ending.head_sha.as_deref())
+            .bind(failure_code.as_deref())
+            .bind(failure_reason.as_deref())
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        }
+        let settles = matches!(
+            before,
+            SessionPhase::Provisioning | SessionPhase::Running | SessionPhase::Delivering
+        );
+        let after = if settles {
+            let row = sqlx::query(
+                "UPDATE sessions SET phase = CASE WHEN n_waiting > 0 THEN 'queued' WHEN $2 = 1 THEN 'failed' \
+                 ELSE 'idle' END, updated_at = $3 WHERE id = $1 RETURNING phase",
+            )
+            .bind(session_id.as_str())
+            .bind(i64::from(failed))
+            .bind(now)
+            .fetch_one(&mut *tx)
+            .await?;
+            let phase: String = row.try_get("phase")?;
+            SessionPhase::from_str(&phase).map_err(internal)?
+        } else {
+            before
+        };
+        if turn_ended {
+            let failure = failure_code.as_deref().zip(failure_reason.as_deref());
+            self.record_event(
+                &mut tx,
+                session_id,
+                Some(n),
+                EventChange::Status(ending.status),
+                failure,
+                now,
+            )
+            .await?;
+        }
+        if settles {
+            if before == SessionPhase::Running {
+                // Every turn's session passes through `delivering` (what watchers of phases rely on).
+                self.record_event(
+                    &mut tx,
+                    session_id,
+                    None,
+                    EventChange::Phase(SessionPhase::Delivering),
+                    None,
+                    now,
+                )
+                .await?;
+            }
+            self.record_event(&mut tx, session_id, None, EventChange::Phase(after), None, now)
+                .await?;
+        }
+        if turn_ended || settles {
+            self.commit_events(tx).await?;
+        } else {
+            tx.rollback().await?;
+        }
+        Ok(after)
+    }
+
     async fn append_parts(&self, session_id: &SessionId, turn: u32, parts: &[NewPart]) -> StoreResult<u64> {
         if parts.is_empty() {
             return Ok(0);

@@ -101,6 +101,7 @@ on_both_databases!(
     every_phase_and_status_change_is_an_event_in_commit_order,
     concurrent_writers_number_events_in_commit_order,
     webhook_deliveries_are_enqueued_and_claimed_once,
+    a_turn_ends_with_its_session_in_one_call,
 );
 
 async fn a_session_keeps_its_first_pull_request(backend: TestBackend) {
@@ -2000,4 +2001,184 @@ async fn webhook_deliveries_are_enqueued_and_claimed_once(backend: TestBackend) 
     assert!(!f.store.delete_webhook("other", "whk_a").await.expect("foreign delete"));
     assert!(f.store.delete_webhook(ws, "whk_a").await.expect("delete"));
     assert!(f.store.webhooks(Some(ws)).await.expect("hooks").is_empty());
+}
+
+fn ending(status: TurnStatus, failure: Option<(FailureCode, &str)>) -> TurnOutcome {
+    TurnOutcome {
+        status,
+        head_sha: None,
+        failure: failure.map(|(code, reason)| (code, reason.to_owned())),
+    }
+}
+
+async fn a_turn_ends_with_its_session_in_one_call(backend: TestBackend) {
+    let f = fixture(backend).await;
+    let ws = &f.workspace.id;
+    let session = f
+        .store
+        .create_session(new_session(ws, "/r", "t"))
+        .await
+        .expect("create");
+    let start = f.store.latest_event().await.expect("latest");
+
+    // Failed while provisioning: the turn fails and the session with it.
+    f.store
+        .claim_turn(&session.id, false, "w")
+        .await
+        .expect("claim")
+        .expect("claimed");
+    let clone_failed = ending(
+        TurnStatus::Failed,
+        Some((FailureCode::CloneFailed, "no such repository")),
+    );
+    assert_eq!(
+        f.store.end_turn(&session.id, 1, clone_failed).await.expect("end"),
+        SessionPhase::Failed
+    );
+    let failed = f.store.session(ws, &session.id).await.expect("s");
+    assert_eq!(
+        failed.failure,
+        Some((FailureCode::CloneFailed, "no such repository".into()))
+    );
+
+    // A turn that completes while another waits behind it: the session queues, through delivering.
+    f.store.steer(ws, &session.id, queue("two")).await.expect("steer");
+    f.store
+        .claim_turn(&session.id, true, "w")
+        .await
+        .expect("claim")
+        .expect("claimed");
+    f.store
+        .steer(ws, &session.id, queue("three"))
+        .await
+        .expect("steer behind");
+    let delivered = TurnOutcome {
+        status: TurnStatus::Completed,
+        head_sha: Some("abc123".into()),
+        failure: None,
+    };
+    assert_eq!(
+        f.store.end_turn(&session.id, 2, delivered).await.expect("end"),
+        SessionPhase::Queued
+    );
+    let queued = f.store.session(ws, &session.id).await.expect("s");
+    assert_eq!((queued.head_sha.as_deref(), queued.failure), (Some("abc123"), None));
+
+    // The last turn: idle. Ending it again changes nothing and says where the session is.
+    f.store
+        .claim_turn(&session.id, true, "w")
+        .await
+        .expect("claim")
+        .expect("claimed");
+    assert!(
+        f.store
+            .transition_session(&session.id, SessionPhase::Running, SessionPhase::Delivering)
+            .await
+            .expect("delivering")
+    );
+    assert_eq!(
+        f.store
+            .end_turn(&session.id, 3, ending(TurnStatus::Stopped, None))
+            .await
+            .expect("end"),
+        SessionPhase::Idle
+    );
+    let replay = ending(TurnStatus::Lost, Some((FailureCode::SandboxLost, "gone")));
+    assert_eq!(
+        f.store.end_turn(&session.id, 3, replay).await.expect("again"),
+        SessionPhase::Idle
+    );
+    let turns = f.store.turns(ws, &session.id).await.expect("turns");
+    assert_eq!(
+        turns.iter().map(|t| t.status).collect::<Vec<_>>(),
+        [TurnStatus::Failed, TurnStatus::Completed, TurnStatus::Stopped]
+    );
+
+    // A turn ended by a vendor's refusal before its settlement keeps that end; the session fails.
+    f.store.steer(ws, &session.id, queue("four")).await.expect("steer");
+    f.store
+        .claim_turn(&session.id, true, "w")
+        .await
+        .expect("claim")
+        .expect("claimed");
+    let refused = ending(
+        TurnStatus::Failed,
+        Some((FailureCode::VendorAuthRejected, "the key was refused")),
+    );
+    assert!(
+        f.store
+            .finish_turn(&session.id, 4, refused.clone())
+            .await
+            .expect("fail early")
+    );
+    assert_eq!(
+        f.store.end_turn(&session.id, 4, refused).await.expect("end"),
+        SessionPhase::Failed
+    );
+
+    // Canceled mid-turn: the turn ends canceled and the session stays canceling for its teardown.
+    f.store.steer(ws, &session.id, queue("five")).await.expect("steer");
+    f.store
+        .claim_turn(&session.id, true, "w")
+        .await
+        .expect("claim")
+        .expect("claimed");
+    f.store.cancel(ws, &session.id).await.expect("cancel");
+    assert_eq!(
+        f.store
+            .end_turn(&session.id, 5, ending(TurnStatus::Canceled, None))
+            .await
+            .expect("end"),
+        SessionPhase::Canceling
+    );
+    let illegal = f
+        .store
+        .end_turn(&session.id, 5, ending(TurnStatus::Accepted, None))
+        .await;
+    assert!(
+        matches!(illegal, Err(StoreError::IllegalTransition { .. })),
+        "{illegal:?}"
+    );
+
+    let page = f.store.events_after(Some(ws), start, 100).await.expect("events");
+    assert_eq!(
+        said(&page),
+        [
+            "session provisioning",
+            "turn 1 running",
+            "turn 1 failed",
+            "session failed",
+            "session queued",
+            "turn 2 accepted",
+            "session running",
+            "turn 2 running",
+            "turn 3 accepted",
+            "turn 2 completed",
+            "session delivering",
+            "session queued",
+            "session running",
+            "turn 3 running",
+            "session delivering",
+            "turn 3 stopped",
+            "session idle",
+            "session queued",
+            "turn 4 accepted",
+            "session running",
+            "turn 4 running",
+            "turn 4 failed",
+            "session delivering",
+            "session failed",
+            "session queued",
+            "turn 5 accepted",
+            "session running",
+            "turn 5 running",
+            "session canceling",
+            "turn 5 canceled",
+        ]
+    );
+    let session_failed = &page.events[3];
+    assert_eq!(
+        session_failed.failure,
+        Some((FailureCode::CloneFailed, "no such repository".into()))
+    );
 }
