@@ -28,7 +28,7 @@ use sortie_gateway::egress::proxy::Resolver;
 use sortie_gateway::live::{Feeds, LiveTails, SocketTails};
 use sortie_protocol::{SessionId, SessionPhase};
 use sortie_sandbox::{Limits, SandboxRuntime};
-use sortie_store::{Store, TurnOutcome};
+use sortie_store::Store;
 
 pub use turn::SandboxHandle;
 
@@ -240,11 +240,9 @@ impl Worker {
                     let session_id = session.id.clone();
                     let keep = turn::resume(&context, session, turn, sandbox).await;
                     if keep.is_none() {
-                        let _ = context
-                            .store
-                            .transition_session(&session_id, SessionPhase::Canceling, SessionPhase::Canceled)
-                            .await;
+                        end_cancel(&context, &session_id).await;
                     }
+                    // The loop is gone only at shutdown, when nothing waits for this any more.
                     let _ = events.send(Event::TurnEnded { session_id, keep });
                 });
             }
@@ -332,12 +330,16 @@ async fn on_tick(context: &Arc<Context>, slots: &mut HashMap<SessionId, Slot>, e
         let warm = slots.get_mut(&session.id).and_then(|slot| slot.warm.take());
         if let Some(sandbox) = warm {
             if session.resume_requested && session.n_waiting == 0 {
-                // A resume of a session whose sandbox is still warm: nothing to provision.
-                let _ = context.store.claim_resume(&session.id).await;
-                let _ = context
-                    .store
-                    .settle_session(&session.id, SessionPhase::Provisioning, false)
-                    .await;
+                // A resume of a session whose sandbox is still warm: nothing to provision. A claim
+                // lost to a steer or a cancel leaves the session to it.
+                if matches!(context.store.claim_resume(&session.id).await, Ok(true))
+                    && let Err(error) = context
+                        .store
+                        .settle_session(&session.id, SessionPhase::Provisioning, false)
+                        .await
+                {
+                    tracing::warn!(%error, session = %session.id, "cannot settle the resume");
+                }
                 if let Some(slot) = slots.get_mut(&session.id) {
                     slot.warm = Some(sandbox);
                 }
@@ -363,6 +365,7 @@ async fn on_tick(context: &Arc<Context>, slots: &mut HashMap<SessionId, Slot>, e
             continue;
         }
         if !make_room(context, slots, &session.workspace_id).await {
+            // Only what the session shows while it waits: the next tick writes it again.
             let _ = context
                 .store
                 .set_queued_reason(&session.id, Some(CAPACITY_REASON))
@@ -413,15 +416,23 @@ fn spawn_turn(
         let session_id = session.id.clone();
         let keep = turn::run(&context, session, turn, sandbox).await;
         if keep.is_none() {
-            // A cancel that came while the turn was in flight: its work is delivered and its sandbox
-            // gone now, so the session is `canceled` (a no-op for any other phase).
-            let _ = context
-                .store
-                .transition_session(&session_id, SessionPhase::Canceling, SessionPhase::Canceled)
-                .await;
+            end_cancel(&context, &session_id).await;
         }
+        // The loop is gone only at shutdown, when nothing waits for this any more.
         let _ = events.send(Event::TurnEnded { session_id, keep });
     });
+}
+
+/// A cancel that came while a turn was in flight: its work is delivered and its sandbox gone now, so
+/// the session is `canceled` (for any other phase this compare-and-set changes nothing, which is right).
+async fn end_cancel(context: &Arc<Context>, session_id: &SessionId) {
+    if let Err(error) = context
+        .store
+        .transition_session(session_id, SessionPhase::Canceling, SessionPhase::Canceled)
+        .await
+    {
+        tracing::warn!(%error, session = %session_id, "cannot end the cancel; the next start does");
+    }
 }
 
 /// Whether a new sandbox fits the workspace's limit, hibernating its longest-idle warm sandbox if that
@@ -525,6 +536,8 @@ async fn reconcile(context: &Arc<Context>) -> Vec<Adopted> {
                 continue;
             }
             // Whatever is left of it (adopt made it this runtime's if it still ran) goes.
+            // Both are best effort: a sandbox that cannot be destroyed has no session to serve any
+            // more, and a row left behind is replaced by the session's next sandbox.
             let _ = context.runtime.destroy(&row.handle).await;
             let _ = context.store.delete_sandbox(&row.session_id).await;
             had_sandbox.insert(row.session_id);
@@ -566,52 +579,38 @@ async fn reconcile(context: &Arc<Context>) -> Vec<Adopted> {
                     }
                 }
             }
-            let dirs = prepare::SessionDirs::new(&context.config.work_dir, &session.id);
-            if let Some(n) = session.current_turn {
-                let reason = "sortie stopped while this turn ran and its sandbox did not outlive it (or its driver no \
-                              longer answered); the transcript up to that point is kept. Steer the session to continue.";
-                turn::close_lost_transcript(context, &session.id, n, &dirs.home, reason).await;
-                let lost = context
-                    .store
-                    .finish_turn(
-                        &session.id,
-                        n,
-                        TurnOutcome {
-                            status: sortie_protocol::TurnStatus::Lost,
-                            head_sha: None,
-                            failure: Some((sortie_protocol::FailureCode::SandboxLost, reason.into())),
-                        },
-                    )
-                    .await;
-                if let Err(error) = lost {
-                    tracing::warn!(%error, session = %session.id, turn = n, "cannot record the lost turn");
+            let phase = match session.current_turn {
+                Some(n) => {
+                    let reason = "sortie stopped while this turn ran and its sandbox did not outlive it (or its driver \
+                                  no longer answered); the transcript up to that point is kept. Steer the session to \
+                                  continue.";
+                    turn::end_lost_turn(context, &session.id, n, reason).await
                 }
-            }
-            let mut from = session.phase;
-            if from == SessionPhase::Canceling {
-                // Its sandbox is gone with the process: the cancel is done.
-                let _ = context
+                // A resume without a prompt caught provisioning: no turn to end, the session fails.
+                None => context
                     .store
-                    .transition_session(&session.id, from, SessionPhase::Canceled)
-                    .await;
+                    .settle_session(&session.id, session.phase, true)
+                    .await
+                    .ok()
+                    .flatten(),
+            };
+            if phase == Some(SessionPhase::Canceling) {
+                // Its sandbox is gone with the process: the cancel is done. Losing this race to another
+                // change of the phase leaves that change standing.
+                if let Err(error) = context
+                    .store
+                    .transition_session(&session.id, SessionPhase::Canceling, SessionPhase::Canceled)
+                    .await
+                {
+                    tracing::warn!(%error, session = %session.id, "cannot end the cancel");
+                }
                 continue;
             }
-            if from == SessionPhase::Running
-                && matches!(
-                    context
-                        .store
-                        .transition_session(&session.id, from, SessionPhase::Delivering)
-                        .await,
-                    Ok(true)
-                )
-            {
-                from = SessionPhase::Delivering;
-            }
-            let _ = context.store.settle_session(&session.id, from, true).await;
             tracing::warn!(session = %session.id, "reconciled a session this worker held before it stopped: its turn is lost");
         }
     }
     for session_id in &had_sandbox {
+        // Only an idle session changes: any other phase is right as it is.
         let _ = context
             .store
             .transition_session(session_id, SessionPhase::Idle, SessionPhase::Hibernated)

@@ -3,7 +3,8 @@
 //! newest kept, at most [`PREAMBLE_LIMIT`] bytes.
 
 use serde_json::Value;
-use sortie_store::{StoredPart, TurnRow};
+use sortie_protocol::driver::PrimingContext;
+use sortie_store::{SessionRow, Store, StoredPart, TurnRow};
 
 pub const PREAMBLE_LIMIT: usize = 64 * 1024;
 
@@ -68,6 +69,51 @@ pub fn preamble_of(
         "This conversation continues an earlier one in this repository; its transcript so far:\n\n{}",
         blocks.join("\n")
     ))
+}
+
+/// What primes a fresh agent for turn `n` of `session` (the preamble and the task), read from the
+/// store slice by slice and never further than the preamble can hold.
+pub async fn context_for(store: &dyn Store, session: &SessionRow, n: u32) -> PrimingContext {
+    let turns = store
+        .turns(&session.workspace_id, &session.id)
+        .await
+        .unwrap_or_default();
+    // The assistant's text of the earlier turns, newest first, read slice by slice and only as far as
+    // the preamble can hold: never the whole transcript.
+    let mut answers = std::collections::BTreeMap::new();
+    let mut any_parts = false;
+    let mut used = 0;
+    for turn in turns.iter().filter(|t| t.n < n).rev() {
+        if used > PREAMBLE_LIMIT {
+            break;
+        }
+        let mut text = String::new();
+        let mut after = None;
+        while text.len() <= PREAMBLE_LIMIT {
+            let limit = sortie_store::PartsLimit {
+                parts: 1024,
+                bytes: 4 << 20,
+            };
+            let Ok(slice) = store.turn_parts_after(&session.id, turn.n, after, limit).await else {
+                break;
+            };
+            let Some(last) = slice.last().map(|part| part.part_index) else {
+                break;
+            };
+            any_parts = true;
+            text.push_str(&assistant_text(&slice, turn.n));
+            after = Some(last);
+        }
+        used += text.len() + turn.prompt.len();
+        answers.insert(turn.n, text);
+    }
+    let preamble = if any_parts {
+        preamble_of(&turns, &answers, n, PREAMBLE_LIMIT)
+    } else {
+        None
+    };
+    let task = turns.first().map(|t| t.prompt.clone());
+    PrimingContext { preamble, task }
 }
 
 #[cfg(test)]

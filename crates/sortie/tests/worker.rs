@@ -1459,8 +1459,17 @@ async fn the_setup_script_reaches_the_setup_hosts_and_the_agent_does_not() {
 async fn a_restart_while_provisioning_runs_the_turn_again(database: Option<&sortie_store::testing::TestDatabase>) {
     let mut world = World::start_on(&[], database);
     let task = "#!scripted\nwrite: provisioned.txt\nmade after the restart\n>>>\nsay: done";
-    for moment in ["at once after the create", "while the setup script runs"] {
+    for moment in [
+        "at once after the create",
+        "as soon as a worker claimed it",
+        "while the setup script runs",
+    ] {
         let id = world.create(task, json!({"setup": "sleep 4"})).await;
+        if moment == "as soon as a worker claimed it" {
+            // Somewhere in mirror, clone, proxies and the sandbox's start: the setup script holds the
+            // turn in provisioning for 4 s after them.
+            world.wait(&id, 30, |s, _| s["phase"] == "provisioning").await;
+        }
         if moment == "while the setup script runs" {
             world.wait(&id, 30, |s, _| s["phase"] == "provisioning").await;
             let live = Instant::now() + Duration::from_secs(30);

@@ -7,45 +7,22 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sortie_gateway::egress::policy::Denial;
-use sortie_gateway::egress::proxy::{DenialHook, EgressProxy, SessionAllowlist};
-use sortie_gateway::egress::registries::PhasedAllowlist;
-use sortie_gateway::git::config::PushRecords;
-use sortie_gateway::git::http::{Upstream, Upstreams};
+use sortie_protocol::FailureCode;
 use sortie_protocol::driver::SETUP_OUTPUT_TAIL_BYTES;
-use sortie_protocol::sortie_data::{EgressDeniedData, SortieData};
-use sortie_protocol::{FailureCode, SessionId};
-use sortie_sandbox::local::disk::{Quota, SessionDisk};
 use sortie_sandbox::{SandboxSpec, SandboxStatus, SandboxStdio, inside};
 use sortie_store::SessionRow;
 
-use super::{Failure, HandleInner, SandboxHandle, destroy, ms};
+use super::proxy::{SandboxProxy, serve_proxy, session_upstream, write_known_secrets};
+use super::sandbox::{HandleInner, destroy, mount_disk};
+use super::{Failure, SandboxHandle, ms, start_failed};
 use crate::Context;
-use crate::meter::{CurrentTurn, TurnMeter, WorkspaceKeys};
+use crate::meter::CurrentTurn;
 use crate::prepare::{self, SessionDirs};
 
 /// How long a new sandbox's driver has to answer.
 const DRIVER_READY_DEADLINE: Duration = Duration::from_secs(30);
 /// Runs the repository's own setup script when the session names none.
 const DEFAULT_SETUP: &str = "if [ -f .sortie/setup.sh ]; then exec sh .sortie/setup.sh; fi";
-
-/// The git proxy of one sandbox reaches its own session's repository and nothing else.
-pub(super) struct SessionUpstream {
-    session_id: SessionId,
-    upstream: std::sync::RwLock<Upstream>,
-}
-
-impl Upstreams for SessionUpstream {
-    fn upstream(&self, session_id: &SessionId) -> Option<Upstream> {
-        (session_id == &self.session_id).then(|| self.upstream.read().unwrap_or_else(|p| p.into_inner()).clone())
-    }
-}
-
-impl SessionUpstream {
-    pub(super) fn replace(&self, upstream: Upstream) {
-        *self.upstream.write().unwrap_or_else(|p| p.into_inner()) = upstream;
-    }
-}
 
 /// What the session's agent profile asks the sandbox to bind read-only (its install dir outside
 /// `/usr` and the agents dir): absolute paths that exist, else the turn cannot start.
@@ -74,179 +51,6 @@ fn agent_read_only_paths(manifest: Option<&Path>, agent: &str, exe_dir: &Path) -
         paths.push(path);
     }
     Ok(paths)
-}
-
-/// Writes the digests of the workspace's secret values to `path`, in place (truncated, same inode).
-pub(super) async fn write_known_secrets(
-    context: &Arc<Context>,
-    session: &SessionRow,
-    path: &Path,
-) -> Result<(), String> {
-    let digests = WorkspaceKeys {
-        store: context.store.clone(),
-        ring: context.config.keyring.clone(),
-        workspace_id: session.workspace_id.clone(),
-    }
-    .digests()
-    .await;
-    std::fs::write(path, digests).map_err(|e| format!("cannot write {}: {e}", path.display()))
-}
-
-pub(super) fn start_failed(what: impl std::fmt::Display) -> Failure {
-    (FailureCode::SandboxStartFailed, what.to_string())
-}
-
-/// Where the session's repository lives for the git proxy, and how host-side git reaches it: a local
-/// path as is; an `https://` URL through the workspace's connection to its forge, whose token only
-/// the gateway and the mirror fetch ever hold.
-pub(super) async fn session_upstream(
-    context: &Arc<Context>,
-    session: &SessionRow,
-) -> Result<(Upstream, Option<prepare::ForgeAuth>), Failure> {
-    if session.repo.starts_with('/') {
-        return Ok((Upstream::Local(PathBuf::from(&session.repo)), None));
-    }
-    let Some(host) = sortie_protocol::api::repo_forge_host(&session.repo) else {
-        return Err((
-            FailureCode::CloneFailed,
-            format!(
-                "{:?} is neither a local path nor an https:// repository URL",
-                session.repo
-            ),
-        ));
-    };
-    let missing = || {
-        (
-            FailureCode::CloneFailed,
-            format!(
-                "the workspace has no connection to {host}: an admin adds one with `sortie forge set {host}`, then retry"
-            ),
-        )
-    };
-    let ring = context.config.keyring.as_ref().ok_or_else(missing)?;
-    let opened = sortie_store::workspace_forge_token(context.store.as_ref(), ring, &session.workspace_id, &host).await;
-    let (_, token) = match opened {
-        Ok(Some(found)) => found,
-        Ok(None) => return Err(missing()),
-        Err(sortie_store::KeyError::Store(_)) => {
-            return Err((FailureCode::CloneFailed, "the store did not answer; retry".into()));
-        }
-        Err(_) => {
-            return Err((
-                FailureCode::CloneFailed,
-                format!(
-                    "the stored token for {host} does not open with this server's master key: set it again with `sortie forge set {host}`"
-                ),
-            ));
-        }
-    };
-    let token_text = String::from_utf8_lossy(token.expose()).into_owned();
-    Ok((
-        Upstream::Remote {
-            url: session.repo.clone(),
-            token: token_text,
-        },
-        Some(prepare::ForgeAuth {
-            token,
-            ca_bundle: context.config.forge_ca_bundle.clone(),
-        }),
-    ))
-}
-
-/// What serves a sandbox's `egress.sock`: its allowlist, model meter, git upstream and the task.
-pub(super) struct SandboxProxy {
-    pub allowlist: Arc<PhasedAllowlist>,
-    pub meter: Arc<TurnMeter>,
-    pub upstream: Arc<SessionUpstream>,
-    /// The git proxy's record of every push it decided on.
-    pub pushes: Arc<PushRecords>,
-    /// Object stores the host trusts for the session's delivered history (for its diff stat).
-    pub trusted_objects: Vec<PathBuf>,
-    pub task: tokio::task::JoinHandle<()>,
-}
-
-/// Serves the session's egress proxy (with its git and model proxies) on its `egress.sock`.
-pub(super) fn serve_proxy(
-    context: &Arc<Context>,
-    session: &SessionRow,
-    dirs: &SessionDirs,
-    upstream: Upstream,
-    current: &Arc<CurrentTurn>,
-) -> Result<SandboxProxy, Failure> {
-    let config = &context.config;
-    let allowlist = PhasedAllowlist::new(
-        Arc::new(SessionAllowlist {
-            store: context.store.clone(),
-            workspace_id: session.workspace_id.clone(),
-            session_id: session.id.clone(),
-        }),
-        config.setup_hosts.clone(),
-    );
-    let upstream = Arc::new(SessionUpstream {
-        session_id: session.id.clone(),
-        upstream: std::sync::RwLock::new(upstream),
-    });
-    let git = crate::git_proxy::build(context, session, dirs, upstream.clone()).map_err(start_failed)?;
-    let trusted_objects = [
-        vec![git.config.delivered_objects.clone()],
-        git.config.trusted_object_dirs.clone(),
-    ]
-    .concat();
-    let pushes = git.pushes.clone();
-    let git_routes = sortie_gateway::git::http::router(git.config);
-    let meter = TurnMeter::new(context.store.clone(), session.id.clone(), current.clone());
-    let model_routes = sortie_gateway::model::router(
-        sortie_gateway::model::ModelProxyConfig {
-            session_id: session.id.clone(),
-            upstreams: config.model_upstreams.clone(),
-            extra_roots_pem: Vec::new(),
-            pinned_headers: Vec::new(),
-            limits: Default::default(),
-        },
-        Arc::new(WorkspaceKeys {
-            store: context.store.clone(),
-            ring: config.keyring.clone(),
-            workspace_id: session.workspace_id.clone(),
-        }),
-        meter.clone(),
-    )
-    .map_err(start_failed)?;
-    let proxy = EgressProxy::new(
-        allowlist.clone(),
-        config.egress_exempt.clone(),
-        config.resolver.clone(),
-        Some(git_routes.merge(model_routes)),
-        Some(report_denials(current.clone())),
-    );
-    let egress_socket = dirs.egress_socket();
-    let _ = std::fs::remove_file(&egress_socket);
-    let listener = tokio::net::UnixListener::bind(&egress_socket)
-        .map_err(|e| start_failed(format!("cannot listen on {}: {e}", egress_socket.display())))?;
-    context.runtime.grant_socket(&egress_socket).map_err(start_failed)?;
-    let proxy_task = tokio::spawn(proxy.serve(listener));
-    Ok(SandboxProxy {
-        allowlist,
-        meter,
-        upstream,
-        pushes,
-        trusted_objects,
-        task: proxy_task,
-    })
-}
-
-/// Every egress refusal becomes a `data-sortie-egress-denied` part of the running turn, written by
-/// the host into its own transcript (nothing of it passes through the sandbox).
-fn report_denials(current: Arc<CurrentTurn>) -> DenialHook {
-    Arc::new(move |denial: &Denial| {
-        if let Some(transcript) = current.get() {
-            transcript.host(SortieData::EgressDenied(EgressDeniedData {
-                host: denial.host.clone(),
-                port: denial.port,
-                reason: denial.reason.clone(),
-            }));
-        }
-        Box::pin(std::future::ready(()))
-    })
 }
 
 /// Makes the session's sandbox: workspace, egress and git proxy, the driver, the setup script.
@@ -409,10 +213,15 @@ pub(super) async fn provision(
         trusted_objects,
         proxy: proxy_task,
     }));
-    let _ = context
+    // The row lets the next start adopt the sandbox; without it the sandbox only cannot be adopted
+    // (the keeper ends it after the orphan grace), which loses nothing of the turn.
+    if let Err(error) = context
         .store
         .put_sandbox(&session.id, "local", &name, &config.worker_id)
-        .await;
+        .await
+    {
+        tracing::warn!(%error, session = %session.id, "cannot record the sandbox; it cannot be adopted");
+    }
     if let Err(error) = context.runtime.start(&name).await {
         destroy(context, &session.id, &handle).await;
         return Err(start_failed(error));
@@ -501,20 +310,4 @@ fn tail_chars(text: &str, max: usize) -> String {
         start += 1;
     }
     text[start..].to_owned()
-}
-
-/// Mounts the session's disk (made on first use) where its workspace and home live, so a sandbox that
-/// fills them runs out of its own space, never the host's. Without root there is no quota: said once
-/// in the log, not a failure.
-pub(super) async fn mount_disk(context: &Arc<Context>, dirs: &SessionDirs) -> Result<(), Failure> {
-    if !dirs.has_disk() {
-        return Ok(());
-    }
-    let disk = SessionDisk::ensure(&dirs.image, &dirs.disk, context.config.limits.disk_bytes)
-        .await
-        .map_err(|error| start_failed(format!("the session's disk could not be mounted: {error}")))?;
-    if let Quota::Unenforced { reason } = disk.quota() {
-        tracing::warn!(disk = %dirs.disk.display(), %reason, "the session has no disk quota");
-    }
-    Ok(())
 }

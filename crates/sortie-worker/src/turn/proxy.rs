@@ -1,0 +1,228 @@
+//! What serves one sandbox's `egress.sock` (DESIGN §6): the egress proxy with its allowlist, and behind
+//! it the git proxy of the session's own repository and the model proxy with the workspace's keys.
+//! Everything the sandbox reaches goes through here; none of it holds a name the sandbox can write.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use sortie_gateway::egress::policy::Denial;
+use sortie_gateway::egress::proxy::{DenialHook, EgressProxy, SessionAllowlist};
+use sortie_gateway::egress::registries::PhasedAllowlist;
+use sortie_gateway::git::config::PushRecords;
+use sortie_gateway::git::http::{Upstream, Upstreams};
+use sortie_protocol::sortie_data::{EgressDeniedData, SortieData};
+use sortie_protocol::{FailureCode, SessionId};
+use sortie_store::SessionRow;
+
+use super::{Failure, SandboxHandle, start_failed};
+use crate::Context;
+use crate::meter::{CurrentTurn, TurnMeter, WorkspaceKeys};
+use crate::prepare::{self, SessionDirs};
+
+/// The git proxy of one sandbox reaches its own session's repository and nothing else.
+pub(super) struct SessionUpstream {
+    session_id: SessionId,
+    upstream: std::sync::RwLock<Upstream>,
+}
+
+impl Upstreams for SessionUpstream {
+    fn upstream(&self, session_id: &SessionId) -> Option<Upstream> {
+        (session_id == &self.session_id).then(|| self.upstream.read().unwrap_or_else(|p| p.into_inner()).clone())
+    }
+}
+
+impl SessionUpstream {
+    pub(super) fn replace(&self, upstream: Upstream) {
+        *self.upstream.write().unwrap_or_else(|p| p.into_inner()) = upstream;
+    }
+}
+
+/// Writes the digests of the workspace's secret values to `path`, in place (truncated, same inode).
+pub(super) async fn write_known_secrets(
+    context: &Arc<Context>,
+    session: &SessionRow,
+    path: &Path,
+) -> Result<(), String> {
+    let digests = WorkspaceKeys {
+        store: context.store.clone(),
+        ring: context.config.keyring.clone(),
+        workspace_id: session.workspace_id.clone(),
+    }
+    .digests()
+    .await;
+    std::fs::write(path, digests).map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+/// Where the session's repository lives for the git proxy, and how host-side git reaches it: a local
+/// path as is; an `https://` URL through the workspace's connection to its forge, whose token only
+/// the gateway and the mirror fetch ever hold.
+pub(super) async fn session_upstream(
+    context: &Arc<Context>,
+    session: &SessionRow,
+) -> Result<(Upstream, Option<prepare::ForgeAuth>), Failure> {
+    if session.repo.starts_with('/') {
+        return Ok((Upstream::Local(PathBuf::from(&session.repo)), None));
+    }
+    let Some(host) = sortie_protocol::api::repo_forge_host(&session.repo) else {
+        return Err((
+            FailureCode::CloneFailed,
+            format!(
+                "{:?} is neither a local path nor an https:// repository URL",
+                session.repo
+            ),
+        ));
+    };
+    let missing = || {
+        (
+            FailureCode::CloneFailed,
+            format!(
+                "the workspace has no connection to {host}: an admin adds one with `sortie forge set {host}`, then retry"
+            ),
+        )
+    };
+    let ring = context.config.keyring.as_ref().ok_or_else(missing)?;
+    let opened = sortie_store::workspace_forge_token(context.store.as_ref(), ring, &session.workspace_id, &host).await;
+    let (_, token) = match opened {
+        Ok(Some(found)) => found,
+        Ok(None) => return Err(missing()),
+        Err(sortie_store::KeyError::Store(_)) => {
+            return Err((FailureCode::CloneFailed, "the store did not answer; retry".into()));
+        }
+        Err(_) => {
+            return Err((
+                FailureCode::CloneFailed,
+                format!(
+                    "the stored token for {host} does not open with this server's master key: set it again with `sortie forge set {host}`"
+                ),
+            ));
+        }
+    };
+    let token_text = String::from_utf8_lossy(token.expose()).into_owned();
+    Ok((
+        Upstream::Remote {
+            url: session.repo.clone(),
+            token: token_text,
+        },
+        Some(prepare::ForgeAuth {
+            token,
+            ca_bundle: context.config.forge_ca_bundle.clone(),
+        }),
+    ))
+}
+
+/// What serves a sandbox's `egress.sock`: its allowlist, model meter, git upstream and the task.
+pub(super) struct SandboxProxy {
+    pub allowlist: Arc<PhasedAllowlist>,
+    pub meter: Arc<TurnMeter>,
+    pub upstream: Arc<SessionUpstream>,
+    /// The git proxy's record of every push it decided on.
+    pub pushes: Arc<PushRecords>,
+    /// Object stores the host trusts for the session's delivered history (for its diff stat).
+    pub trusted_objects: Vec<PathBuf>,
+    pub task: tokio::task::JoinHandle<()>,
+}
+
+/// Serves the session's egress proxy (with its git and model proxies) on its `egress.sock`.
+pub(super) fn serve_proxy(
+    context: &Arc<Context>,
+    session: &SessionRow,
+    dirs: &SessionDirs,
+    upstream: Upstream,
+    current: &Arc<CurrentTurn>,
+) -> Result<SandboxProxy, Failure> {
+    let config = &context.config;
+    let allowlist = PhasedAllowlist::new(
+        Arc::new(SessionAllowlist {
+            store: context.store.clone(),
+            workspace_id: session.workspace_id.clone(),
+            session_id: session.id.clone(),
+        }),
+        config.setup_hosts.clone(),
+    );
+    let upstream = Arc::new(SessionUpstream {
+        session_id: session.id.clone(),
+        upstream: std::sync::RwLock::new(upstream),
+    });
+    let git = crate::git_proxy::build(context, session, dirs, upstream.clone()).map_err(start_failed)?;
+    let trusted_objects = [
+        vec![git.config.delivered_objects.clone()],
+        git.config.trusted_object_dirs.clone(),
+    ]
+    .concat();
+    let pushes = git.pushes.clone();
+    let git_routes = sortie_gateway::git::http::router(git.config);
+    let meter = TurnMeter::new(context.store.clone(), session.id.clone(), current.clone());
+    let model_routes = sortie_gateway::model::router(
+        sortie_gateway::model::ModelProxyConfig {
+            session_id: session.id.clone(),
+            upstreams: config.model_upstreams.clone(),
+            extra_roots_pem: Vec::new(),
+            pinned_headers: Vec::new(),
+            limits: Default::default(),
+        },
+        Arc::new(WorkspaceKeys {
+            store: context.store.clone(),
+            ring: config.keyring.clone(),
+            workspace_id: session.workspace_id.clone(),
+        }),
+        meter.clone(),
+    )
+    .map_err(start_failed)?;
+    let proxy = EgressProxy::new(
+        allowlist.clone(),
+        config.egress_exempt.clone(),
+        config.resolver.clone(),
+        Some(git_routes.merge(model_routes)),
+        Some(report_denials(current.clone())),
+    );
+    let egress_socket = dirs.egress_socket();
+    let _ = std::fs::remove_file(&egress_socket);
+    let listener = tokio::net::UnixListener::bind(&egress_socket)
+        .map_err(|e| start_failed(format!("cannot listen on {}: {e}", egress_socket.display())))?;
+    context.runtime.grant_socket(&egress_socket).map_err(start_failed)?;
+    let proxy_task = tokio::spawn(proxy.serve(listener));
+    Ok(SandboxProxy {
+        allowlist,
+        meter,
+        upstream,
+        pushes,
+        trusted_objects,
+        task: proxy_task,
+    })
+}
+
+/// Every egress refusal becomes a `data-sortie-egress-denied` part of the running turn, written by
+/// the host into its own transcript (nothing of it passes through the sandbox).
+fn report_denials(current: Arc<CurrentTurn>) -> DenialHook {
+    Arc::new(move |denial: &Denial| {
+        if let Some(transcript) = current.get() {
+            transcript.host(SortieData::EgressDenied(EgressDeniedData {
+                host: denial.host.clone(),
+                port: denial.port,
+                reason: denial.reason.clone(),
+            }));
+        }
+        Box::pin(std::future::ready(()))
+    })
+}
+
+/// A warm sandbox takes a turn with what changed since it started: the workspace's model keys for
+/// the delivery's scan, a rotated or removed forge token.
+pub(super) async fn refresh_warm_sandbox(context: &Arc<Context>, session: &SessionRow, sandbox: &SandboxHandle) {
+    let dirs = SessionDirs::new(&context.config.work_dir, &session.id);
+    if let Err(error) = write_known_secrets(context, session, &dirs.known_secrets).await {
+        tracing::warn!(session = %session.id, %error, "cannot refresh the known secrets; the sandbox's list stays");
+    }
+    match session_upstream(context, session).await {
+        Ok((upstream, _)) => sandbox.0.upstream.replace(upstream),
+        Err((_, reason)) => {
+            tracing::warn!(session = %session.id, %reason, "the forge connection is gone; pushes will be refused");
+            if sortie_protocol::api::repo_forge_host(&session.repo).is_some() {
+                sandbox.0.upstream.replace(Upstream::Remote {
+                    url: session.repo.clone(),
+                    token: String::new(),
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! A session's sandbox as the host holds it: the [`SandboxHandle`] a turn runs in, taken over from an
+//! earlier process ([`adopt`]) or torn down ([`destroy`]), and the session's own disk under it.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sortie_gateway::egress::registries::PhasedAllowlist;
+use sortie_gateway::git::config::PushRecords;
+use sortie_protocol::SessionId;
+use sortie_sandbox::local::disk::{Quota, SessionDisk};
+use sortie_store::SessionRow;
+
+use super::Failure;
+use super::proxy::{self, SessionUpstream, session_upstream};
+use crate::Context;
+use crate::client::DriverClient;
+use crate::meter::{CurrentTurn, TurnMeter};
+use crate::prepare::SessionDirs;
+
+/// A live sandbox of a session: its name, directories, egress allowlist and the proxy serving it.
+#[derive(Clone)]
+pub struct SandboxHandle(pub(super) Arc<HandleInner>);
+
+pub(super) struct HandleInner {
+    pub(super) name: String,
+    pub(super) dirs: SessionDirs,
+    pub(super) allowlist: Arc<PhasedAllowlist>,
+    pub(super) meter: Arc<TurnMeter>,
+    /// What the sandbox's git proxy forwards to; a forge token is read again before every turn.
+    pub(super) upstream: Arc<SessionUpstream>,
+    /// The running turn's transcript, for the parts of sortie's own its proxies report.
+    pub(super) current: Arc<CurrentTurn>,
+    /// The git proxy's record of every push it decided on: what a turn delivered comes from here.
+    pub(super) pushes: Arc<PushRecords>,
+    /// Object stores the host trusts for the session's delivered history.
+    pub(super) trusted_objects: Vec<PathBuf>,
+    pub(super) proxy: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for HandleInner {
+    fn drop(&mut self) {
+        self.proxy.abort();
+    }
+}
+
+impl SandboxHandle {
+    pub fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    pub(super) fn driver(&self) -> DriverClient {
+        DriverClient::new(self.0.dirs.driver_socket())
+    }
+}
+
+/// Kills every process of the sandbox, stops its proxy and forgets it; the session's directories stay.
+pub(crate) async fn destroy(context: &Arc<Context>, session_id: &SessionId, sandbox: &SandboxHandle) {
+    sandbox.0.current.set(None);
+    sandbox.0.proxy.abort();
+    match context.runtime.destroy(sandbox.name()).await {
+        Ok(usage) => {
+            let turn = context
+                .store
+                .session_by_id(session_id)
+                .await
+                .ok()
+                .and_then(|s| s.current_turn)
+                .unwrap_or(1);
+            let compute_ms = (usage.cpu_seconds * 1000.0).round().max(0.0) as u64;
+            if let Err(error) = context
+                .store
+                .record_compute(session_id, turn, sortie_store::now_ms(), compute_ms)
+                .await
+            {
+                tracing::warn!(%error, session = %session_id, "cannot record the sandbox's compute");
+            }
+        }
+        Err(error) => tracing::debug!(%error, session = %session_id, "destroy"),
+    }
+    if let Err(error) = context.store.delete_sandbox(session_id).await {
+        tracing::warn!(%error, session = %session_id, "cannot forget the sandbox in the store");
+    }
+    // Both sockets are the host's, in directories only the host writes.
+    let _ = std::fs::remove_file(sandbox.0.dirs.egress_socket());
+    let _ = std::fs::remove_file(sandbox.0.dirs.driver_socket());
+    unmount_disk(&sandbox.0.dirs).await;
+}
+
+/// Takes over the sandbox of `session` that an earlier process of this worker left running (its
+/// driver answers on the host's socket): the runtime adopts it, and its egress, git and model proxies
+/// are served again on its socket. Anything short of that destroys it.
+pub(crate) async fn adopt(context: &Arc<Context>, session: &SessionRow, name: &str) -> Result<SandboxHandle, String> {
+    context.runtime.adopt(name).await.map_err(|e| e.to_string())?;
+    let dirs = SessionDirs::new(&context.config.work_dir, &session.id);
+    let driver = DriverClient::new(dirs.driver_socket());
+    let answered_by = Instant::now() + Duration::from_secs(2);
+    while driver.status().await.is_err() {
+        if Instant::now() >= answered_by {
+            let _ = context.runtime.destroy(name).await;
+            return Err("its driver does not answer".into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let current = Arc::new(CurrentTurn::default());
+    let proxy = match session_upstream(context, session).await {
+        Ok((upstream, _)) => proxy::serve_proxy(context, session, &dirs, upstream, &current),
+        Err(failure) => Err(failure),
+    };
+    let proxy = match proxy {
+        Ok(proxy) => proxy,
+        Err((_, reason)) => {
+            let _ = context.runtime.destroy(name).await;
+            return Err(reason);
+        }
+    };
+    // Only a sandbox past its setup is adopted: the agent phase's allowlist.
+    proxy.allowlist.end_setup();
+    Ok(SandboxHandle(Arc::new(HandleInner {
+        name: name.to_owned(),
+        dirs,
+        allowlist: proxy.allowlist,
+        meter: proxy.meter,
+        upstream: proxy.upstream,
+        current,
+        pushes: proxy.pushes,
+        trusted_objects: proxy.trusted_objects,
+        proxy: proxy.task,
+    })))
+}
+
+/// Mounts the session's disk (made on first use) where its workspace and home live, so a sandbox that
+/// fills them runs out of its own space, never the host's. Without root there is no quota: said once
+/// in the log, not a failure.
+pub(super) async fn mount_disk(context: &Arc<Context>, dirs: &SessionDirs) -> Result<(), Failure> {
+    if !dirs.has_disk() {
+        return Ok(());
+    }
+    let disk = SessionDisk::ensure(&dirs.image, &dirs.disk, context.config.limits.disk_bytes)
+        .await
+        .map_err(|error| super::start_failed(format!("the session's disk could not be mounted: {error}")))?;
+    if let Quota::Unenforced { reason } = disk.quota() {
+        tracing::warn!(disk = %dirs.disk.display(), %reason, "the session has no disk quota");
+    }
+    Ok(())
+}
+
+/// Unmounts the session's disk once nothing of its sandbox runs (the image stays, for the next one).
+pub(super) async fn unmount_disk(dirs: &SessionDirs) {
+    if !dirs.has_disk() {
+        return;
+    }
+    match sortie_sandbox::local::disk::unmount(&dirs.disk).await {
+        Ok(sortie_sandbox::local::disk::Unmounted::Detached) => {
+            tracing::info!(disk = %dirs.disk.display(), "the session's disk was busy; detached lazily");
+        }
+        Ok(_) => {}
+        Err(error) => tracing::warn!(disk = %dirs.disk.display(), %error, "cannot unmount the session's disk"),
+    }
+}
+
+/// Why the session's disk is full, if it is (read by the host from the filesystem itself).
+pub(super) fn disk_full(dirs: &SessionDirs) -> Option<String> {
+    if !dirs.has_disk() {
+        return None;
+    }
+    let usage = sortie_sandbox::local::disk::filesystem_usage(&dirs.disk).ok()?;
+    usage.is_full().then(|| usage.describe())
+}
