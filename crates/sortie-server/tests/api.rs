@@ -28,11 +28,19 @@ macro_rules! on_every_server {
         }
         mod in_process_postgres {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() { super::$name(super::Harness::start(super::Transport::InProcess, super::TestBackend::Postgres).await).await; })*
+            async fn $name() {
+                if sortie_store::testing::postgres_available(stringify!($name)).await {
+                    super::$name(super::Harness::start(super::Transport::InProcess, super::TestBackend::Postgres).await).await;
+                }
+            })*
         }
         mod socket_postgres {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() { super::$name(super::Harness::start(super::Transport::Socket, super::TestBackend::Postgres).await).await; })*
+            async fn $name() {
+                if sortie_store::testing::postgres_available(stringify!($name)).await {
+                    super::$name(super::Harness::start(super::Transport::Socket, super::TestBackend::Postgres).await).await;
+                }
+            })*
         }
     };
 }
@@ -83,6 +91,9 @@ mod flooded_turn {
     }
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres() {
+        if !sortie_store::testing::postgres_available("messages_of_a_flooded_turn_answer_fast_and_in_parallel").await {
+            return;
+        }
         let h = super::Harness::start(super::Transport::Socket, super::TestBackend::Postgres).await;
         super::messages_of_a_flooded_turn_answer_fast_and_in_parallel(h).await;
     }

@@ -14,6 +14,38 @@ use crate::{StoreError, StoreResult};
 pub const TEST_POSTGRES_URL_ENV: &str = "SORTIE_TEST_POSTGRES_URL";
 const DEFAULT_TEST_POSTGRES_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 
+/// Whether a PostgreSQL test runs. With [`TEST_POSTGRES_URL_ENV`] set (the test command sets it) it
+/// always does, and a server that does not answer fails it. Without it, a contributor with no
+/// PostgreSQL on the default address runs the SQLite half: this says on stderr that `test` was
+/// skipped and why, and returns `false`.
+pub async fn postgres_available(test: &str) -> bool {
+    static ANSWERS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if std::env::var_os(TEST_POSTGRES_URL_ENV).is_some() {
+        return true;
+    }
+    let answers = match ANSWERS.get() {
+        Some(answers) => *answers,
+        None => {
+            let connect = sqlx::PgConnection::connect(DEFAULT_TEST_POSTGRES_URL);
+            let answers = matches!(
+                tokio::time::timeout(std::time::Duration::from_secs(3), connect).await,
+                Ok(Ok(_))
+            );
+            *ANSWERS.get_or_init(|| answers)
+        }
+    };
+    if !answers {
+        use std::io::Write;
+        // Past the test harness's capture, which would hide it for a test that passes.
+        let _ = writeln!(
+            std::io::stderr(),
+            "skipped {test}: no PostgreSQL answers at {DEFAULT_TEST_POSTGRES_URL} (set {TEST_POSTGRES_URL_ENV} to \
+             require one; scripts/test does)"
+        );
+    }
+    answers
+}
+
 /// Which database a test runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TestBackend {

@@ -80,6 +80,11 @@ fn a_killed_server_loses_no_accepted_session_on_postgres() {
         .enable_all()
         .build()
         .expect("runtime");
+    if !runtime.block_on(sortie_store::testing::postgres_available(
+        "a_killed_server_loses_no_accepted_session_on_postgres",
+    )) {
+        return;
+    }
     let database = runtime
         .block_on(sortie_store::testing::TestDatabase::postgres())
         .expect("postgres database");

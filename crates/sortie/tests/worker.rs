@@ -164,6 +164,9 @@ async fn run_delivers_the_branch_on_sqlite() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_delivers_the_branch_on_postgres() {
+    if !sortie_store::testing::postgres_available("run_delivers_the_branch_on_postgres").await {
+        return;
+    }
     let database = sortie_store::testing::TestDatabase::postgres().await.expect("postgres");
     run_delivers_the_branch_and_the_transcript_is_what_a_live_client_saw(Some(&database)).await;
 }
@@ -693,6 +696,9 @@ async fn a_delivery_while_the_server_is_down_waits_for_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_worker_starting_leaves_the_first_ones_turns_alone() {
+    if !sortie_store::testing::postgres_available("a_second_worker_starting_leaves_the_first_ones_turns_alone").await {
+        return;
+    }
     let database = sortie_store::testing::TestDatabase::postgres().await.expect("postgres");
     let world = World::start_on(&[], Some(&database));
     let id = world
@@ -1502,6 +1508,10 @@ async fn a_restart_while_provisioning_runs_the_turn_again_on_sqlite() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_while_provisioning_runs_the_turn_again_on_postgres() {
+    if !sortie_store::testing::postgres_available("a_restart_while_provisioning_runs_the_turn_again_on_postgres").await
+    {
+        return;
+    }
     let database = sortie_store::testing::TestDatabase::postgres().await.expect("postgres");
     a_restart_while_provisioning_runs_the_turn_again(Some(&database)).await;
 }
