@@ -1,5 +1,6 @@
 //! `sortie serve`: opens the store, bootstraps the first workspace and admin token, binds the
-//! listener and runs the api role until Ctrl-C or SIGTERM.
+//! listener and runs the roles it was given (api, gateway, worker, and the webhook dispatcher beside
+//! the api) until Ctrl-C or SIGTERM.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -427,7 +428,6 @@ impl sortie_gateway::egress::proxy::Resolver for TableFirst {
     }
 }
 
-/// No session has a driver: this process runs no worker.
 /// Prints a one-time link that signs a browser in to the dashboard as the saved admin token.
 fn print_signin_link(data_dir: &Path, address: std::net::SocketAddr, signins: &sortie_server::signin::SignIns) {
     let Ok(token) = std::fs::read_to_string(data_dir.join(ADMIN_TOKEN_FILE)) else {
