@@ -129,7 +129,7 @@ async fn delivered(
     sandbox: &SandboxHandle,
     report: &TurnReport,
 ) -> Delivered {
-    let records = sandbox.0.pushes.take();
+    let records = sandbox.0.proxy.pushes.take();
     let branch_ref = format!("refs/heads/{}", session.id.branch());
     let secret = records.iter().find_map(|record| match &record.outcome {
         PushOutcome::SecretDetected { reason } => Some(reason.clone()),
@@ -185,7 +185,7 @@ async fn delivered(
             match sortie_gateway::git::diff::branch_diff(
                 &context.config.git_binary,
                 &dirs.git_state.join("stat"),
-                &sandbox.0.trusted_objects,
+                &sandbox.0.proxy.trusted_objects,
                 start.as_deref().or(session.head_sha.as_deref()),
                 head,
             )

@@ -217,8 +217,8 @@ async fn run_agent_turn(
     let n = turn.n;
     // A refusal the vendor sent, or a push decided, after the last turn ended belongs to no turn:
     // both are taken and dropped.
-    let _ = sandbox.0.meter.take_rejection();
-    let _ = sandbox.0.pushes.take();
+    let _ = sandbox.0.proxy.meter.take_rejection();
+    let _ = sandbox.0.proxy.pushes.take();
     if !fresh {
         proxy::refresh_warm_sandbox(context, session, &sandbox).await;
     }

@@ -12,8 +12,8 @@ use sortie_protocol::driver::SETUP_OUTPUT_TAIL_BYTES;
 use sortie_sandbox::{SandboxSpec, SandboxStatus, SandboxStdio, inside};
 use sortie_store::SessionRow;
 
-use super::proxy::{SandboxProxy, serve_proxy, session_upstream, write_known_secrets};
-use super::sandbox::{HandleInner, destroy, mount_disk};
+use super::proxy::{serve_proxy, session_upstream, write_known_secrets};
+use super::sandbox::{destroy, mount_disk};
 use super::{Failure, SandboxHandle, ms, start_failed};
 use crate::Context;
 use crate::meter::CurrentTurn;
@@ -112,14 +112,7 @@ pub(super) async fn provision(
     // as its stdin; nothing in the sandbox has a name for it (DESIGN §9 invariant 8).
     let driver_listener = bind_driver_socket(&dirs).map_err(start_failed)?;
     let current = Arc::new(CurrentTurn::default());
-    let SandboxProxy {
-        allowlist,
-        meter,
-        upstream,
-        pushes,
-        trusted_objects,
-        task: proxy_task,
-    } = serve_proxy(context, session, &dirs, upstream, &current)?;
+    let proxy = serve_proxy(context, session, &dirs, upstream, &current)?;
 
     let exe = &config.sortie_exe;
     let exe_dir = exe
@@ -127,7 +120,6 @@ pub(super) async fn provision(
         .ok_or_else(|| start_failed("the sortie binary has no directory"))?
         .to_owned();
     if !context.runtime.is_reachable(exe) {
-        proxy_task.abort();
         return Err(start_failed(format!(
             "the sandbox uid cannot reach the sortie binary at {}: install sortie under a path every user can read \
              (e.g. /usr/local/bin)",
@@ -199,20 +191,9 @@ pub(super) async fn provision(
     // A sandbox of this name left by an earlier attempt is gone for good.
     let _ = context.runtime.destroy(&name).await;
     if let Err(error) = context.runtime.create(spec).await {
-        proxy_task.abort();
         return Err(start_failed(error));
     }
-    let handle = SandboxHandle(Arc::new(HandleInner {
-        name: name.clone(),
-        dirs: dirs.clone(),
-        allowlist,
-        meter,
-        upstream,
-        current,
-        pushes,
-        trusted_objects,
-        proxy: proxy_task,
-    }));
+    let handle = SandboxHandle::new(name.clone(), dirs.clone(), current, proxy);
     // The row lets the next start adopt the sandbox; without it the sandbox only cannot be adopted
     // (the keeper ends it after the orphan grace), which loses nothing of the turn.
     if let Err(error) = context
@@ -279,7 +260,7 @@ pub(super) async fn provision(
         destroy(context, &session.id, &handle).await;
         return Err((FailureCode::SetupFailed, reason));
     }
-    handle.0.allowlist.end_setup();
+    handle.0.proxy.allowlist.end_setup();
     timings.insert("setup".into(), ms(clock));
     Ok(handle)
 }

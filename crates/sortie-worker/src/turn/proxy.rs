@@ -122,6 +122,13 @@ pub(super) struct SandboxProxy {
     pub task: tokio::task::JoinHandle<()>,
 }
 
+/// The proxy stops with the last holder of its sandbox (or with a provisioning that gave up on it).
+impl Drop for SandboxProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// Serves the session's egress proxy (with its git and model proxies) on its `egress.sock`.
 pub(super) fn serve_proxy(
     context: &Arc<Context>,
@@ -214,11 +221,11 @@ pub(super) async fn refresh_warm_sandbox(context: &Arc<Context>, session: &Sessi
         tracing::warn!(session = %session.id, %error, "cannot refresh the known secrets; the sandbox's list stays");
     }
     match session_upstream(context, session).await {
-        Ok((upstream, _)) => sandbox.0.upstream.replace(upstream),
+        Ok((upstream, _)) => sandbox.0.proxy.upstream.replace(upstream),
         Err((_, reason)) => {
             tracing::warn!(session = %session.id, %reason, "the forge connection is gone; pushes will be refused");
             if sortie_protocol::api::repo_forge_host(&session.repo).is_some() {
-                sandbox.0.upstream.replace(Upstream::Remote {
+                sandbox.0.proxy.upstream.replace(Upstream::Remote {
                     url: session.repo.clone(),
                     token: String::new(),
                 });

@@ -1,21 +1,18 @@
 //! A session's sandbox as the host holds it: the [`SandboxHandle`] a turn runs in, taken over from an
 //! earlier process ([`adopt`]) or torn down ([`destroy`]), and the session's own disk under it.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sortie_gateway::egress::registries::PhasedAllowlist;
-use sortie_gateway::git::config::PushRecords;
 use sortie_protocol::SessionId;
 use sortie_sandbox::local::disk::{Quota, SessionDisk};
 use sortie_store::SessionRow;
 
 use super::Failure;
-use super::proxy::{self, SessionUpstream, session_upstream};
+use super::proxy::{self, SandboxProxy, session_upstream};
 use crate::Context;
 use crate::client::DriverClient;
-use crate::meter::{CurrentTurn, TurnMeter};
+use crate::meter::CurrentTurn;
 use crate::prepare::SessionDirs;
 
 /// A live sandbox of a session: its name, directories, egress allowlist and the proxy serving it.
@@ -25,26 +22,22 @@ pub struct SandboxHandle(pub(super) Arc<HandleInner>);
 pub(super) struct HandleInner {
     pub(super) name: String,
     pub(super) dirs: SessionDirs,
-    pub(super) allowlist: Arc<PhasedAllowlist>,
-    pub(super) meter: Arc<TurnMeter>,
-    /// What the sandbox's git proxy forwards to; a forge token is read again before every turn.
-    pub(super) upstream: Arc<SessionUpstream>,
     /// The running turn's transcript, for the parts of sortie's own its proxies report.
     pub(super) current: Arc<CurrentTurn>,
-    /// The git proxy's record of every push it decided on: what a turn delivered comes from here.
-    pub(super) pushes: Arc<PushRecords>,
-    /// Object stores the host trusts for the session's delivered history.
-    pub(super) trusted_objects: Vec<PathBuf>,
-    pub(super) proxy: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for HandleInner {
-    fn drop(&mut self) {
-        self.proxy.abort();
-    }
+    /// What serves its `egress.sock`: allowlist, model meter, git upstream and push record.
+    pub(super) proxy: SandboxProxy,
 }
 
 impl SandboxHandle {
+    pub(super) fn new(name: String, dirs: SessionDirs, current: Arc<CurrentTurn>, proxy: SandboxProxy) -> Self {
+        Self(Arc::new(HandleInner {
+            name,
+            dirs,
+            current,
+            proxy,
+        }))
+    }
+
     pub fn name(&self) -> &str {
         &self.0.name
     }
@@ -57,7 +50,7 @@ impl SandboxHandle {
 /// Kills every process of the sandbox, stops its proxy and forgets it; the session's directories stay.
 pub(crate) async fn destroy(context: &Arc<Context>, session_id: &SessionId, sandbox: &SandboxHandle) {
     sandbox.0.current.set(None);
-    sandbox.0.proxy.abort();
+    sandbox.0.proxy.task.abort();
     match context.runtime.destroy(sandbox.name()).await {
         Ok(usage) => {
             let turn = context
@@ -116,17 +109,7 @@ pub(crate) async fn adopt(context: &Arc<Context>, session: &SessionRow, name: &s
     };
     // Only a sandbox past its setup is adopted: the agent phase's allowlist.
     proxy.allowlist.end_setup();
-    Ok(SandboxHandle(Arc::new(HandleInner {
-        name: name.to_owned(),
-        dirs,
-        allowlist: proxy.allowlist,
-        meter: proxy.meter,
-        upstream: proxy.upstream,
-        current,
-        pushes: proxy.pushes,
-        trusted_objects: proxy.trusted_objects,
-        proxy: proxy.task,
-    })))
+    Ok(SandboxHandle::new(name.to_owned(), dirs, current, proxy))
 }
 
 /// Mounts the session's disk (made on first use) where its workspace and home live, so a sandbox that

@@ -310,7 +310,7 @@ async fn observe(on: &Watching<'_>) -> Vec<TurnEvent> {
     if let Some(reason) = on.transcript.limit_reached() {
         events.push(TurnEvent::TranscriptLimit(reason));
     }
-    if let Some(rejection) = on.sandbox.0.meter.take_rejection() {
+    if let Some(rejection) = on.sandbox.0.proxy.meter.take_rejection() {
         events.push(TurnEvent::VendorRejected(rejection.reason));
     }
     if let Ok(row) = on.context.store.turn(&on.session.id, on.n).await
