@@ -157,6 +157,61 @@ impl SqlStore {
         Ok(())
     }
 
+    /// Ends turn `n` in `tx` if it still runs: its status, head and failure, the session's head and
+    /// failure, and the turn's event. `false` (nothing written) if it was not running.
+    async fn write_turn_end(
+        &self,
+        tx: &mut Transaction<'static, Any>,
+        session_id: &SessionId,
+        n: u32,
+        ending: &TurnOutcome,
+        now: i64,
+    ) -> StoreResult<bool> {
+        let (failure_code, failure_reason) = match &ending.failure {
+            Some((code, reason)) => (Some(failure_code_text(*code)), Some(reason.as_str())),
+            None => (None, None),
+        };
+        let changed = sqlx::query(
+            "UPDATE turns SET status = $3, head_sha = $4, failure_code = $5, failure_reason = $6, completed_at = $7 \
+             WHERE session_id = $1 AND n = $2 AND status = 'running'",
+        )
+        .bind(session_id.as_str())
+        .bind(i64::from(n))
+        .bind(ending.status.as_str())
+        .bind(ending.head_sha.as_deref())
+        .bind(failure_code.as_deref())
+        .bind(failure_reason)
+        .bind(now)
+        .execute(&mut **tx)
+        .await?
+        .rows_affected();
+        if changed != 1 {
+            return Ok(false);
+        }
+        sqlx::query(
+            "UPDATE sessions SET head_sha = COALESCE($2, head_sha), failure_code = $3, failure_reason = $4, \
+             updated_at = $5 WHERE id = $1",
+        )
+        .bind(session_id.as_str())
+        .bind(ending.head_sha.as_deref())
+        .bind(failure_code.as_deref())
+        .bind(failure_reason)
+        .bind(now)
+        .execute(&mut **tx)
+        .await?;
+        let failure = failure_code.as_deref().zip(failure_reason);
+        self.record_event(
+            tx,
+            session_id,
+            Some(n),
+            EventChange::Status(ending.status),
+            failure,
+            now,
+        )
+        .await?;
+        Ok(true)
+    }
+
     /// Commits a transaction that wrote events and wakes this process's readers.
     async fn commit_events(&self, tx: Transaction<'static, Any>) -> StoreResult<()> {
         tx.commit().await?;
@@ -384,6 +439,17 @@ fn parse_failure(code: Option<String>, reason: Option<String>) -> StoreResult<Op
             Ok(Some((parsed, reason.unwrap_or_default())))
         }
     }
+}
+
+/// A turn ends only in one of the statuses a running turn can end in.
+fn check_turn_end(status: TurnStatus) -> StoreResult<()> {
+    if status == TurnStatus::Accepted || !TurnStatus::Running.can_become(status) {
+        return Err(StoreError::IllegalTransition {
+            from: "running".into(),
+            to: status.to_string(),
+        });
+    }
+    Ok(())
 }
 
 fn failure_code_text(code: FailureCode) -> String {
@@ -1802,74 +1868,20 @@ impl Store for SqlStore {
     }
 
     async fn finish_turn(&self, session_id: &SessionId, n: u32, outcome: TurnOutcome) -> StoreResult<bool> {
-        if !TurnStatus::Running.can_become(outcome.status) {
-            return Err(StoreError::IllegalTransition {
-                from: "running".into(),
-                to: outcome.status.to_string(),
-            });
-        }
-        let (failure_code, failure_reason) = match outcome.failure {
-            Some((code, reason)) => (Some(failure_code_text(code)), Some(reason)),
-            None => (None, None),
-        };
+        check_turn_end(outcome.status)?;
         let now = now_ms();
         let mut tx = self.begin_write().await?;
-        let changed = sqlx::query(
-            "UPDATE turns SET status = $3, head_sha = $4, failure_code = $5, failure_reason = $6, completed_at = $7 \
-             WHERE session_id = $1 AND n = $2 AND status = 'running'",
-        )
-        .bind(session_id.as_str())
-        .bind(i64::from(n))
-        .bind(outcome.status.as_str())
-        .bind(outcome.head_sha.as_deref())
-        .bind(failure_code.as_deref())
-        .bind(failure_reason.as_deref())
-        .bind(now)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if changed == 1 {
-            sqlx::query(
-                "UPDATE sessions SET head_sha = COALESCE($2, head_sha), failure_code = $3, failure_reason = $4, updated_at = $5 \
-                 WHERE id = $1",
-            )
-            .bind(session_id.as_str())
-            .bind(outcome.head_sha.as_deref())
-            .bind(failure_code.as_deref())
-            .bind(failure_reason.as_deref())
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
-        } else {
+        if !self.write_turn_end(&mut tx, session_id, n, &outcome, now).await? {
             tx.rollback().await?;
             return Ok(false);
         }
-        let failure = failure_code.as_deref().zip(failure_reason.as_deref());
-        self.record_event(
-            &mut tx,
-            session_id,
-            Some(n),
-            EventChange::Status(outcome.status),
-            failure,
-            now,
-        )
-        .await?;
         self.commit_events(tx).await?;
         Ok(true)
     }
 
     async fn end_turn(&self, session_id: &SessionId, n: u32, ending: TurnOutcome) -> StoreResult<SessionPhase> {
-        if !TurnStatus::Running.can_become(ending.status) || ending.status == TurnStatus::Accepted {
-            return Err(StoreError::IllegalTransition {
-                from: "running".into(),
-                to: ending.status.to_string(),
-            });
-        }
+        check_turn_end(ending.status)?;
         let failed = matches!(ending.status, TurnStatus::Failed | TurnStatus::Lost);
-        let (failure_code, failure_reason) = match ending.failure {
-            Some((code, reason)) => (Some(failure_code_text(code)), Some(reason)),
-            None => (None, None),
-        };
         let now = now_ms();
         let mut tx = self.begin_write().await?;
         let lock = match self.backend {
@@ -1885,86 +1897,39 @@ impl Store for SqlStore {
             .ok_or(StoreError::NotFound)?;
         let phase: String = row.try_get("phase")?;
         let before = SessionPhase::from_str(&phase).map_err(internal)?;
-        let turn_ended = sqlx::query(
-            "UPDATE turns SET status = $3, head_sha = $4, failure_code = $5, failure_reason = $6, completed_at = $7 \
-             WHERE session_id = $1 AND n = $2 AND status = 'running'",
-        )
-        .bind(session_id.as_str())
-        .bind(i64::from(n))
-        .bind(ending.status.as_str())
-        .bind(ending.head_sha.as_deref())
-        .bind(failure_code.as_deref())
-        .bind(failure_reason.as_deref())
-        .bind(now)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected()
-            == 1;
-        if turn_ended {
-            sqlx::query(
-                "UPDATE sessions SET head_sha = COALESCE($2, head_sha), failure_code = $3, failure_reason = $4, \
-                 updated_at = $5 WHERE id = $1",
-            )
-            .bind(session_id.as_str())
-            .bind(ending.head_sha.as_deref())
-            .bind(failure_code.as_deref())
-            .bind(failure_reason.as_deref())
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
-        }
+        let turn_ended = self.write_turn_end(&mut tx, session_id, n, &ending, now).await?;
         let settles = matches!(
             before,
             SessionPhase::Provisioning | SessionPhase::Running | SessionPhase::Delivering
         );
-        let after = if settles {
-            let row = sqlx::query(
-                "UPDATE sessions SET phase = CASE WHEN n_waiting > 0 THEN 'queued' WHEN $2 = 1 THEN 'failed' \
-                 ELSE 'idle' END, updated_at = $3 WHERE id = $1 RETURNING phase",
-            )
-            .bind(session_id.as_str())
-            .bind(i64::from(failed))
-            .bind(now)
-            .fetch_one(&mut *tx)
-            .await?;
-            let phase: String = row.try_get("phase")?;
-            SessionPhase::from_str(&phase).map_err(internal)?
-        } else {
-            before
-        };
-        if turn_ended {
-            let failure = failure_code.as_deref().zip(failure_reason.as_deref());
-            self.record_event(
-                &mut tx,
-                session_id,
-                Some(n),
-                EventChange::Status(ending.status),
-                failure,
-                now,
-            )
-            .await?;
-        }
-        if settles {
-            if before == SessionPhase::Running {
-                // Every turn's session passes through `delivering` (what watchers of phases rely on).
-                self.record_event(
-                    &mut tx,
-                    session_id,
-                    None,
-                    EventChange::Phase(SessionPhase::Delivering),
-                    None,
-                    now,
-                )
-                .await?;
+        if !settles {
+            if turn_ended {
+                self.commit_events(tx).await?;
+            } else {
+                tx.rollback().await?;
             }
-            self.record_event(&mut tx, session_id, None, EventChange::Phase(after), None, now)
+            return Ok(before);
+        }
+        let row = sqlx::query(
+            "UPDATE sessions SET phase = CASE WHEN n_waiting > 0 THEN 'queued' WHEN $2 = 1 THEN 'failed' \
+             ELSE 'idle' END, updated_at = $3 WHERE id = $1 RETURNING phase",
+        )
+        .bind(session_id.as_str())
+        .bind(i64::from(failed))
+        .bind(now)
+        .fetch_one(&mut *tx)
+        .await?;
+        let phase: String = row.try_get("phase")?;
+        let after = SessionPhase::from_str(&phase).map_err(internal)?;
+        if before == SessionPhase::Running {
+            // Every turn's session passes through `delivering` (what watchers of phases rely on).
+            let delivering = EventChange::Phase(SessionPhase::Delivering);
+            self.record_event(&mut tx, session_id, None, delivering, None, now)
                 .await?;
         }
-        if turn_ended || settles {
-            self.commit_events(tx).await?;
-        } else {
-            tx.rollback().await?;
-        }
+        self.record_event(&mut tx, session_id, None, EventChange::Phase(after), None, now)
+            .await?;
+        self.commit_events(tx).await?;
         Ok(after)
     }
 
