@@ -182,9 +182,23 @@ impl Transcript {
         });
         let mut stream = AgentStream::new();
         if progress.last_index.is_some() {
-            // The blocks and tool calls this turn opened before are open still.
-            for part in store.parts(session_id).await?.iter().filter(|p| p.turn == n) {
-                let _ = stream.admit(&part.payload);
+            // The blocks and tool calls this turn opened before are open still: the turn's own parts,
+            // read slice by slice (never the rest of the session). What was stored passed these checks
+            // once, so a refusal now changes nothing.
+            let slice = sortie_store::PartsLimit {
+                parts: 1024,
+                bytes: 4 << 20,
+            };
+            let mut after = None;
+            loop {
+                let parts = store.turn_parts_after(session_id, n, after, slice).await?;
+                let Some(last) = parts.last().map(|part| part.part_index) else {
+                    break;
+                };
+                for part in &parts {
+                    let _ = stream.admit(&part.payload);
+                }
+                after = Some(last);
             }
         }
         let (tx, rx) = mpsc::channel(QUEUE);
