@@ -19,14 +19,14 @@ use serde::Deserialize;
 use sortie_protocol::api::TicketAction;
 use sortie_protocol::chunk::{SSE_DONE, STREAM_HEADERS, write_sse_event};
 use sortie_protocol::{ApiErrorBody, ErrorCode, SessionId, TurnStatus};
-use sortie_store::{Store, StoreError, TurnRow};
+use sortie_store::{GatewayStore, StoreError, TurnRow};
 
 use crate::live::LiveTails;
 use crate::tickets;
 
 #[derive(Clone)]
 pub struct AttachState {
-    pub store: Arc<dyn Store>,
+    pub store: Arc<dyn GatewayStore>,
     pub ticket_secret: Arc<[u8]>,
     /// The live copies of running turns.
     pub tails: Arc<dyn LiveTails>,
@@ -360,7 +360,7 @@ fn live_tail(
     n: u32,
     stored: Stored,
     pace: Pace,
-    store: Arc<dyn Store>,
+    store: Arc<dyn GatewayStore>,
     workspace_id: String,
 ) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send {
     let Pace {

@@ -7,7 +7,7 @@ use axum::http::{HeaderMap, Uri, header};
 use sortie_protocol::api::TicketAction;
 use sortie_protocol::ticket::{self, TicketClaims, TicketError};
 use sortie_protocol::{ErrorCode, SessionId};
-use sortie_store::Store;
+use sortie_store::Tickets;
 
 /// A refused ticket: the code (401) and a sentence.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -25,7 +25,7 @@ fn refuse(code: ErrorCode, message: &str) -> TicketRefusal {
 
 /// Checks the ticket of a stream request for `session` and `action`; `now` is epoch seconds.
 pub async fn check(
-    store: &dyn Store,
+    store: &dyn Tickets,
     secret: &[u8],
     headers: &HeaderMap,
     uri: &Uri,

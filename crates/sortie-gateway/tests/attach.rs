@@ -17,8 +17,7 @@ use sortie_protocol::SessionId;
 use sortie_protocol::api::TicketAction;
 use sortie_protocol::chunk::{SSE_DONE, write_sse_event};
 use sortie_protocol::ticket::{TICKET_VERSION, TicketClaims, mint};
-use sortie_store::testing::TestDatabase;
-use sortie_store::{NewSession, RepoAccess, SqlStore, Store};
+use sortie_store::{ControlPlane, NewSession, RepoAccess, SqlStore, testing::TestDatabase};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 

@@ -11,7 +11,7 @@ use serde_json::json;
 use sortie_protocol::api::Role;
 use sortie_server::{AgentCatalog, ApiState, Secret, tokens};
 use sortie_store::testing::{TestBackend, TestDatabase};
-use sortie_store::{RepoAccess, SqlStore, Store};
+use sortie_store::{ControlPlane, RepoAccess, SqlStore};
 
 struct Figures {
     p50: Duration,

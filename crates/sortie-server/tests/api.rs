@@ -12,8 +12,9 @@ use sortie_protocol::limits::{
     REQUEST_BODY_MAX_BYTES, SETUP_MAX_BYTES, TURN_PART_BYTES_MAX, TURN_PARTS_MAX, TURN_QUEUE_MAX,
 };
 use sortie_protocol::{SessionId, SessionPhase, TurnStatus};
-use sortie_store::testing::TestBackend;
-use sortie_store::{NewPart, Store, TokenUsage, TurnOutcome};
+use sortie_store::{
+    ControlPlane, Ledger, NewPart, Secrets, TokenUsage, Transcripts, TurnOutcome, testing::TestBackend,
+};
 
 /// One test per (transport, database) for each story.
 macro_rules! on_every_server {

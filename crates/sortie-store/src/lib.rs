@@ -1,5 +1,6 @@
 //! The store: every durable fact of sortie (workspaces, tokens, sessions, turns, parts, tickets'
-//! nonces, usage, keys, sandboxes) behind one [`Store`] trait.
+//! nonces, usage, keys, sandboxes) behind role-sized traits ([`ControlPlane`], [`Ledger`],
+//! [`Transcripts`], [`Tickets`], [`Secrets`]) that [`Store`] unites.
 //!
 //! One implementation, [`SqlStore`], serves SQLite (the embedded default) and PostgreSQL (scale-out)
 //! through one SQL code path on sqlx's `Any` driver: portable SQL, `$n` placeholders, TEXT ids, epoch-ms
@@ -25,15 +26,25 @@ use sortie_protocol::{SessionId, SessionPhase, TurnStatus};
 /// The result of every store call.
 pub type StoreResult<T> = Result<T, StoreError>;
 
-/// Everything sortie keeps. Methods that take a `workspace_id` never see another workspace's rows: a
-/// session of another workspace is [`StoreError::NotFound`].
+/// Everything sortie keeps, as one store: every role trait at once ([`SqlStore`] is all of them).
+/// Methods that take a `workspace_id` never see another workspace's rows: a session of another
+/// workspace is [`StoreError::NotFound`]. A role holds the narrowest view it needs; the gateway's is
+/// [`GatewayStore`].
+pub trait Store: ControlPlane + Ledger + GatewayStore + Secrets {}
+
+impl<T: ControlPlane + Ledger + Transcripts + Tickets + Secrets> Store for T {}
+
+/// What the gateway reads and claims: transcripts (and a chat's steer) and ticket nonces, nothing else.
+pub trait GatewayStore: Transcripts + Tickets {}
+
+impl<T: Transcripts + Tickets> GatewayStore for T {}
+
+/// What the api role reads and changes: workspaces and tokens, sessions and turns as users change them,
+/// presets, the event log, idempotency keys, webhooks and their deliveries, usage and stored diffs.
 #[async_trait]
-pub trait Store: Send + Sync + 'static {
+pub trait ControlPlane: Send + Sync + 'static {
     /// Succeeds when the database answers and migrations are applied.
     async fn ping(&self) -> StoreResult<()>;
-
-    // Workspaces and tokens.
-
     /// Creates a workspace; [`StoreError::Conflict`] if the name is taken.
     async fn create_workspace(&self, name: &str, repo_access: RepoAccess) -> StoreResult<WorkspaceRow>;
     async fn workspace_by_name(&self, name: &str) -> StoreResult<WorkspaceRow>;
@@ -48,18 +59,10 @@ pub trait Store: Send + Sync + 'static {
     ) -> StoreResult<String>;
     /// The workspace and role of an unrevoked token, by the hash of its secret.
     async fn principal_by_token_hash(&self, token_hash: &str) -> StoreResult<Principal>;
-
-    // Sessions and turns, as the api role changes them.
-
     /// Writes the session (phase `queued`) and its turn 1 (`accepted`) in one transaction.
     async fn create_session(&self, new: NewSession) -> StoreResult<SessionRow>;
-    async fn session(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow>;
     /// Newest first; pages with [`SessionFilter::before`].
     async fn list_sessions(&self, workspace_id: &str, filter: &SessionFilter) -> StoreResult<Vec<SessionRow>>;
-    async fn turns(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<Vec<TurnRow>>;
-    /// Adds a turn. Refusals: [`StoreError::NotSteerable`], [`StoreError::TurnQueueFull`],
-    /// [`StoreError::PromptsTooLarge`]; nothing is written on a refusal.
-    async fn steer(&self, workspace_id: &str, session_id: &SessionId, steer: NewTurn) -> StoreResult<TurnRow>;
     /// Asks the worker to stop the running turn; [`StoreError::NoTurnRunning`] if none runs.
     async fn request_stop(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<TurnRow>;
     /// Ends the session: phase `canceled`, waiting turns canceled, the running turn asked to stop.
@@ -77,9 +80,78 @@ pub trait Store: Send + Sync + 'static {
     ) -> StoreResult<SessionRow>;
     async fn set_archived(&self, workspace_id: &str, session_id: &SessionId, archived: bool)
     -> StoreResult<SessionRow>;
+    /// The workspace's tokens, newest first, revoked ones included.
+    async fn tokens(&self, workspace_id: &str) -> StoreResult<Vec<TokenRow>>;
+    /// Revokes a token of the workspace: `false` if it has none with this id or it was revoked already.
+    async fn revoke_token(&self, workspace_id: &str, token_id: &str) -> StoreResult<bool>;
+    /// The workspace's repository presets, by repository.
+    async fn presets(&self, workspace_id: &str) -> StoreResult<Vec<PresetRow>>;
+    /// Sets (or replaces) the preset of one repository.
+    async fn put_preset(&self, workspace_id: &str, preset: &PresetRow) -> StoreResult<()>;
+    /// Removes a repository's preset: `false` if it had none.
+    async fn delete_preset(&self, workspace_id: &str, repo: &str) -> StoreResult<bool>;
+    /// The session's stored branch diff, if it has delivered.
+    async fn branch_diff(&self, session_id: &SessionId) -> StoreResult<Option<sortie_protocol::api::StoredDiff>>;
+    /// Changes (to a new value) whenever this process commits an event. Events another process writes
+    /// are seen only by reading, so a reader also reads on a slow timer.
+    fn event_signal(&self) -> tokio::sync::watch::Receiver<u64>;
+    /// The newest event's number, of any workspace (0 when there is none): where a reader that wants
+    /// only what happens from now on starts.
+    async fn latest_event(&self) -> StoreResult<u64>;
+    /// The workspace's events numbered above `after`, oldest first, at most `limit`; with `None` for
+    /// the workspace, every workspace's (the webhook outbox).
+    async fn events_after(&self, workspace_id: Option<&str>, after: u64, limit: u32) -> StoreResult<EventPage>;
+    /// Forgets events older than `before_ms`; returns how many.
+    async fn prune_events(&self, before_ms: i64) -> StoreResult<u64>;
+    /// Claims `key` of the workspace for a request (its endpoint `scope` and a hash of its body); a key
+    /// first claimed before `expired_before_ms` counts as unused (and such keys are forgotten).
+    async fn claim_idempotency_key(
+        &self,
+        workspace_id: &str,
+        key: &str,
+        scope: &str,
+        request_hash: &str,
+        expired_before_ms: i64,
+    ) -> StoreResult<IdempotencyClaim>;
+    /// Records the answer to the request that claimed `key`.
+    async fn answer_idempotency_key(&self, workspace_id: &str, key: &str, status: u16, body: &str) -> StoreResult<()>;
+    /// Gives `key` up (its request failed before it changed anything), so a retry runs afresh.
+    async fn release_idempotency_key(&self, workspace_id: &str, key: &str) -> StoreResult<()>;
+    async fn create_webhook(&self, new: NewWebhook) -> StoreResult<WebhookRow>;
+    /// The workspace's webhooks, or every workspace's with `None` (the dispatcher), oldest first.
+    async fn webhooks(&self, workspace_id: Option<&str>) -> StoreResult<Vec<WebhookRow>>;
+    /// Deletes a webhook of the workspace and its deliveries; `false` if it has none by that id.
+    async fn delete_webhook(&self, workspace_id: &str, webhook_id: &str) -> StoreResult<bool>;
+    /// Enqueues deliveries and moves the webhook's cursor from `from` to `to` in one transaction;
+    /// `false` (nothing written) if the cursor was no longer `from` (another dispatcher did it).
+    async fn enqueue_deliveries(
+        &self,
+        webhook_id: &str,
+        from: u64,
+        to: u64,
+        deliveries: &[NewDelivery],
+    ) -> StoreResult<bool>;
+    /// Claims up to `limit` pending deliveries due at `now_ms` until `lease_until_ms` (another
+    /// dispatcher skips them until then), oldest first.
+    async fn claim_due_deliveries(&self, now_ms: i64, lease_until_ms: i64, limit: u32)
+    -> StoreResult<Vec<DeliveryRow>>;
+    /// Records one attempt at a delivery.
+    async fn record_delivery_attempt(&self, delivery_id: &str, outcome: &AttemptOutcome) -> StoreResult<()>;
+    /// A webhook's deliveries, newest first.
+    async fn webhook_deliveries(
+        &self,
+        workspace_id: &str,
+        webhook_id: &str,
+        limit: u32,
+    ) -> StoreResult<Vec<DeliveryRow>>;
+    /// Usage of the workspace's sessions, by session and UTC day.
+    async fn usage(&self, workspace_id: &str, session_id: Option<&SessionId>) -> StoreResult<UsageRecords>;
+}
 
-    // The ledger as the worker changes it.
-
+/// The ledger as the worker changes it: claims, phase and status changes, a turn's end, what the host
+/// established of a turn (nonce, timings, pushed head, diff, pull request), live sandboxes, metering.
+#[async_trait]
+pub trait Ledger: Send + Sync + 'static {
     /// Claims the oldest waiting turn of a queued session: turn `accepted → running`, session
     /// `queued → provisioning` (or `running` when the sandbox is warm). `None` if another claim won.
     async fn claim_turn(&self, session_id: &SessionId, warm: bool, worker_id: &str) -> StoreResult<Option<TurnRow>>;
@@ -91,7 +163,7 @@ pub trait Store: Send + Sync + 'static {
         to: SessionPhase,
     ) -> StoreResult<bool>;
     /// Ends a running turn; `false` if it was not running any more. The worker ends a turn with
-    /// [`Store::end_turn`]; this alone is for a turn that fails before its settlement (a vendor's refusal).
+    /// [`Ledger::end_turn`]; this alone is for a turn that fails before its settlement (a vendor's refusal).
     async fn finish_turn(&self, session_id: &SessionId, n: u32, outcome: TurnOutcome) -> StoreResult<bool>;
     /// Ends turn `n` and moves its session, in one transaction: the turn takes `ending` if it still
     /// runs (one that already ended keeps its end); a session still in the turn's phases (`provisioning`,
@@ -100,12 +172,10 @@ pub trait Store: Send + Sync + 'static {
     /// turn's session does. Any other phase (`canceling`, a session settled already) is left as it is.
     /// Returns the session's phase after it.
     async fn end_turn(&self, session_id: &SessionId, n: u32, ending: TurnOutcome) -> StoreResult<SessionPhase>;
-
     /// Puts back in the queue a turn its worker claimed but never started at a driver (no nonce, nothing
     /// stored of its transcript), with its session, in one transaction: `false` if the turn no longer
     /// qualifies (its agent may have run: it is `lost` instead).
     async fn requeue_unstarted_turn(&self, session_id: &SessionId, n: u32) -> StoreResult<bool>;
-
     /// Sessions with work for a worker (queued with a waiting turn or a resume request), oldest first.
     async fn claimable_sessions(&self, limit: u32) -> StoreResult<Vec<SessionRow>>;
     /// Every session in one of `phases`, of any workspace (the worker's reconciliation at start).
@@ -134,100 +204,17 @@ pub trait Store: Send + Sync + 'static {
         priming: Option<&str>,
         timings: Option<&std::collections::BTreeMap<String, u64>>,
     ) -> StoreResult<()>;
-
     /// Records the head the git proxy saw the upstream take for the session's branch.
     async fn set_pushed_head(&self, session_id: &SessionId, head: &str) -> StoreResult<()>;
-    /// The head last recorded by [`Store::set_pushed_head`].
+    /// The head last recorded by [`Ledger::set_pushed_head`].
     async fn pushed_head(&self, session_id: &SessionId) -> StoreResult<Option<String>>;
-
     /// Records the nonce the worker starts turn `n` with at the driver.
     async fn set_driver_nonce(&self, session_id: &SessionId, n: u32, nonce: &str) -> StoreResult<()>;
-
-    /// The workspace's tokens, newest first, revoked ones included.
-    async fn tokens(&self, workspace_id: &str) -> StoreResult<Vec<TokenRow>>;
-    /// Revokes a token of the workspace: `false` if it has none with this id or it was revoked already.
-    async fn revoke_token(&self, workspace_id: &str, token_id: &str) -> StoreResult<bool>;
-
-    /// The workspace's repository presets, by repository.
-    async fn presets(&self, workspace_id: &str) -> StoreResult<Vec<PresetRow>>;
-    /// Sets (or replaces) the preset of one repository.
-    async fn put_preset(&self, workspace_id: &str, preset: &PresetRow) -> StoreResult<()>;
-    /// Removes a repository's preset: `false` if it had none.
-    async fn delete_preset(&self, workspace_id: &str, repo: &str) -> StoreResult<bool>;
-
     /// Replaces the session's stored branch diff (at each delivery).
     async fn set_branch_diff(&self, session_id: &SessionId, diff: &sortie_protocol::api::StoredDiff)
     -> StoreResult<()>;
-    /// The session's stored branch diff, if it has delivered.
-    async fn branch_diff(&self, session_id: &SessionId) -> StoreResult<Option<sortie_protocol::api::StoredDiff>>;
-
     /// Records the session's pull request, once: `false` if it already has one (which is kept).
     async fn set_session_pr(&self, session_id: &SessionId, url: &str, number: u64) -> StoreResult<bool>;
-
-    // Events: every change of a session's phase or a turn's status, written in the transaction that
-    // makes it (DESIGN §14).
-
-    /// Changes (to a new value) whenever this process commits an event. Events another process writes
-    /// are seen only by reading, so a reader also reads on a slow timer.
-    fn event_signal(&self) -> tokio::sync::watch::Receiver<u64>;
-    /// The newest event's number, of any workspace (0 when there is none): where a reader that wants
-    /// only what happens from now on starts.
-    async fn latest_event(&self) -> StoreResult<u64>;
-    /// The workspace's events numbered above `after`, oldest first, at most `limit`; with `None` for
-    /// the workspace, every workspace's (the webhook outbox).
-    async fn events_after(&self, workspace_id: Option<&str>, after: u64, limit: u32) -> StoreResult<EventPage>;
-    /// Forgets events older than `before_ms`; returns how many.
-    async fn prune_events(&self, before_ms: i64) -> StoreResult<u64>;
-
-    // Idempotency keys (DESIGN §14).
-
-    /// Claims `key` of the workspace for a request (its endpoint `scope` and a hash of its body); a key
-    /// first claimed before `expired_before_ms` counts as unused (and such keys are forgotten).
-    async fn claim_idempotency_key(
-        &self,
-        workspace_id: &str,
-        key: &str,
-        scope: &str,
-        request_hash: &str,
-        expired_before_ms: i64,
-    ) -> StoreResult<IdempotencyClaim>;
-    /// Records the answer to the request that claimed `key`.
-    async fn answer_idempotency_key(&self, workspace_id: &str, key: &str, status: u16, body: &str) -> StoreResult<()>;
-    /// Gives `key` up (its request failed before it changed anything), so a retry runs afresh.
-    async fn release_idempotency_key(&self, workspace_id: &str, key: &str) -> StoreResult<()>;
-
-    // Webhooks and their deliveries (DESIGN §14).
-
-    async fn create_webhook(&self, new: NewWebhook) -> StoreResult<WebhookRow>;
-    /// The workspace's webhooks, or every workspace's with `None` (the dispatcher), oldest first.
-    async fn webhooks(&self, workspace_id: Option<&str>) -> StoreResult<Vec<WebhookRow>>;
-    /// Deletes a webhook of the workspace and its deliveries; `false` if it has none by that id.
-    async fn delete_webhook(&self, workspace_id: &str, webhook_id: &str) -> StoreResult<bool>;
-    /// Enqueues deliveries and moves the webhook's cursor from `from` to `to` in one transaction;
-    /// `false` (nothing written) if the cursor was no longer `from` (another dispatcher did it).
-    async fn enqueue_deliveries(
-        &self,
-        webhook_id: &str,
-        from: u64,
-        to: u64,
-        deliveries: &[NewDelivery],
-    ) -> StoreResult<bool>;
-    /// Claims up to `limit` pending deliveries due at `now_ms` until `lease_until_ms` (another
-    /// dispatcher skips them until then), oldest first.
-    async fn claim_due_deliveries(&self, now_ms: i64, lease_until_ms: i64, limit: u32)
-    -> StoreResult<Vec<DeliveryRow>>;
-    /// Records one attempt at a delivery.
-    async fn record_delivery_attempt(&self, delivery_id: &str, outcome: &AttemptOutcome) -> StoreResult<()>;
-    /// A webhook's deliveries, newest first.
-    async fn webhook_deliveries(
-        &self,
-        workspace_id: &str,
-        webhook_id: &str,
-        limit: u32,
-    ) -> StoreResult<Vec<DeliveryRow>>;
-
-    // Live sandboxes (counted for the per-workspace limit, found again after a restart).
-
     async fn put_sandbox(
         &self,
         session_id: &SessionId,
@@ -238,13 +225,27 @@ pub trait Store: Send + Sync + 'static {
     async fn delete_sandbox(&self, session_id: &SessionId) -> StoreResult<()>;
     /// Live sandboxes as `(session, workspace, handle, worker)`.
     async fn sandboxes(&self) -> StoreResult<Vec<SandboxRow>>;
+    async fn record_token_usage(&self, usage: &TokenUsage) -> StoreResult<()>;
+    async fn record_compute(
+        &self,
+        session_id: &SessionId,
+        turn: u32,
+        epoch_ms: i64,
+        compute_ms: u64,
+    ) -> StoreResult<()>;
+}
 
-    // Transcript parts.
-
+/// A session's record as its readers and its recorder see it: the session and its turns (within a
+/// workspace), a prompt added as a turn (the dashboard's chat submits it through the gateway), and the
+/// turns' parts, read one turn at a time.
+#[async_trait]
+pub trait Transcripts: Send + Sync + 'static {
+    async fn session(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow>;
+    async fn turns(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<Vec<TurnRow>>;
     /// Stores parts of one turn, ignoring any `part_index` already stored; returns how many were new.
     async fn append_parts(&self, session_id: &SessionId, turn: u32, parts: &[NewPart]) -> StoreResult<u64>;
     /// Every stored part of a session, in turn and part order. Proportional to the whole session: readers
-    /// of one turn use [`Store::turn_parts`] or [`Store::turn_parts_after`].
+    /// of one turn use [`Transcripts::turn_parts`] or [`Transcripts::turn_parts_after`].
     async fn parts(&self, session_id: &SessionId) -> StoreResult<Vec<StoredPart>>;
     /// Where turn `turn`'s stored transcript ends (its last part, the last part from the sandbox's
     /// stream) and how big it and the session's are.
@@ -252,7 +253,7 @@ pub trait Store: Send + Sync + 'static {
     /// Every stored part of turn `n`, in part order. Proportional to the turn, not the session (a range
     /// of the primary key `(session_id, turn, part_index)`), and as large as the recorder let the turn
     /// grow (`limits::TURN_PARTS_MAX`); a reader that must stay bounded whatever was stored pages with
-    /// [`Store::turn_parts_after`].
+    /// [`Transcripts::turn_parts_after`].
     async fn turn_parts(&self, session_id: &SessionId, n: u32) -> StoreResult<Vec<StoredPart>>;
     /// The stored parts of turn `n` whose part index is above `after` (from the turn's first part when
     /// `None`), in part order, as many as `limit` allows: the tail after a prefix already sent, or one
@@ -268,29 +269,23 @@ pub trait Store: Send + Sync + 'static {
     /// How many parts, and how many bytes of payload, turn `n` holds, or with `None` the whole session
     /// (for the transcript caps of `sortie_protocol::limits`). Proportional to what it measures.
     async fn parts_size(&self, session_id: &SessionId, turn: Option<u32>) -> StoreResult<PartsSize>;
+    /// Adds a turn. Refusals: [`StoreError::NotSteerable`], [`StoreError::TurnQueueFull`],
+    /// [`StoreError::PromptsTooLarge`]; nothing is written on a refusal.
+    async fn steer(&self, workspace_id: &str, session_id: &SessionId, steer: NewTurn) -> StoreResult<TurnRow>;
+}
 
-    // Usage.
-
-    async fn record_token_usage(&self, usage: &TokenUsage) -> StoreResult<()>;
-    async fn record_compute(
-        &self,
-        session_id: &SessionId,
-        turn: u32,
-        epoch_ms: i64,
-        compute_ms: u64,
-    ) -> StoreResult<()>;
-    /// Usage of the workspace's sessions, by session and UTC day.
-    async fn usage(&self, workspace_id: &str, session_id: Option<&SessionId>) -> StoreResult<UsageRecords>;
-
-    // Tickets and instance secrets.
-
+/// Single-use ticket nonces and the instance-wide secrets tickets are signed with.
+#[async_trait]
+pub trait Tickets: Send + Sync + 'static {
     /// Claims a ticket nonce once; `false` if it was claimed before (a replay).
     async fn claim_ticket_nonce(&self, nonce: &str, expires_at_ms: i64) -> StoreResult<bool>;
     /// The instance-wide secret `name`, storing `candidate` if none exists yet (all replicas agree).
     async fn instance_secret(&self, name: &str, candidate: &str) -> StoreResult<String>;
+}
 
-    // Model keys, sealed by a [`KeyRing`] before they get here.
-
+/// Model keys and forge connections, sealed by a [`KeyRing`] before they get here.
+#[async_trait]
+pub trait Secrets: Send + Sync + 'static {
     /// Stores the workspace's sealed key for `api`, replacing any earlier one (`created_at` is now).
     async fn put_model_key(
         &self,
@@ -310,9 +305,6 @@ pub trait Store: Send + Sync + 'static {
     async fn model_keys(&self, workspace_id: &str) -> StoreResult<Vec<ModelKeyRow>>;
     /// Forgets the workspace's key for `api`; `false` if it had none.
     async fn delete_model_key(&self, workspace_id: &str, api: sortie_protocol::api::ModelApi) -> StoreResult<bool>;
-
-    // Forge connections, their tokens sealed by a [`KeyRing`] before they get here.
-
     /// Stores the workspace's connection to `host`, replacing any earlier one (`created_at` is now).
     async fn put_forge_connection(
         &self,

@@ -18,7 +18,7 @@ use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{Any, AnyPool, Executor, Row, Transaction};
 
 use crate::model::*;
-use crate::{Store, StoreError, StoreResult, TurnOutcome, now_ms};
+use crate::{ControlPlane, Ledger, Secrets, StoreError, StoreResult, Tickets, Transcripts, TurnOutcome, now_ms};
 
 /// The database behind a [`SqlStore`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -595,7 +595,7 @@ fn prefixed_ulid(prefix: &str) -> String {
 }
 
 #[async_trait]
-impl Store for SqlStore {
+impl ControlPlane for SqlStore {
     async fn ping(&self) -> StoreResult<()> {
         sqlx::query("SELECT 1 FROM workspaces LIMIT 1")
             .fetch_optional(&self.pool)
@@ -730,10 +730,6 @@ impl Store for SqlStore {
         self.fetch_session(&new.workspace_id, &new.id).await
     }
 
-    async fn session(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow> {
-        self.fetch_session(workspace_id, session_id).await
-    }
-
     async fn list_sessions(&self, workspace_id: &str, filter: &SessionFilter) -> StoreResult<Vec<SessionRow>> {
         let rows = sqlx::query(session_select!(
             "WHERE s.workspace_id = $1 AND s.archived = $2 AND ($3 IS NULL OR s.phase = $3) \
@@ -748,105 +744,6 @@ impl Store for SqlStore {
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(session_from_row).collect()
-    }
-
-    async fn turns(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<Vec<TurnRow>> {
-        // The workspace check and the read are one statement, so a foreign session yields nothing.
-        let rows = sqlx::query(turn_select!(
-            "WHERE session_id = $1 AND EXISTS (SELECT 1 FROM sessions s WHERE s.id = $1 AND s.workspace_id = $2) ORDER BY n"
-        ))
-        .bind(session_id.as_str())
-        .bind(workspace_id)
-        .fetch_all(&self.pool)
-        .await?;
-        if rows.is_empty() {
-            // Every session has turn 1, so no rows means no such session here.
-            return Err(StoreError::NotFound);
-        }
-        rows.iter().map(turn_from_row).collect()
-    }
-
-    async fn steer(&self, workspace_id: &str, session_id: &SessionId, steer: NewTurn) -> StoreResult<TurnRow> {
-        let prompt_bytes = u64::try_from(steer.prompt.len()).map_err(internal)?;
-        for _ in 0..CAS_ATTEMPTS {
-            let session = self.fetch_session(workspace_id, session_id).await?;
-            let Some(next_phase) = session.phase.after_steer() else {
-                return Err(StoreError::NotSteerable("canceled"));
-            };
-            if session.archived {
-                return Err(StoreError::NotSteerable("archived"));
-            }
-            if session.n_waiting >= TURN_QUEUE_MAX {
-                return Err(StoreError::TurnQueueFull(session.n_waiting));
-            }
-            let would_be = session.prompts_bytes + prompt_bytes;
-            if would_be > SESSION_PROMPTS_MAX_BYTES {
-                return Err(StoreError::PromptsTooLarge {
-                    would_be,
-                    limit: SESSION_PROMPTS_MAX_BYTES,
-                });
-            }
-            let clear_failure = next_phase != session.phase;
-            let now = now_ms();
-            let mut tx = self.begin_write().await?;
-            let claimed = sqlx::query(
-                "UPDATE sessions SET n_turns = n_turns + 1, n_waiting = n_waiting + 1, prompts_bytes = prompts_bytes + $3, \
-                 phase = $4, failure_code = CASE WHEN $5 = 1 THEN NULL ELSE failure_code END, \
-                 failure_reason = CASE WHEN $5 = 1 THEN NULL ELSE failure_reason END, updated_at = $6 \
-                 WHERE id = $1 AND workspace_id = $2 AND phase = $7 AND archived = 0 AND n_waiting < $8 \
-                 AND prompts_bytes + $3 <= $9 RETURNING n_turns",
-            )
-            .bind(session_id.as_str())
-            .bind(workspace_id)
-            .bind(i64::try_from(prompt_bytes).map_err(internal)?)
-            .bind(next_phase.as_str())
-            .bind(i64::from(clear_failure))
-            .bind(now)
-            .bind(session.phase.as_str())
-            .bind(i64::from(TURN_QUEUE_MAX))
-            .bind(i64::try_from(SESSION_PROMPTS_MAX_BYTES).map_err(internal)?)
-            .fetch_optional(&mut *tx)
-            .await?;
-            let Some(claimed) = claimed else {
-                // Someone changed the session since we read it: read again and decide afresh.
-                tx.rollback().await?;
-                continue;
-            };
-            let n: i64 = claimed.try_get("n_turns")?;
-            sqlx::query("INSERT INTO turns (session_id, n, prompt, status, mode, created_at) VALUES ($1, $2, $3, 'accepted', $4, $5)")
-                .bind(session_id.as_str())
-                .bind(n)
-                .bind(&steer.prompt)
-                .bind(steer.mode.as_str())
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
-            if steer.mode == TurnMode::Interrupt {
-                sqlx::query("UPDATE turns SET stop_requested = 'interrupt' WHERE session_id = $1 AND status = 'running' AND stop_requested IS NULL")
-                    .bind(session_id.as_str())
-                    .execute(&mut *tx)
-                    .await?;
-            }
-            let n = u32::try_from(n).map_err(internal)?;
-            if next_phase != session.phase {
-                self.record_event(&mut tx, session_id, None, EventChange::Phase(next_phase), None, now)
-                    .await?;
-            }
-            self.record_event(
-                &mut tx,
-                session_id,
-                Some(n),
-                EventChange::Status(TurnStatus::Accepted),
-                None,
-                now,
-            )
-            .await?;
-            self.commit_events(tx).await?;
-            return self.fetch_turn(session_id, n).await;
-        }
-        Err(StoreError::Conflict(
-            "the session changed too often while steering; try again".into(),
-        ))
     }
 
     async fn request_stop(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<TurnRow> {
@@ -1043,333 +940,6 @@ impl Store for SqlStore {
         ))
     }
 
-    async fn claim_turn(&self, session_id: &SessionId, warm: bool, worker_id: &str) -> StoreResult<Option<TurnRow>> {
-        let to = if warm {
-            SessionPhase::Running
-        } else {
-            SessionPhase::Provisioning
-        };
-        let session = self.fetch_session_any_workspace(session_id).await?;
-        if session.phase != SessionPhase::Queued || session.n_waiting == 0 {
-            return Ok(None);
-        }
-        let next = sqlx::query("SELECT MIN(n) AS n FROM turns WHERE session_id = $1 AND status = 'accepted'")
-            .bind(session_id.as_str())
-            .fetch_one(&self.pool)
-            .await?;
-        let Some(n) = next.try_get::<Option<i64>, _>("n")? else {
-            return Ok(None);
-        };
-        let now = now_ms();
-        let mut tx = self.begin_write().await?;
-        if self.backend == Backend::Postgres {
-            // Another worker claiming this session right now holds its row: move on to the next
-            // session instead of queueing behind its lock (SQLite's BEGIN IMMEDIATE already serialises).
-            let free = sqlx::query("SELECT id FROM sessions WHERE id = $1 AND phase = 'queued' FOR UPDATE SKIP LOCKED")
-                .bind(session_id.as_str())
-                .fetch_optional(&mut *tx)
-                .await?;
-            if free.is_none() {
-                tx.rollback().await?;
-                return Ok(None);
-            }
-        }
-        let session_claimed = sqlx::query(
-            "UPDATE sessions SET phase = $2, n_waiting = n_waiting - 1, current_turn = $3, queued_reason = NULL, \
-             resume_requested = 0, updated_at = $4 WHERE id = $1 AND phase = 'queued' AND n_waiting > 0 \
-             AND NOT EXISTS (SELECT 1 FROM turns WHERE session_id = $1 AND status = 'running')",
-        )
-        .bind(session_id.as_str())
-        .bind(to.as_str())
-        .bind(n)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        let turn_claimed = if session_claimed == 1 {
-            sqlx::query("UPDATE turns SET status = 'running', started_at = $3, claimed_by = $4 WHERE session_id = $1 AND n = $2 AND status = 'accepted'")
-                .bind(session_id.as_str())
-                .bind(n)
-                .bind(now)
-                .bind(worker_id)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected()
-        } else {
-            0
-        };
-        if turn_claimed != 1 {
-            tx.rollback().await?;
-            return Ok(None);
-        }
-        let n = u32::try_from(n).map_err(internal)?;
-        self.record_event(&mut tx, session_id, None, EventChange::Phase(to), None, now)
-            .await?;
-        self.record_event(
-            &mut tx,
-            session_id,
-            Some(n),
-            EventChange::Status(TurnStatus::Running),
-            None,
-            now,
-        )
-        .await?;
-        self.commit_events(tx).await?;
-        Ok(Some(self.fetch_turn(session_id, n).await?))
-    }
-
-    async fn requeue_unstarted_turn(&self, session_id: &SessionId, n: u32) -> StoreResult<bool> {
-        let now = now_ms();
-        let mut tx = self.begin_write().await?;
-        let turn = sqlx::query(
-            "UPDATE turns SET status = 'accepted', started_at = NULL, claimed_by = NULL \
-             WHERE session_id = $1 AND n = $2 AND status = 'running' AND driver_nonce IS NULL \
-             AND NOT EXISTS (SELECT 1 FROM parts WHERE session_id = $1 AND turn = $2)",
-        )
-        .bind(session_id.as_str())
-        .bind(i64::from(n))
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        let session = if turn == 1 {
-            sqlx::query(
-                "UPDATE sessions SET phase = 'queued', n_waiting = n_waiting + 1, updated_at = $2 \
-                 WHERE id = $1 AND phase = 'provisioning'",
-            )
-            .bind(session_id.as_str())
-            .bind(now)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-        } else {
-            0
-        };
-        if session != 1 {
-            tx.rollback().await?;
-            return Ok(false);
-        }
-        self.record_event(
-            &mut tx,
-            session_id,
-            None,
-            EventChange::Phase(SessionPhase::Queued),
-            None,
-            now,
-        )
-        .await?;
-        self.record_event(
-            &mut tx,
-            session_id,
-            Some(n),
-            EventChange::Status(TurnStatus::Accepted),
-            None,
-            now,
-        )
-        .await?;
-        self.commit_events(tx).await?;
-        Ok(true)
-    }
-
-    async fn transition_session(
-        &self,
-        session_id: &SessionId,
-        from: SessionPhase,
-        to: SessionPhase,
-    ) -> StoreResult<bool> {
-        if !from.can_become(to) {
-            return Err(StoreError::IllegalTransition {
-                from: from.to_string(),
-                to: to.to_string(),
-            });
-        }
-        let now = now_ms();
-        let mut tx = self.begin_write().await?;
-        let changed = sqlx::query("UPDATE sessions SET phase = $3, updated_at = $4 WHERE id = $1 AND phase = $2")
-            .bind(session_id.as_str())
-            .bind(from.as_str())
-            .bind(to.as_str())
-            .bind(now)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-        if changed != 1 {
-            tx.rollback().await?;
-            return Ok(false);
-        }
-        self.record_event(&mut tx, session_id, None, EventChange::Phase(to), None, now)
-            .await?;
-        self.commit_events(tx).await?;
-        Ok(true)
-    }
-
-    async fn claimable_sessions(&self, limit: u32) -> StoreResult<Vec<SessionRow>> {
-        let rows = sqlx::query(session_select!(
-            "WHERE s.phase = 'queued' AND (s.n_waiting > 0 OR s.resume_requested = 1) ORDER BY s.updated_at, s.id LIMIT $1"
-        ))
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await?;
-        rows.iter().map(session_from_row).collect()
-    }
-
-    async fn sessions_in_phases(&self, phases: &[SessionPhase]) -> StoreResult<Vec<SessionRow>> {
-        let mut found = Vec::new();
-        for phase in phases {
-            let rows = sqlx::query(session_select!("WHERE s.phase = $1 ORDER BY s.id"))
-                .bind(phase.as_str())
-                .fetch_all(&self.pool)
-                .await?;
-            for row in &rows {
-                found.push(session_from_row(row)?);
-            }
-        }
-        Ok(found)
-    }
-
-    async fn session_by_id(&self, session_id: &SessionId) -> StoreResult<SessionRow> {
-        self.fetch_session_any_workspace(session_id).await
-    }
-
-    async fn turn(&self, session_id: &SessionId, n: u32) -> StoreResult<TurnRow> {
-        self.fetch_turn(session_id, n).await
-    }
-
-    async fn set_queued_reason(&self, session_id: &SessionId, reason: Option<&str>) -> StoreResult<()> {
-        sqlx::query(
-            "UPDATE sessions SET queued_reason = $2 WHERE id = $1 AND phase = 'queued' \
-             AND COALESCE(queued_reason, '') <> COALESCE($2, '')",
-        )
-        .bind(session_id.as_str())
-        .bind(reason)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
-    }
-
-    async fn settle_session(
-        &self,
-        session_id: &SessionId,
-        from: SessionPhase,
-        failed: bool,
-    ) -> StoreResult<Option<SessionPhase>> {
-        for to in [SessionPhase::Queued, SessionPhase::Failed, SessionPhase::Idle] {
-            if !from.can_become(to) {
-                return Err(StoreError::IllegalTransition {
-                    from: from.to_string(),
-                    to: to.to_string(),
-                });
-            }
-        }
-        let now = now_ms();
-        let mut tx = self.begin_write().await?;
-        let row = sqlx::query(
-            "UPDATE sessions SET phase = CASE WHEN n_waiting > 0 THEN 'queued' WHEN $3 = 1 THEN 'failed' ELSE 'idle' END, \
-             updated_at = $4 WHERE id = $1 AND phase = $2 RETURNING phase",
-        )
-        .bind(session_id.as_str())
-        .bind(from.as_str())
-        .bind(i64::from(failed))
-        .bind(now)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some(row) = row else {
-            tx.rollback().await?;
-            return Ok(None);
-        };
-        let phase: String = row.try_get("phase")?;
-        let phase = SessionPhase::from_str(&phase).map_err(internal)?;
-        self.record_event(&mut tx, session_id, None, EventChange::Phase(phase), None, now)
-            .await?;
-        self.commit_events(tx).await?;
-        Ok(Some(phase))
-    }
-
-    async fn claim_resume(&self, session_id: &SessionId) -> StoreResult<bool> {
-        let now = now_ms();
-        let mut tx = self.begin_write().await?;
-        let changed = sqlx::query(
-            "UPDATE sessions SET phase = 'provisioning', resume_requested = 0, queued_reason = NULL, updated_at = $2 \
-             WHERE id = $1 AND phase = 'queued' AND resume_requested = 1 AND n_waiting = 0",
-        )
-        .bind(session_id.as_str())
-        .bind(now)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if changed != 1 {
-            tx.rollback().await?;
-            return Ok(false);
-        }
-        self.record_event(
-            &mut tx,
-            session_id,
-            None,
-            EventChange::Phase(SessionPhase::Provisioning),
-            None,
-            now,
-        )
-        .await?;
-        self.commit_events(tx).await?;
-        Ok(true)
-    }
-
-    async fn set_turn_details(
-        &self,
-        session_id: &SessionId,
-        n: u32,
-        priming: Option<&str>,
-        timings: Option<&std::collections::BTreeMap<String, u64>>,
-    ) -> StoreResult<()> {
-        let timings = timings.map(serde_json::to_string).transpose().map_err(internal)?;
-        sqlx::query(
-            "UPDATE turns SET priming = COALESCE($3, priming), timings = COALESCE($4, timings) \
-             WHERE session_id = $1 AND n = $2",
-        )
-        .bind(session_id.as_str())
-        .bind(i64::from(n))
-        .bind(priming)
-        .bind(timings.as_deref())
-        .execute(&self.pool)
-        .await?;
-        Ok(())
-    }
-
-    async fn set_pushed_head(&self, session_id: &SessionId, head: &str) -> StoreResult<()> {
-        let updated = sqlx::query("UPDATE sessions SET pushed_head = $2 WHERE id = $1")
-            .bind(session_id.as_str())
-            .bind(head)
-            .execute(&self.pool)
-            .await?
-            .rows_affected();
-        if updated == 0 {
-            return Err(StoreError::NotFound);
-        }
-        Ok(())
-    }
-
-    async fn pushed_head(&self, session_id: &SessionId) -> StoreResult<Option<String>> {
-        let row = sqlx::query("SELECT pushed_head FROM sessions WHERE id = $1")
-            .bind(session_id.as_str())
-            .fetch_optional(&self.pool)
-            .await?
-            .ok_or(StoreError::NotFound)?;
-        Ok(row.try_get("pushed_head")?)
-    }
-
-    async fn set_driver_nonce(&self, session_id: &SessionId, n: u32, nonce: &str) -> StoreResult<()> {
-        let updated = sqlx::query("UPDATE turns SET driver_nonce = $3 WHERE session_id = $1 AND n = $2")
-            .bind(session_id.as_str())
-            .bind(i64::from(n))
-            .bind(nonce)
-            .execute(&self.pool)
-            .await?
-            .rows_affected();
-        if updated == 0 {
-            return Err(StoreError::NotFound);
-        }
-        Ok(())
-    }
-
     async fn tokens(&self, workspace_id: &str) -> StoreResult<Vec<TokenRow>> {
         let rows = sqlx::query(
             "SELECT id, role, label, created_at, revoked_at FROM tokens WHERE workspace_id = $1 \
@@ -1454,26 +1024,6 @@ impl Store for SqlStore {
         Ok(deleted > 0)
     }
 
-    async fn set_branch_diff(
-        &self,
-        session_id: &SessionId,
-        diff: &sortie_protocol::api::StoredDiff,
-    ) -> StoreResult<()> {
-        let body = serde_json::to_string(diff).map_err(internal)?;
-        sqlx::query(
-            "INSERT INTO branch_diffs (session_id, head_sha, body, updated_at) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT (session_id) DO UPDATE SET head_sha = excluded.head_sha, body = excluded.body, \
-             updated_at = excluded.updated_at",
-        )
-        .bind(session_id.as_str())
-        .bind(&diff.head_sha)
-        .bind(body)
-        .bind(now_ms())
-        .execute(&self.pool)
-        .await?;
-        Ok(())
-    }
-
     async fn branch_diff(&self, session_id: &SessionId) -> StoreResult<Option<sortie_protocol::api::StoredDiff>> {
         let row = sqlx::query("SELECT body FROM branch_diffs WHERE session_id = $1")
             .bind(session_id.as_str())
@@ -1482,21 +1032,6 @@ impl Store for SqlStore {
         let Some(row) = row else { return Ok(None) };
         let body: String = row.try_get("body")?;
         serde_json::from_str(&body).map(Some).map_err(internal)
-    }
-
-    async fn set_session_pr(&self, session_id: &SessionId, url: &str, number: u64) -> StoreResult<bool> {
-        let number = i64::try_from(number).map_err(internal)?;
-        let updated = sqlx::query(
-            "UPDATE sessions SET pr_url = $2, pr_number = $3, updated_at = $4 WHERE id = $1 AND pr_url IS NULL",
-        )
-        .bind(session_id.as_str())
-        .bind(url)
-        .bind(number)
-        .bind(now_ms())
-        .execute(&self.pool)
-        .await?
-        .rows_affected();
-        Ok(updated > 0)
     }
 
     fn event_signal(&self) -> tokio::sync::watch::Receiver<u64> {
@@ -1814,57 +1349,157 @@ impl Store for SqlStore {
         rows.iter().map(delivery_from_row).collect()
     }
 
-    async fn put_sandbox(
-        &self,
-        session_id: &SessionId,
-        backend: &str,
-        handle: &str,
-        worker_id: &str,
-    ) -> StoreResult<()> {
-        let now = now_ms();
-        sqlx::query(
-            "INSERT INTO sandboxes (session_id, backend, handle, state, worker_id, created_at, updated_at) \
-             VALUES ($1, $2, $3, 'live', $4, $5, $5) ON CONFLICT (session_id) DO UPDATE SET backend = $2, \
-             handle = $3, state = 'live', worker_id = $4, updated_at = $5",
+    async fn usage(&self, workspace_id: &str, session_id: Option<&SessionId>) -> StoreResult<UsageRecords> {
+        let session_filter = session_id.map(SessionId::as_str);
+        let token_rows = sqlx::query(
+            "SELECT u.session_id, u.day, u.model, CAST(SUM(u.input_tokens) AS BIGINT) AS input_tokens, \
+             CAST(SUM(u.output_tokens) AS BIGINT) AS output_tokens FROM usage_tokens u JOIN sessions s ON s.id = u.session_id \
+             WHERE s.workspace_id = $1 AND ($2 IS NULL OR u.session_id = $2) GROUP BY u.session_id, u.day, u.model \
+             ORDER BY u.day DESC, u.session_id, u.model",
         )
-        .bind(session_id.as_str())
-        .bind(backend)
-        .bind(handle)
-        .bind(worker_id)
-        .bind(now)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
-    }
-
-    async fn delete_sandbox(&self, session_id: &SessionId) -> StoreResult<()> {
-        sqlx::query("DELETE FROM sandboxes WHERE session_id = $1")
-            .bind(session_id.as_str())
-            .execute(&self.pool)
-            .await?;
-        Ok(())
-    }
-
-    async fn sandboxes(&self) -> StoreResult<Vec<SandboxRow>> {
-        let rows = sqlx::query(
-            "SELECT b.session_id, s.workspace_id, b.backend, b.handle, b.worker_id, b.created_at \
-             FROM sandboxes b JOIN sessions s ON s.id = b.session_id ORDER BY b.created_at",
-        )
+        .bind(workspace_id)
+        .bind(session_filter)
         .fetch_all(&self.pool)
         .await?;
-        rows.iter()
-            .map(|row| {
-                let id: String = row.try_get("session_id")?;
-                Ok(SandboxRow {
-                    session_id: SessionId::parse(&id).map_err(internal)?,
-                    workspace_id: row.try_get("workspace_id")?,
-                    backend: row.try_get("backend")?,
-                    handle: row.try_get("handle")?,
-                    worker_id: row.try_get("worker_id")?,
-                    created_at: row.try_get("created_at")?,
-                })
-            })
-            .collect()
+        let compute_rows = sqlx::query(
+            "SELECT u.session_id, u.day, CAST(SUM(u.compute_ms) AS BIGINT) AS compute_ms FROM usage_compute u \
+             JOIN sessions s ON s.id = u.session_id WHERE s.workspace_id = $1 AND ($2 IS NULL OR u.session_id = $2) \
+             GROUP BY u.session_id, u.day ORDER BY u.day DESC, u.session_id",
+        )
+        .bind(workspace_id)
+        .bind(session_filter)
+        .fetch_all(&self.pool)
+        .await?;
+        let session_of = |row: &AnyRow| -> StoreResult<SessionId> {
+            let id: String = row.try_get("session_id")?;
+            SessionId::parse(&id).map_err(internal)
+        };
+        let mut records = UsageRecords::default();
+        for row in &token_rows {
+            records.tokens.push((
+                session_of(row)?,
+                row.try_get("day")?,
+                row.try_get("model")?,
+                get_u64(row, "input_tokens")?,
+                get_u64(row, "output_tokens")?,
+            ));
+        }
+        for row in &compute_rows {
+            records
+                .compute
+                .push((session_of(row)?, row.try_get("day")?, get_u64(row, "compute_ms")?));
+        }
+        Ok(records)
+    }
+}
+
+#[async_trait]
+impl Ledger for SqlStore {
+    async fn claim_turn(&self, session_id: &SessionId, warm: bool, worker_id: &str) -> StoreResult<Option<TurnRow>> {
+        let to = if warm {
+            SessionPhase::Running
+        } else {
+            SessionPhase::Provisioning
+        };
+        let session = self.fetch_session_any_workspace(session_id).await?;
+        if session.phase != SessionPhase::Queued || session.n_waiting == 0 {
+            return Ok(None);
+        }
+        let next = sqlx::query("SELECT MIN(n) AS n FROM turns WHERE session_id = $1 AND status = 'accepted'")
+            .bind(session_id.as_str())
+            .fetch_one(&self.pool)
+            .await?;
+        let Some(n) = next.try_get::<Option<i64>, _>("n")? else {
+            return Ok(None);
+        };
+        let now = now_ms();
+        let mut tx = self.begin_write().await?;
+        if self.backend == Backend::Postgres {
+            // Another worker claiming this session right now holds its row: move on to the next
+            // session instead of queueing behind its lock (SQLite's BEGIN IMMEDIATE already serialises).
+            let free = sqlx::query("SELECT id FROM sessions WHERE id = $1 AND phase = 'queued' FOR UPDATE SKIP LOCKED")
+                .bind(session_id.as_str())
+                .fetch_optional(&mut *tx)
+                .await?;
+            if free.is_none() {
+                tx.rollback().await?;
+                return Ok(None);
+            }
+        }
+        let session_claimed = sqlx::query(
+            "UPDATE sessions SET phase = $2, n_waiting = n_waiting - 1, current_turn = $3, queued_reason = NULL, \
+             resume_requested = 0, updated_at = $4 WHERE id = $1 AND phase = 'queued' AND n_waiting > 0 \
+             AND NOT EXISTS (SELECT 1 FROM turns WHERE session_id = $1 AND status = 'running')",
+        )
+        .bind(session_id.as_str())
+        .bind(to.as_str())
+        .bind(n)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        let turn_claimed = if session_claimed == 1 {
+            sqlx::query("UPDATE turns SET status = 'running', started_at = $3, claimed_by = $4 WHERE session_id = $1 AND n = $2 AND status = 'accepted'")
+                .bind(session_id.as_str())
+                .bind(n)
+                .bind(now)
+                .bind(worker_id)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected()
+        } else {
+            0
+        };
+        if turn_claimed != 1 {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+        let n = u32::try_from(n).map_err(internal)?;
+        self.record_event(&mut tx, session_id, None, EventChange::Phase(to), None, now)
+            .await?;
+        self.record_event(
+            &mut tx,
+            session_id,
+            Some(n),
+            EventChange::Status(TurnStatus::Running),
+            None,
+            now,
+        )
+        .await?;
+        self.commit_events(tx).await?;
+        Ok(Some(self.fetch_turn(session_id, n).await?))
+    }
+
+    async fn transition_session(
+        &self,
+        session_id: &SessionId,
+        from: SessionPhase,
+        to: SessionPhase,
+    ) -> StoreResult<bool> {
+        if !from.can_become(to) {
+            return Err(StoreError::IllegalTransition {
+                from: from.to_string(),
+                to: to.to_string(),
+            });
+        }
+        let now = now_ms();
+        let mut tx = self.begin_write().await?;
+        let changed = sqlx::query("UPDATE sessions SET phase = $3, updated_at = $4 WHERE id = $1 AND phase = $2")
+            .bind(session_id.as_str())
+            .bind(from.as_str())
+            .bind(to.as_str())
+            .bind(now)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        if changed != 1 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        self.record_event(&mut tx, session_id, None, EventChange::Phase(to), None, now)
+            .await?;
+        self.commit_events(tx).await?;
+        Ok(true)
     }
 
     async fn finish_turn(&self, session_id: &SessionId, n: u32, outcome: TurnOutcome) -> StoreResult<bool> {
@@ -1933,6 +1568,397 @@ impl Store for SqlStore {
         Ok(after)
     }
 
+    async fn requeue_unstarted_turn(&self, session_id: &SessionId, n: u32) -> StoreResult<bool> {
+        let now = now_ms();
+        let mut tx = self.begin_write().await?;
+        let turn = sqlx::query(
+            "UPDATE turns SET status = 'accepted', started_at = NULL, claimed_by = NULL \
+             WHERE session_id = $1 AND n = $2 AND status = 'running' AND driver_nonce IS NULL \
+             AND NOT EXISTS (SELECT 1 FROM parts WHERE session_id = $1 AND turn = $2)",
+        )
+        .bind(session_id.as_str())
+        .bind(i64::from(n))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        let session = if turn == 1 {
+            sqlx::query(
+                "UPDATE sessions SET phase = 'queued', n_waiting = n_waiting + 1, updated_at = $2 \
+                 WHERE id = $1 AND phase = 'provisioning'",
+            )
+            .bind(session_id.as_str())
+            .bind(now)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+        } else {
+            0
+        };
+        if session != 1 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        self.record_event(
+            &mut tx,
+            session_id,
+            None,
+            EventChange::Phase(SessionPhase::Queued),
+            None,
+            now,
+        )
+        .await?;
+        self.record_event(
+            &mut tx,
+            session_id,
+            Some(n),
+            EventChange::Status(TurnStatus::Accepted),
+            None,
+            now,
+        )
+        .await?;
+        self.commit_events(tx).await?;
+        Ok(true)
+    }
+
+    async fn claimable_sessions(&self, limit: u32) -> StoreResult<Vec<SessionRow>> {
+        let rows = sqlx::query(session_select!(
+            "WHERE s.phase = 'queued' AND (s.n_waiting > 0 OR s.resume_requested = 1) ORDER BY s.updated_at, s.id LIMIT $1"
+        ))
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(session_from_row).collect()
+    }
+
+    async fn sessions_in_phases(&self, phases: &[SessionPhase]) -> StoreResult<Vec<SessionRow>> {
+        let mut found = Vec::new();
+        for phase in phases {
+            let rows = sqlx::query(session_select!("WHERE s.phase = $1 ORDER BY s.id"))
+                .bind(phase.as_str())
+                .fetch_all(&self.pool)
+                .await?;
+            for row in &rows {
+                found.push(session_from_row(row)?);
+            }
+        }
+        Ok(found)
+    }
+
+    async fn session_by_id(&self, session_id: &SessionId) -> StoreResult<SessionRow> {
+        self.fetch_session_any_workspace(session_id).await
+    }
+
+    async fn turn(&self, session_id: &SessionId, n: u32) -> StoreResult<TurnRow> {
+        self.fetch_turn(session_id, n).await
+    }
+
+    async fn set_queued_reason(&self, session_id: &SessionId, reason: Option<&str>) -> StoreResult<()> {
+        sqlx::query(
+            "UPDATE sessions SET queued_reason = $2 WHERE id = $1 AND phase = 'queued' \
+             AND COALESCE(queued_reason, '') <> COALESCE($2, '')",
+        )
+        .bind(session_id.as_str())
+        .bind(reason)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn settle_session(
+        &self,
+        session_id: &SessionId,
+        from: SessionPhase,
+        failed: bool,
+    ) -> StoreResult<Option<SessionPhase>> {
+        for to in [SessionPhase::Queued, SessionPhase::Failed, SessionPhase::Idle] {
+            if !from.can_become(to) {
+                return Err(StoreError::IllegalTransition {
+                    from: from.to_string(),
+                    to: to.to_string(),
+                });
+            }
+        }
+        let now = now_ms();
+        let mut tx = self.begin_write().await?;
+        let row = sqlx::query(
+            "UPDATE sessions SET phase = CASE WHEN n_waiting > 0 THEN 'queued' WHEN $3 = 1 THEN 'failed' ELSE 'idle' END, \
+             updated_at = $4 WHERE id = $1 AND phase = $2 RETURNING phase",
+        )
+        .bind(session_id.as_str())
+        .bind(from.as_str())
+        .bind(i64::from(failed))
+        .bind(now)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(row) = row else {
+            tx.rollback().await?;
+            return Ok(None);
+        };
+        let phase: String = row.try_get("phase")?;
+        let phase = SessionPhase::from_str(&phase).map_err(internal)?;
+        self.record_event(&mut tx, session_id, None, EventChange::Phase(phase), None, now)
+            .await?;
+        self.commit_events(tx).await?;
+        Ok(Some(phase))
+    }
+
+    async fn claim_resume(&self, session_id: &SessionId) -> StoreResult<bool> {
+        let now = now_ms();
+        let mut tx = self.begin_write().await?;
+        let changed = sqlx::query(
+            "UPDATE sessions SET phase = 'provisioning', resume_requested = 0, queued_reason = NULL, updated_at = $2 \
+             WHERE id = $1 AND phase = 'queued' AND resume_requested = 1 AND n_waiting = 0",
+        )
+        .bind(session_id.as_str())
+        .bind(now)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if changed != 1 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        self.record_event(
+            &mut tx,
+            session_id,
+            None,
+            EventChange::Phase(SessionPhase::Provisioning),
+            None,
+            now,
+        )
+        .await?;
+        self.commit_events(tx).await?;
+        Ok(true)
+    }
+
+    async fn set_turn_details(
+        &self,
+        session_id: &SessionId,
+        n: u32,
+        priming: Option<&str>,
+        timings: Option<&std::collections::BTreeMap<String, u64>>,
+    ) -> StoreResult<()> {
+        let timings = timings.map(serde_json::to_string).transpose().map_err(internal)?;
+        sqlx::query(
+            "UPDATE turns SET priming = COALESCE($3, priming), timings = COALESCE($4, timings) \
+             WHERE session_id = $1 AND n = $2",
+        )
+        .bind(session_id.as_str())
+        .bind(i64::from(n))
+        .bind(priming)
+        .bind(timings.as_deref())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn set_pushed_head(&self, session_id: &SessionId, head: &str) -> StoreResult<()> {
+        let updated = sqlx::query("UPDATE sessions SET pushed_head = $2 WHERE id = $1")
+            .bind(session_id.as_str())
+            .bind(head)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        if updated == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
+    }
+
+    async fn pushed_head(&self, session_id: &SessionId) -> StoreResult<Option<String>> {
+        let row = sqlx::query("SELECT pushed_head FROM sessions WHERE id = $1")
+            .bind(session_id.as_str())
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        Ok(row.try_get("pushed_head")?)
+    }
+
+    async fn set_driver_nonce(&self, session_id: &SessionId, n: u32, nonce: &str) -> StoreResult<()> {
+        let updated = sqlx::query("UPDATE turns SET driver_nonce = $3 WHERE session_id = $1 AND n = $2")
+            .bind(session_id.as_str())
+            .bind(i64::from(n))
+            .bind(nonce)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        if updated == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
+    }
+
+    async fn set_branch_diff(
+        &self,
+        session_id: &SessionId,
+        diff: &sortie_protocol::api::StoredDiff,
+    ) -> StoreResult<()> {
+        let body = serde_json::to_string(diff).map_err(internal)?;
+        sqlx::query(
+            "INSERT INTO branch_diffs (session_id, head_sha, body, updated_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (session_id) DO UPDATE SET head_sha = excluded.head_sha, body = excluded.body, \
+             updated_at = excluded.updated_at",
+        )
+        .bind(session_id.as_str())
+        .bind(&diff.head_sha)
+        .bind(body)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn set_session_pr(&self, session_id: &SessionId, url: &str, number: u64) -> StoreResult<bool> {
+        let number = i64::try_from(number).map_err(internal)?;
+        let updated = sqlx::query(
+            "UPDATE sessions SET pr_url = $2, pr_number = $3, updated_at = $4 WHERE id = $1 AND pr_url IS NULL",
+        )
+        .bind(session_id.as_str())
+        .bind(url)
+        .bind(number)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(updated > 0)
+    }
+
+    async fn put_sandbox(
+        &self,
+        session_id: &SessionId,
+        backend: &str,
+        handle: &str,
+        worker_id: &str,
+    ) -> StoreResult<()> {
+        let now = now_ms();
+        sqlx::query(
+            "INSERT INTO sandboxes (session_id, backend, handle, state, worker_id, created_at, updated_at) \
+             VALUES ($1, $2, $3, 'live', $4, $5, $5) ON CONFLICT (session_id) DO UPDATE SET backend = $2, \
+             handle = $3, state = 'live', worker_id = $4, updated_at = $5",
+        )
+        .bind(session_id.as_str())
+        .bind(backend)
+        .bind(handle)
+        .bind(worker_id)
+        .bind(now)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn delete_sandbox(&self, session_id: &SessionId) -> StoreResult<()> {
+        sqlx::query("DELETE FROM sandboxes WHERE session_id = $1")
+            .bind(session_id.as_str())
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn sandboxes(&self) -> StoreResult<Vec<SandboxRow>> {
+        let rows = sqlx::query(
+            "SELECT b.session_id, s.workspace_id, b.backend, b.handle, b.worker_id, b.created_at \
+             FROM sandboxes b JOIN sessions s ON s.id = b.session_id ORDER BY b.created_at",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                let id: String = row.try_get("session_id")?;
+                Ok(SandboxRow {
+                    session_id: SessionId::parse(&id).map_err(internal)?,
+                    workspace_id: row.try_get("workspace_id")?,
+                    backend: row.try_get("backend")?,
+                    handle: row.try_get("handle")?,
+                    worker_id: row.try_get("worker_id")?,
+                    created_at: row.try_get("created_at")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn record_token_usage(&self, usage: &TokenUsage) -> StoreResult<()> {
+        let day = sortie_protocol::api::utc_day_from_epoch_ms(usage.epoch_ms);
+        let input = i64::try_from(usage.input_tokens).map_err(internal)?;
+        let output = i64::try_from(usage.output_tokens).map_err(internal)?;
+        let mut tx = self.begin_write().await?;
+        sqlx::query(
+            "INSERT INTO usage_tokens (session_id, turn, model, day, input_tokens, output_tokens, requests) \
+             VALUES ($1, $2, $3, $4, $5, $6, 1) ON CONFLICT (session_id, turn, model, day) DO UPDATE SET \
+             input_tokens = usage_tokens.input_tokens + $5, output_tokens = usage_tokens.output_tokens + $6, \
+             requests = usage_tokens.requests + 1",
+        )
+        .bind(usage.session_id.as_str())
+        .bind(i64::from(usage.turn))
+        .bind(&usage.model)
+        .bind(day)
+        .bind(input)
+        .bind(output)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE sessions SET input_tokens = input_tokens + $2, output_tokens = output_tokens + $3 WHERE id = $1",
+        )
+        .bind(usage.session_id.as_str())
+        .bind(input)
+        .bind(output)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn record_compute(
+        &self,
+        session_id: &SessionId,
+        turn: u32,
+        epoch_ms: i64,
+        compute_ms: u64,
+    ) -> StoreResult<()> {
+        let day = sortie_protocol::api::utc_day_from_epoch_ms(epoch_ms);
+        let compute = i64::try_from(compute_ms).map_err(internal)?;
+        let mut tx = self.begin_write().await?;
+        sqlx::query(
+            "INSERT INTO usage_compute (session_id, turn, day, compute_ms) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (session_id, turn, day) DO UPDATE SET compute_ms = usage_compute.compute_ms + $4",
+        )
+        .bind(session_id.as_str())
+        .bind(i64::from(turn))
+        .bind(day)
+        .bind(compute)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("UPDATE sessions SET compute_ms = compute_ms + $2 WHERE id = $1")
+            .bind(session_id.as_str())
+            .bind(compute)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Transcripts for SqlStore {
+    async fn session(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<SessionRow> {
+        self.fetch_session(workspace_id, session_id).await
+    }
+
+    async fn turns(&self, workspace_id: &str, session_id: &SessionId) -> StoreResult<Vec<TurnRow>> {
+        // The workspace check and the read are one statement, so a foreign session yields nothing.
+        let rows = sqlx::query(turn_select!(
+            "WHERE session_id = $1 AND EXISTS (SELECT 1 FROM sessions s WHERE s.id = $1 AND s.workspace_id = $2) ORDER BY n"
+        ))
+        .bind(session_id.as_str())
+        .bind(workspace_id)
+        .fetch_all(&self.pool)
+        .await?;
+        if rows.is_empty() {
+            // Every session has turn 1, so no rows means no such session here.
+            return Err(StoreError::NotFound);
+        }
+        rows.iter().map(turn_from_row).collect()
+    }
+
     async fn append_parts(&self, session_id: &SessionId, turn: u32, parts: &[NewPart]) -> StoreResult<u64> {
         if parts.is_empty() {
             return Ok(0);
@@ -1994,6 +2020,16 @@ impl Store for SqlStore {
         Ok(inserted)
     }
 
+    async fn parts(&self, session_id: &SessionId) -> StoreResult<Vec<StoredPart>> {
+        let rows = sqlx::query(
+            "SELECT turn, part_index, seq, payload FROM parts WHERE session_id = $1 ORDER BY turn, part_index",
+        )
+        .bind(session_id.as_str())
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(part_from_row).collect()
+    }
+
     async fn transcript_progress(&self, session_id: &SessionId, turn: u32) -> StoreResult<TranscriptProgress> {
         // Bytes, not characters, on both backends.
         let query = match self.backend {
@@ -2024,16 +2060,6 @@ impl Store for SqlStore {
             session_parts: get_u64(&session, "part_count")?,
             session_bytes: get_u64(&session, "part_bytes")?,
         })
-    }
-
-    async fn parts(&self, session_id: &SessionId) -> StoreResult<Vec<StoredPart>> {
-        let rows = sqlx::query(
-            "SELECT turn, part_index, seq, payload FROM parts WHERE session_id = $1 ORDER BY turn, part_index",
-        )
-        .bind(session_id.as_str())
-        .fetch_all(&self.pool)
-        .await?;
-        rows.iter().map(part_from_row).collect()
     }
 
     async fn turn_parts(&self, session_id: &SessionId, n: u32) -> StoreResult<Vec<StoredPart>> {
@@ -2104,109 +2130,92 @@ impl Store for SqlStore {
         })
     }
 
-    async fn record_token_usage(&self, usage: &TokenUsage) -> StoreResult<()> {
-        let day = sortie_protocol::api::utc_day_from_epoch_ms(usage.epoch_ms);
-        let input = i64::try_from(usage.input_tokens).map_err(internal)?;
-        let output = i64::try_from(usage.output_tokens).map_err(internal)?;
-        let mut tx = self.begin_write().await?;
-        sqlx::query(
-            "INSERT INTO usage_tokens (session_id, turn, model, day, input_tokens, output_tokens, requests) \
-             VALUES ($1, $2, $3, $4, $5, $6, 1) ON CONFLICT (session_id, turn, model, day) DO UPDATE SET \
-             input_tokens = usage_tokens.input_tokens + $5, output_tokens = usage_tokens.output_tokens + $6, \
-             requests = usage_tokens.requests + 1",
-        )
-        .bind(usage.session_id.as_str())
-        .bind(i64::from(usage.turn))
-        .bind(&usage.model)
-        .bind(day)
-        .bind(input)
-        .bind(output)
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query(
-            "UPDATE sessions SET input_tokens = input_tokens + $2, output_tokens = output_tokens + $3 WHERE id = $1",
-        )
-        .bind(usage.session_id.as_str())
-        .bind(input)
-        .bind(output)
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok(())
-    }
-
-    async fn record_compute(
-        &self,
-        session_id: &SessionId,
-        turn: u32,
-        epoch_ms: i64,
-        compute_ms: u64,
-    ) -> StoreResult<()> {
-        let day = sortie_protocol::api::utc_day_from_epoch_ms(epoch_ms);
-        let compute = i64::try_from(compute_ms).map_err(internal)?;
-        let mut tx = self.begin_write().await?;
-        sqlx::query(
-            "INSERT INTO usage_compute (session_id, turn, day, compute_ms) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT (session_id, turn, day) DO UPDATE SET compute_ms = usage_compute.compute_ms + $4",
-        )
-        .bind(session_id.as_str())
-        .bind(i64::from(turn))
-        .bind(day)
-        .bind(compute)
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query("UPDATE sessions SET compute_ms = compute_ms + $2 WHERE id = $1")
+    async fn steer(&self, workspace_id: &str, session_id: &SessionId, steer: NewTurn) -> StoreResult<TurnRow> {
+        let prompt_bytes = u64::try_from(steer.prompt.len()).map_err(internal)?;
+        for _ in 0..CAS_ATTEMPTS {
+            let session = self.fetch_session(workspace_id, session_id).await?;
+            let Some(next_phase) = session.phase.after_steer() else {
+                return Err(StoreError::NotSteerable("canceled"));
+            };
+            if session.archived {
+                return Err(StoreError::NotSteerable("archived"));
+            }
+            if session.n_waiting >= TURN_QUEUE_MAX {
+                return Err(StoreError::TurnQueueFull(session.n_waiting));
+            }
+            let would_be = session.prompts_bytes + prompt_bytes;
+            if would_be > SESSION_PROMPTS_MAX_BYTES {
+                return Err(StoreError::PromptsTooLarge {
+                    would_be,
+                    limit: SESSION_PROMPTS_MAX_BYTES,
+                });
+            }
+            let clear_failure = next_phase != session.phase;
+            let now = now_ms();
+            let mut tx = self.begin_write().await?;
+            let claimed = sqlx::query(
+                "UPDATE sessions SET n_turns = n_turns + 1, n_waiting = n_waiting + 1, prompts_bytes = prompts_bytes + $3, \
+                 phase = $4, failure_code = CASE WHEN $5 = 1 THEN NULL ELSE failure_code END, \
+                 failure_reason = CASE WHEN $5 = 1 THEN NULL ELSE failure_reason END, updated_at = $6 \
+                 WHERE id = $1 AND workspace_id = $2 AND phase = $7 AND archived = 0 AND n_waiting < $8 \
+                 AND prompts_bytes + $3 <= $9 RETURNING n_turns",
+            )
             .bind(session_id.as_str())
-            .bind(compute)
-            .execute(&mut *tx)
+            .bind(workspace_id)
+            .bind(i64::try_from(prompt_bytes).map_err(internal)?)
+            .bind(next_phase.as_str())
+            .bind(i64::from(clear_failure))
+            .bind(now)
+            .bind(session.phase.as_str())
+            .bind(i64::from(TURN_QUEUE_MAX))
+            .bind(i64::try_from(SESSION_PROMPTS_MAX_BYTES).map_err(internal)?)
+            .fetch_optional(&mut *tx)
             .await?;
-        tx.commit().await?;
-        Ok(())
-    }
-
-    async fn usage(&self, workspace_id: &str, session_id: Option<&SessionId>) -> StoreResult<UsageRecords> {
-        let session_filter = session_id.map(SessionId::as_str);
-        let token_rows = sqlx::query(
-            "SELECT u.session_id, u.day, u.model, CAST(SUM(u.input_tokens) AS BIGINT) AS input_tokens, \
-             CAST(SUM(u.output_tokens) AS BIGINT) AS output_tokens FROM usage_tokens u JOIN sessions s ON s.id = u.session_id \
-             WHERE s.workspace_id = $1 AND ($2 IS NULL OR u.session_id = $2) GROUP BY u.session_id, u.day, u.model \
-             ORDER BY u.day DESC, u.session_id, u.model",
-        )
-        .bind(workspace_id)
-        .bind(session_filter)
-        .fetch_all(&self.pool)
-        .await?;
-        let compute_rows = sqlx::query(
-            "SELECT u.session_id, u.day, CAST(SUM(u.compute_ms) AS BIGINT) AS compute_ms FROM usage_compute u \
-             JOIN sessions s ON s.id = u.session_id WHERE s.workspace_id = $1 AND ($2 IS NULL OR u.session_id = $2) \
-             GROUP BY u.session_id, u.day ORDER BY u.day DESC, u.session_id",
-        )
-        .bind(workspace_id)
-        .bind(session_filter)
-        .fetch_all(&self.pool)
-        .await?;
-        let session_of = |row: &AnyRow| -> StoreResult<SessionId> {
-            let id: String = row.try_get("session_id")?;
-            SessionId::parse(&id).map_err(internal)
-        };
-        let mut records = UsageRecords::default();
-        for row in &token_rows {
-            records.tokens.push((
-                session_of(row)?,
-                row.try_get("day")?,
-                row.try_get("model")?,
-                get_u64(row, "input_tokens")?,
-                get_u64(row, "output_tokens")?,
-            ));
+            let Some(claimed) = claimed else {
+                // Someone changed the session since we read it: read again and decide afresh.
+                tx.rollback().await?;
+                continue;
+            };
+            let n: i64 = claimed.try_get("n_turns")?;
+            sqlx::query("INSERT INTO turns (session_id, n, prompt, status, mode, created_at) VALUES ($1, $2, $3, 'accepted', $4, $5)")
+                .bind(session_id.as_str())
+                .bind(n)
+                .bind(&steer.prompt)
+                .bind(steer.mode.as_str())
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+            if steer.mode == TurnMode::Interrupt {
+                sqlx::query("UPDATE turns SET stop_requested = 'interrupt' WHERE session_id = $1 AND status = 'running' AND stop_requested IS NULL")
+                    .bind(session_id.as_str())
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            let n = u32::try_from(n).map_err(internal)?;
+            if next_phase != session.phase {
+                self.record_event(&mut tx, session_id, None, EventChange::Phase(next_phase), None, now)
+                    .await?;
+            }
+            self.record_event(
+                &mut tx,
+                session_id,
+                Some(n),
+                EventChange::Status(TurnStatus::Accepted),
+                None,
+                now,
+            )
+            .await?;
+            self.commit_events(tx).await?;
+            return self.fetch_turn(session_id, n).await;
         }
-        for row in &compute_rows {
-            records
-                .compute
-                .push((session_of(row)?, row.try_get("day")?, get_u64(row, "compute_ms")?));
-        }
-        Ok(records)
+        Err(StoreError::Conflict(
+            "the session changed too often while steering; try again".into(),
+        ))
     }
+}
 
+#[async_trait]
+impl Tickets for SqlStore {
     async fn claim_ticket_nonce(&self, nonce: &str, expires_at_ms: i64) -> StoreResult<bool> {
         let now = now_ms();
         // Expired nonces can be forgotten: a ticket carrying one fails its expiry check first.
@@ -2239,7 +2248,10 @@ impl Store for SqlStore {
             .await?;
         Ok(row.try_get("value")?)
     }
+}
 
+#[async_trait]
+impl Secrets for SqlStore {
     async fn put_model_key(
         &self,
         workspace_id: &str,

@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use anyhow::Context;
-use sortie_store::{RepoAccess, SqlStore, Store, StoreError};
+use sortie_store::{ControlPlane, RepoAccess, SqlStore, StoreError};
 
 use crate::cli::{ClientArgs, TokenCommand, WorkspaceCommand};
 use crate::config;

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use sortie_driver::profile::{self, AgentProfile};
+use sortie_store::{ControlPlane, Secrets};
 
 use crate::cli::{ClientArgs, DoctorArgs};
 use crate::config;
@@ -277,7 +278,6 @@ fn agents(inputs: &HostInputs<'_>) -> Check {
 
 /// The model keys of the default workspace, from the store when it exists.
 async fn keys(data_dir: &Path, database_url: Option<String>) -> Check {
-    use sortie_store::Store;
     let url = config::database_url(database_url, data_dir);
     if url.starts_with("sqlite://") && !data_dir.join(config::DATABASE_FILE).exists() {
         return Check::ok(

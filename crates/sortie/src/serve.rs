@@ -9,7 +9,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use sortie_protocol::api::Role;
 use sortie_server::{AgentCatalog, ApiState, Secret, tokens};
-use sortie_store::{Backend, RepoAccess, SqlStore, Store, StoreError};
+use sortie_store::{Backend, ControlPlane, RepoAccess, SqlStore, StoreError, Tickets};
 
 use sortie_sandbox::local::{LocalConfig, LocalRuntime};
 use sortie_worker::{Worker, WorkerConfig};

@@ -17,8 +17,9 @@ use sortie_gateway::live::Feeds;
 use sortie_protocol::api::TicketAction;
 use sortie_protocol::ticket::{TICKET_VERSION, TicketClaims, mint};
 use sortie_protocol::{SessionId, SessionPhase, TurnStatus};
-use sortie_store::testing::TestDatabase;
-use sortie_store::{NewSession, RepoAccess, SqlStore, Store, TurnOutcome};
+use sortie_store::{
+    ControlPlane, Ledger, NewSession, RepoAccess, SqlStore, Transcripts, TurnOutcome, testing::TestDatabase,
+};
 use sortie_worker::client::DriverClient;
 use sortie_worker::recorder::follow;
 use sortie_worker::transcript::{Ending, Transcript};

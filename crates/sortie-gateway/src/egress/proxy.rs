@@ -106,7 +106,7 @@ impl AllowlistSource for FixedAllowlist {
 /// A session's allowlist as the store has it, so `POST /v1/sessions/{id}/egress` takes effect on the
 /// next connection. If the store cannot answer, nothing is allowed (fail closed).
 pub struct SessionAllowlist {
-    pub store: Arc<dyn sortie_store::Store>,
+    pub store: Arc<dyn sortie_store::Transcripts>,
     pub workspace_id: String,
     pub session_id: sortie_protocol::SessionId,
 }

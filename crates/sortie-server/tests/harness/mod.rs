@@ -13,7 +13,7 @@ use serde_json::Value;
 use sortie_protocol::api::Role;
 use sortie_server::{AgentCatalog, ApiState, Secret, tokens};
 use sortie_store::testing::{TestBackend, TestDatabase};
-use sortie_store::{KeyRing, RepoAccess, SqlStore, Store, WorkspaceRow};
+use sortie_store::{ControlPlane, KeyRing, RepoAccess, SqlStore, WorkspaceRow};
 use tower::ServiceExt;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
