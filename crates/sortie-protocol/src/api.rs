@@ -205,6 +205,15 @@ pub struct Event {
     pub at: String,
 }
 
+/// `POST /v1/auth/links`: a fresh one-time sign-in code for the caller's own token.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SignInLink {
+    /// Open `<server>/signin#<code>` in a browser; it works once.
+    pub code: String,
+    pub expires_in_seconds: u64,
+}
+
 /// `POST /v1/webhooks`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

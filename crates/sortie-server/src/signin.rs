@@ -15,6 +15,7 @@ use axum::extract::State;
 use axum::http::header::SET_COOKIE;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use sortie_protocol::api::SignInLink;
 use sortie_protocol::{ApiErrorBody, ErrorCode};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
@@ -162,14 +163,6 @@ async fn signin(State(state): State<ApiState>, ApiJson(request): ApiJson<SignInR
         .headers_mut()
         .insert(SET_COOKIE, set_cookie(&cookie, SESSION_TTL.as_secs()));
     Ok(response)
-}
-
-/// `POST /v1/auth/links`: a fresh one-time sign-in code for the caller's own token.
-#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
-pub struct SignInLink {
-    /// Open `<server>/signin#<code>` in a browser; it works once.
-    pub code: String,
-    pub expires_in_seconds: u64,
 }
 
 /// A fresh one-time sign-in code that signs a browser in as the caller's token (what `sortie

@@ -8,6 +8,7 @@ use sortie_store::{ControlPlane, RepoAccess, SqlStore, StoreError};
 
 use crate::cli::{ClientArgs, TokenCommand, WorkspaceCommand};
 use crate::config;
+use crate::say;
 
 async fn open_store(client: &ClientArgs, database_url: Option<String>) -> anyhow::Result<SqlStore> {
     let data_dir = config::data_dir(client.data_dir.clone());

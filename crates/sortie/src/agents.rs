@@ -10,6 +10,7 @@ use sortie_driver::profile::{self, AgentProfile, ModelApi};
 
 use crate::cli::{AgentsCommand, ClientArgs};
 use crate::config;
+use crate::say;
 
 pub async fn run(client: &ClientArgs, command: AgentsCommand) -> anyhow::Result<ExitCode> {
     let data_dir = config::data_dir(client.data_dir.clone());

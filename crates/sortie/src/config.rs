@@ -17,8 +17,6 @@ pub mod env {
     pub const TICKET_SECRET: &str = "SORTIE_TICKET_SECRET";
     /// The server the client commands talk to (`--server`).
     pub const SERVER: &str = "SORTIE_SERVER";
-    /// The bearer token of the client commands; default: the data dir's admin token.
-    pub const TOKEN: &str = "SORTIE_TOKEN";
     /// The host uid sandboxes run as when sortie runs as root (default 61000; needs no passwd entry).
     pub const SANDBOX_UID: &str = "SORTIE_SANDBOX_UID";
     /// Log filter (tracing `EnvFilter` syntax), e.g. `info,sortie_server=debug`.
@@ -69,19 +67,6 @@ pub mod env {
 pub fn agents_dir(data_dir: &Path) -> PathBuf {
     data_dir.join("agents")
 }
-
-/// Where `sortie login` keeps a user's server and token: `$XDG_CONFIG_HOME/sortie/login.json`, else
-/// `~/.config/sortie/login.json` (mode 0600).
-pub fn login_file() -> Option<PathBuf> {
-    let base = match std::env::var_os("XDG_CONFIG_HOME").filter(|v| !v.is_empty()) {
-        Some(xdg) => PathBuf::from(xdg),
-        None => PathBuf::from(std::env::var_os("HOME").filter(|v| !v.is_empty())?).join(".config"),
-    };
-    Some(base.join("sortie/login.json"))
-}
-
-/// The server the client commands talk to when neither `--server` nor `sortie login` names one.
-pub const DEFAULT_SERVER: &str = "http://127.0.0.1:7700";
 
 /// The file `serve` writes the first admin token to.
 pub const ADMIN_TOKEN_FILE: &str = "admin-token";

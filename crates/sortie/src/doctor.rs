@@ -9,6 +9,7 @@ use sortie_store::{ControlPlane, Secrets};
 
 use crate::cli::{ClientArgs, DoctorArgs};
 use crate::config;
+use crate::say;
 
 /// Below this much free space on the data dir's disk, sessions' disks and mirrors will soon fail.
 const FREE_DISK_WANTED: u64 = 2 << 30;

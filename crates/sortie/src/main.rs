@@ -1,30 +1,15 @@
 //! The `sortie` binary: `serve` runs the roles, the admin commands work on the store directly, and
-//! the client commands talk to a running server over REST. `main` parses, sets up logging and hands
-//! off; each command lives in its own module.
+//! the client commands (`sortie-client`) talk to a running server over REST. `main` parses, sets up
+//! logging and hands off; each command lives in its own module or crate.
 
-/// `println!` for the client commands: a reader that went away (`sortie ls | head -1`) ends the
-/// command quietly, as an ordinary end, instead of the panic `println!` makes of a closed pipe.
-macro_rules! say {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        if let Err(error) = writeln!(std::io::stdout().lock(), $($arg)*) {
-            if error.kind() == std::io::ErrorKind::BrokenPipe {
-                std::process::exit(0);
-            }
-            eprintln!("error: cannot write to stdout: {error}");
-            std::process::exit(1);
-        }
-    }};
-}
+use sortie_client::say;
 
 mod admin;
 mod agents;
 mod cli;
-mod client;
 mod config;
 mod doctor;
 mod driver;
-mod follow;
 mod sandbox;
 mod serve;
 
@@ -63,7 +48,14 @@ fn main() -> ExitCode {
             Command::Workspace(command) => admin::workspace(&cli.client, command).await,
             Command::Token(command) => admin::token(&cli.client, command).await,
             Command::Agents(command) => agents::run(&cli.client, command).await,
-            client_command => client::run(cli.client, client_command).await,
+            Command::Client(command) => {
+                let target = sortie_client::Target {
+                    server: cli.client.server,
+                    json: cli.client.json,
+                    admin_token_file: config::data_dir(cli.client.data_dir).join(config::ADMIN_TOKEN_FILE),
+                };
+                sortie_client::run(target, command).await
+            }
         }
     });
     match outcome {

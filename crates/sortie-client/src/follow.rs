@@ -11,13 +11,14 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use futures::StreamExt;
 use reqwest::{Method, StatusCode};
-use serde_json::{Value, json};
+use serde_json::Value;
 use sortie_feed::sse::SseDecoder;
 use sortie_protocol::TurnStatus;
-use sortie_protocol::api::{AttachTicket, Session, Turn, TurnList};
+use sortie_protocol::api::{AttachTicket, AttachTicketRequest, Session, Turn, TurnList};
 use sortie_term::{Options, Renderer};
 
-use crate::client::{Answer, Client, refused};
+use crate::commands::refused;
+use crate::http::{Answer, Client};
 
 /// The turn failed (or was lost).
 const EXIT_FAILED: u8 = 1;
@@ -74,7 +75,7 @@ async fn show_turns(client: &Client, id: &str, follow: &Follow, screen: &mut Scr
     let mut outcome = ExitCode::SUCCESS;
     loop {
         let turns = match client
-            .call::<TurnList>(Method::GET, &format!("/v1/sessions/{id}/turns"), None)
+            .call::<TurnList>(Method::GET, &format!("/v1/sessions/{id}/turns"))
             .await?
         {
             Answer::Ok(list, _) => list.turns,
@@ -115,7 +116,7 @@ async fn show_turns(client: &Client, id: &str, follow: &Follow, screen: &mut Scr
 /// Whether the session has a turn waiting or running.
 async fn still_working(client: &Client, id: &str) -> anyhow::Result<bool> {
     match client
-        .call::<Session>(Method::GET, &format!("/v1/sessions/{id}"), None)
+        .call::<Session>(Method::GET, &format!("/v1/sessions/{id}"))
         .await?
     {
         Answer::Ok(session, _) => Ok(session.phase.has_active_turn()),
@@ -128,7 +129,7 @@ async fn ended_turn(client: &Client, id: &str, n: u32) -> anyhow::Result<Turn> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         if let Answer::Ok(list, _) = client
-            .call::<TurnList>(Method::GET, &format!("/v1/sessions/{id}/turns"), None)
+            .call::<TurnList>(Method::GET, &format!("/v1/sessions/{id}/turns"))
             .await?
             && let Some(turn) = list.turns.into_iter().find(|t| t.n == n)
             && (turn.status.is_terminal() || Instant::now() > deadline)
@@ -163,10 +164,10 @@ async fn attach_once(
     screen: &mut Screen,
 ) -> anyhow::Result<bool> {
     let ticket = match client
-        .call::<AttachTicket>(
+        .send::<AttachTicket>(
             Method::POST,
             &format!("/v1/sessions/{id}/attach-ticket"),
-            Some(json!({})),
+            &AttachTicketRequest::default(),
         )
         .await?
     {

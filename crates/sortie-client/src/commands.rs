@@ -1,141 +1,30 @@
-//! The client commands: `run`, `ls`, `show`, `steer`, `stop`, `cancel` and `keys` over the REST API.
-//! Errors print the server's code and sentence and exit non-zero.
+//! The client commands over the REST API. Errors print the server's code and sentence and exit
+//! non-zero.
 
 use std::io::{IsTerminal, Read};
 use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use reqwest::{Method, StatusCode};
-use serde::de::DeserializeOwned;
-use serde_json::{Value, json};
+use reqwest::Method;
+use serde_json::Value;
 use sortie_protocol::ApiErrorBody;
+use sortie_protocol::phase::TurnMode;
 use sortie_protocol::api::{
-    ForgeConnection, ForgeConnectionList, MODEL_KEY_MAX_BYTES, ModelApi, ModelKey, ModelKeyList, Session, SessionList,
-    Turn, TurnList, Webhook, WebhookDeliveryList, WebhookList,
+    CreateSessionRequest, CreateWebhookRequest, EgressAmendment, EgressRequest, ForgeConnection, ForgeConnectionList,
+    MODEL_KEY_MAX_BYTES, ModelApi, ModelKey, ModelKeyList, Session, SessionList, SetForgeConnectionRequest,
+    SetModelKeyRequest, SignInLink, SteerRequest, Turn, TurnList, Webhook, WebhookDeliveryList, WebhookList,
 };
 
-use crate::cli::{ClientArgs, Command, ForgeCommand, KeysCommand, LsArgs, RunArgs, WebhookCommand};
-use crate::config::{self, ADMIN_TOKEN_FILE, env};
+use crate::args::{ClientCommand as Command, ForgeCommand, KeysCommand, LsArgs, RunArgs, WebhookCommand};
+use crate::http::{Answer, Client, Login, TOKEN_ENV, Target, login_file};
 
-pub(crate) struct Client {
-    pub(crate) http: reqwest::Client,
-    pub(crate) server: String,
-    pub(crate) token: String,
-    pub(crate) json: bool,
-}
-
-/// What a call answered: the body of a success, or the server's refusal.
-pub(crate) enum Answer<T> {
-    Ok(T, Value),
-    Refused(ApiErrorBody),
-}
-
-/// What `sortie login` saved for this user.
-#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
-struct Login {
-    server: String,
-    token: String,
-}
-
-fn saved_login() -> Option<Login> {
-    let text = std::fs::read_to_string(config::login_file()?).ok()?;
-    serde_json::from_str(&text).ok()
-}
-
-impl Client {
-    /// The server: `--server` (or `SORTIE_SERVER`), else the saved login's, else the default. The token:
-    /// `SORTIE_TOKEN`, else the saved login's, else the data dir's admin token (the user who runs
-    /// `sortie serve` has it).
-    fn new(args: &ClientArgs) -> anyhow::Result<Self> {
-        let login = saved_login();
-        let server = args
-            .server
-            .clone()
-            .filter(|s| !s.trim().is_empty())
-            .or_else(|| login.as_ref().map(|l| l.server.clone()))
-            .unwrap_or_else(|| config::DEFAULT_SERVER.to_owned());
-        let token = match std::env::var(env::TOKEN) {
-            Ok(token) if !token.trim().is_empty() => token.trim().to_owned(),
-            _ => match login {
-                Some(login) if !login.token.is_empty() => login.token,
-                _ => {
-                    let path = config::data_dir(args.data_dir.clone()).join(ADMIN_TOKEN_FILE);
-                    std::fs::read_to_string(&path)
-                        .with_context(|| {
-                            format!(
-                                "no token: set {}, or save one with `sortie login` (an admin makes it with \
-                                 `sortie token create --workspace default --role operator`); the user who runs \
-                                 `sortie serve` uses {} ",
-                                env::TOKEN,
-                                path.display()
-                            )
-                        })?
-                        .trim()
-                        .to_owned()
-                }
-            },
-        };
-        Ok(Self::with(server, token, args.json))
-    }
-
-    fn with(server: String, token: String, json: bool) -> Self {
-        Self {
-            http: reqwest::Client::new(),
-            server: server.trim_end_matches('/').to_owned(),
-            token,
-            json,
-        }
-    }
-
-    pub(crate) async fn call<T: DeserializeOwned>(
-        &self,
-        method: Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> anyhow::Result<Answer<T>> {
-        let mut request = self
-            .http
-            .request(method, format!("{}{path}", self.server))
-            .bearer_auth(&self.token);
-        if let Some(body) = body {
-            request = request.json(&body);
-        }
-        let response = request
-            .send()
-            .await
-            .with_context(|| format!("cannot reach the sortie server at {}", self.server))?;
-        let status = response.status();
-        let text = response.text().await.context("the server's answer broke off")?;
-        if status.is_success() {
-            let value: Value = if status == StatusCode::NO_CONTENT {
-                Value::Null
-            } else {
-                serde_json::from_str(&text)
-                    .with_context(|| format!("the server answered {status} with a body that is not JSON"))?
-            };
-            let typed = serde_json::from_value(value.clone())
-                .context("the server's answer has an unexpected shape (is it the same version?)")?;
-            return Ok(Answer::Ok(typed, value));
-        }
-        match serde_json::from_str::<ApiErrorBody>(&text) {
-            Ok(refusal) => Ok(Answer::Refused(refusal)),
-            Err(_) if status == StatusCode::NOT_FOUND => {
-                anyhow::bail!("{} does not look like a sortie server (404 on {path})", self.server)
-            }
-            Err(_) => anyhow::bail!(
-                "the server answered {status}: {}",
-                text.chars().take(300).collect::<String>()
-            ),
-        }
-    }
-}
-
-pub async fn run(args: ClientArgs, command: Command) -> anyhow::Result<ExitCode> {
+/// Runs one client command against the server `target` names.
+pub async fn run(target: Target, command: Command) -> anyhow::Result<ExitCode> {
     if matches!(command, Command::Login) {
-        return login(&args).await;
+        return login(&target).await;
     }
-    let client = Client::new(&args)?;
+    let client = Client::resolve(&target)?;
     match command {
         Command::Run(run) => create(&client, run).await,
         Command::Logs(logs) => {
@@ -147,26 +36,23 @@ pub async fn run(args: ClientArgs, command: Command) -> anyhow::Result<ExitCode>
             crate::follow::logs(&client, &logs.id, follow).await
         }
         Command::SigninLink => {
-            let answer = client.call::<Value>(Method::POST, "/v1/auth/links", None).await?;
+            let answer = client.call::<SignInLink>(Method::POST, "/v1/auth/links").await?;
             let server = client.server.trim_end_matches('/').to_owned();
             finish(&client, answer, |link| {
-                let minutes = link["expires_in_seconds"].as_u64().unwrap_or(0) / 60;
-                format!(
-                    "{server}/signin#{}\n(works once, for {minutes} minutes)",
-                    link["code"].as_str().unwrap_or_default()
-                )
+                let minutes = link.expires_in_seconds / 60;
+                format!("{server}/signin#{}\n(works once, for {minutes} minutes)", link.code)
             })
         }
         Command::Resume { id } => {
             let answer = client
-                .call::<Session>(Method::POST, &format!("/v1/sessions/{id}/resume"), None)
+                .call::<Session>(Method::POST, &format!("/v1/sessions/{id}/resume"))
                 .await?;
             finish(&client, answer, |session| format!("{} {}", session.id, session.phase))
         }
         Command::Archive { id, undo } => {
             let method = if undo { Method::DELETE } else { Method::POST };
             let answer = client
-                .call::<Session>(method, &format!("/v1/sessions/{id}/archive"), None)
+                .call::<Session>(method, &format!("/v1/sessions/{id}/archive"))
                 .await?;
             finish(&client, answer, |session| {
                 format!(
@@ -180,13 +66,13 @@ pub async fn run(args: ClientArgs, command: Command) -> anyhow::Result<ExitCode>
         Command::Ls(ls) => list(&client, ls).await,
         Command::Show { id } => show(&client, &id).await,
         Command::Steer { id, prompt, interrupt } => {
-            let mode = if interrupt { "interrupt" } else { "queue" };
+            let mode = if interrupt { TurnMode::Interrupt } else { TurnMode::Queue };
+            let steer = SteerRequest {
+                prompt,
+                mode: Some(mode),
+            };
             let answer = client
-                .call::<Turn>(
-                    Method::POST,
-                    &format!("/v1/sessions/{id}/steer"),
-                    Some(json!({"prompt": prompt, "mode": mode})),
-                )
+                .send::<Turn>(Method::POST, &format!("/v1/sessions/{id}/steer"), &steer)
                 .await?;
             finish(&client, answer, |turn| {
                 format!("turn {} {} on {id}", turn.n, turn.status)
@@ -194,13 +80,13 @@ pub async fn run(args: ClientArgs, command: Command) -> anyhow::Result<ExitCode>
         }
         Command::Stop { id } => {
             let answer = client
-                .call::<Turn>(Method::POST, &format!("/v1/sessions/{id}/stop"), None)
+                .call::<Turn>(Method::POST, &format!("/v1/sessions/{id}/stop"))
                 .await?;
             finish(&client, answer, |turn| format!("stopping turn {} of {id}", turn.n))
         }
         Command::Cancel { id } => {
             let answer = client
-                .call::<Session>(Method::POST, &format!("/v1/sessions/{id}/cancel"), None)
+                .call::<Session>(Method::POST, &format!("/v1/sessions/{id}/cancel"))
                 .await?;
             finish(&client, answer, |session| format!("{} {}", session.id, session.phase))
         }
@@ -217,21 +103,8 @@ pub async fn run(args: ClientArgs, command: Command) -> anyhow::Result<ExitCode>
                 .map_err(|error| anyhow::anyhow!("mcp: {error}"))?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Serve(_)
-        | Command::Driver(_)
-        | Command::Sandbox(_)
-        | Command::Relay(_)
-        | Command::ScriptedAgent
-        | Command::Login
-        | Command::Doctor(_)
-        | Command::Workspace(_)
-        | Command::Token(_)
-        | Command::Agents(_) => unreachable_command(),
+        Command::Login => login(&target).await,
     }
-}
-
-fn unreachable_command() -> anyhow::Result<ExitCode> {
-    anyhow::bail!("this command does not talk to a server")
 }
 
 /// Prints an answer: the JSON body with `--json`, else the given line; a refusal goes to stderr.
@@ -271,7 +144,7 @@ pub(crate) fn refused(client: &Client, refusal: &ApiErrorBody) -> ExitCode {
 /// `sortie allow ID HOST…`: the session's allowlist with the hosts added (the server checks each).
 async fn allow(client: &Client, id: &str, hosts: Vec<String>) -> anyhow::Result<ExitCode> {
     let session = match client
-        .call::<Session>(Method::GET, &format!("/v1/sessions/{id}"), None)
+        .call::<Session>(Method::GET, &format!("/v1/sessions/{id}"))
         .await?
     {
         Answer::Ok(session, _) => session,
@@ -284,10 +157,10 @@ async fn allow(client: &Client, id: &str, hosts: Vec<String>) -> anyhow::Result<
         }
     }
     let answer = client
-        .call::<Session>(
+        .send::<Session>(
             Method::POST,
             &format!("/v1/sessions/{id}/egress"),
-            Some(json!({"allow": allow})),
+            &EgressAmendment { allow },
         )
         .await?;
     finish(client, answer, |session| {
@@ -313,23 +186,17 @@ async fn create(client: &Client, run: RunArgs) -> anyhow::Result<ExitCode> {
         }
         None => None,
     };
-    let mut body = json!({"repo": repo, "task": run.task});
-    let fields = [
-        ("agent", run.agent),
-        ("base", run.base),
-        ("model", run.model),
-        ("title", run.title),
-        ("setup", setup),
-    ];
-    for (key, value) in fields {
-        if let Some(value) = value {
-            body[key] = json!(value);
-        }
-    }
-    if !run.allow.is_empty() {
-        body["egress"] = json!({"allow": run.allow});
-    }
-    let answer = client.call::<Session>(Method::POST, "/v1/sessions", Some(body)).await?;
+    let request = CreateSessionRequest {
+        repo,
+        task: run.task,
+        agent: run.agent,
+        base: run.base,
+        model: run.model,
+        egress: (!run.allow.is_empty()).then_some(EgressRequest { allow: run.allow }),
+        setup,
+        title: run.title,
+    };
+    let answer = client.send::<Session>(Method::POST, "/v1/sessions", &request).await?;
     if run.follow
         && let Answer::Ok(session, _) = &answer
     {
@@ -348,7 +215,7 @@ async fn list(client: &Client, ls: LsArgs) -> anyhow::Result<ExitCode> {
     if let Some(phase) = &ls.phase {
         path.push_str(&format!("&phase={phase}"));
     }
-    let answer = client.call::<SessionList>(Method::GET, &path, None).await?;
+    let answer = client.call::<SessionList>(Method::GET, &path).await?;
     finish(client, answer, |list| {
         if list.sessions.is_empty() {
             return "no sessions".to_owned();
@@ -373,7 +240,7 @@ async fn list(client: &Client, ls: LsArgs) -> anyhow::Result<ExitCode> {
 
 async fn show(client: &Client, id: &str) -> anyhow::Result<ExitCode> {
     let session = match client
-        .call::<Session>(Method::GET, &format!("/v1/sessions/{id}"), None)
+        .call::<Session>(Method::GET, &format!("/v1/sessions/{id}"))
         .await?
     {
         Answer::Ok(session, raw) => (session, raw),
@@ -382,7 +249,7 @@ async fn show(client: &Client, id: &str) -> anyhow::Result<ExitCode> {
         }
     };
     let turns = client
-        .call::<TurnList>(Method::GET, &format!("/v1/sessions/{id}/turns"), None)
+        .call::<TurnList>(Method::GET, &format!("/v1/sessions/{id}/turns"))
         .await?;
     let (session, raw_session) = session;
     let (turns, raw_turns) = match turns {
@@ -463,19 +330,16 @@ async fn keys(client: &Client, command: KeysCommand) -> anyhow::Result<ExitCode>
             if let Some(code) = refuse_another_workspace(client, workspace.workspace.as_deref()).await? {
                 return Ok(code);
             }
-            let mut body = json!({"key": key});
-            if let Some(label) = label {
-                body["label"] = json!(label);
-            }
+            let request = SetModelKeyRequest { key, label };
             let answer = client
-                .call::<ModelKey>(Method::PUT, &format!("/v1/model-keys/{api}"), Some(body))
+                .send::<ModelKey>(Method::PUT, &format!("/v1/model-keys/{api}"), &request)
                 .await?;
             finish(client, answer, |key| {
                 format!("set {} key {}", key.api, shown_fingerprint(key))
             })
         }
         KeysCommand::List { workspace } => {
-            let answer = client.call::<ModelKeyList>(Method::GET, "/v1/model-keys", None).await?;
+            let answer = client.call::<ModelKeyList>(Method::GET, "/v1/model-keys").await?;
             if let (Answer::Ok(list, _), Some(expected)) = (&answer, &workspace.workspace) {
                 refuse_mismatch(&list.workspace, expected)?;
             }
@@ -501,12 +365,12 @@ async fn keys(client: &Client, command: KeysCommand) -> anyhow::Result<ExitCode>
                 return Ok(code);
             }
             let answer = client
-                .call::<Value>(Method::DELETE, &format!("/v1/model-keys/{api}"), None)
+                .call::<Value>(Method::DELETE, &format!("/v1/model-keys/{api}"))
                 .await?;
             match answer {
                 Answer::Ok(..) => {
                     if client.json {
-                        say!("{}", json!({"api": api, "removed": true}));
+                        say!("{}", Removed { api: Some(api), host: None, removed: true });
                     } else {
                         say!("removed {api} key");
                     }
@@ -531,15 +395,9 @@ async fn forge(client: &Client, command: ForgeCommand) -> anyhow::Result<ExitCod
                 "token",
                 &format!("sortie forge set {host} < token.txt"),
             )?;
-            let mut body = json!({"token": token});
-            if let Some(kind) = kind {
-                body["kind"] = json!(kind);
-            }
-            if let Some(api_base) = api_base {
-                body["api_base"] = json!(api_base);
-            }
+            let request = SetForgeConnectionRequest { token, kind, api_base };
             let answer = client
-                .call::<ForgeConnection>(Method::PUT, &format!("/v1/forge-connections/{host}"), Some(body))
+                .send::<ForgeConnection>(Method::PUT, &format!("/v1/forge-connections/{host}"), &request)
                 .await?;
             finish(client, answer, |connection| {
                 format!(
@@ -552,7 +410,7 @@ async fn forge(client: &Client, command: ForgeCommand) -> anyhow::Result<ExitCod
         }
         ForgeCommand::List => {
             let answer = client
-                .call::<ForgeConnectionList>(Method::GET, "/v1/forge-connections", None)
+                .call::<ForgeConnectionList>(Method::GET, "/v1/forge-connections")
                 .await?;
             finish(client, answer, |list| {
                 if list.connections.is_empty() {
@@ -577,12 +435,12 @@ async fn forge(client: &Client, command: ForgeCommand) -> anyhow::Result<ExitCod
         }
         ForgeCommand::Rm { host } => {
             let answer = client
-                .call::<Value>(Method::DELETE, &format!("/v1/forge-connections/{host}"), None)
+                .call::<Value>(Method::DELETE, &format!("/v1/forge-connections/{host}"))
                 .await?;
             match answer {
                 Answer::Ok(..) => {
                     if client.json {
-                        say!("{}", json!({"host": host, "removed": true}));
+                        say!("{}", Removed { api: None, host: Some(&host), removed: true });
                     } else {
                         say!("removed the connection to {host}");
                     }
@@ -591,6 +449,22 @@ async fn forge(client: &Client, command: ForgeCommand) -> anyhow::Result<ExitCod
                 refused @ Answer::Refused(_) => finish(client, refused, |_: &Value| String::new()),
             }
         }
+    }
+}
+
+/// What `keys rm` and `forge rm` print with `--json`: what was removed.
+#[derive(serde::Serialize)]
+struct Removed<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    api: Option<ModelApi>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    host: Option<&'a str>,
+    removed: bool,
+}
+
+impl std::fmt::Display for Removed<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&serde_json::to_string(self).map_err(|_| std::fmt::Error)?)
     }
 }
 
@@ -613,7 +487,7 @@ async fn refuse_another_workspace(client: &Client, expected: Option<&str>) -> an
     let Some(expected) = expected else {
         return Ok(None);
     };
-    match client.call::<ModelKeyList>(Method::GET, "/v1/model-keys", None).await? {
+    match client.call::<ModelKeyList>(Method::GET, "/v1/model-keys").await? {
         Answer::Ok(list, _) => {
             refuse_mismatch(&list.workspace, expected)?;
             Ok(None)
@@ -626,22 +500,21 @@ fn refuse_mismatch(actual: &str, expected: &str) -> anyhow::Result<()> {
     anyhow::ensure!(
         actual == expected,
         "the token is an admin token of workspace {actual:?}, not {expected:?}: the token decides the \
-         workspace, so set {} to an admin token of {expected:?} (`sortie token create --workspace {expected} --role admin`)",
-        env::TOKEN
+         workspace, so set {TOKEN_ENV} to an admin token of {expected:?} (`sortie token create --workspace {expected} --role admin`)"
     );
     Ok(())
 }
 
 /// `sortie login`: the token on stdin is checked against the server, then saved (0600) with it.
-async fn login(args: &ClientArgs) -> anyhow::Result<ExitCode> {
+async fn login(target: &Target) -> anyhow::Result<ExitCode> {
     use std::io::Write;
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-    let path = config::login_file().context("no HOME: cannot tell where to save the login")?;
-    let server = args
+    let path = login_file().context("no HOME: cannot tell where to save the login")?;
+    let server = target
         .server
         .clone()
         .filter(|s| !s.trim().is_empty())
-        .unwrap_or_else(|| config::DEFAULT_SERVER.to_owned());
+        .unwrap_or_else(|| crate::DEFAULT_SERVER.to_owned());
     if std::io::stdin().is_terminal() {
         eprintln!("paste the token, then Enter and Ctrl-D:");
     }
@@ -651,8 +524,8 @@ async fn login(args: &ClientArgs) -> anyhow::Result<ExitCode> {
         "sortie token create --workspace default --role operator | sortie login",
     )?;
     let token = token.trim().to_owned();
-    let client = Client::with(server.clone(), token.clone(), args.json);
-    if let Answer::Refused(refusal) = client.call::<Value>(Method::GET, "/v1/agents", None).await? {
+    let client = Client::with(server.clone(), token.clone(), target.json);
+    if let Answer::Refused(refusal) = client.call::<Value>(Method::GET, "/v1/agents").await? {
         anyhow::bail!(
             "{} refused the token: {}: {}",
             client.server,
@@ -700,17 +573,18 @@ async fn webhook(client: &Client, command: WebhookCommand) -> anyhow::Result<Exi
                 "webhook secret",
                 "openssl rand -hex 32 | tee secret.txt | sortie webhook add URL",
             )?;
-            let mut body = json!({"url": url, "secret": secret});
-            if !events.is_empty() {
-                body["events"] = json!(events);
-            }
-            let answer = client.call::<Webhook>(Method::POST, "/v1/webhooks", Some(body)).await?;
+            let request = CreateWebhookRequest {
+                url,
+                secret,
+                events: (!events.is_empty()).then_some(events),
+            };
+            let answer = client.send::<Webhook>(Method::POST, "/v1/webhooks", &request).await?;
             finish(client, answer, |hook| {
                 format!("{}  {}  {}", hook.id, kinds(&hook.events), hook.url)
             })
         }
         WebhookCommand::List => {
-            let answer = client.call::<WebhookList>(Method::GET, "/v1/webhooks", None).await?;
+            let answer = client.call::<WebhookList>(Method::GET, "/v1/webhooks").await?;
             finish(client, answer, |list| {
                 if list.webhooks.is_empty() {
                     return "no webhooks".to_owned();
@@ -724,13 +598,13 @@ async fn webhook(client: &Client, command: WebhookCommand) -> anyhow::Result<Exi
         }
         WebhookCommand::Rm { id } => {
             let answer = client
-                .call::<Value>(Method::DELETE, &format!("/v1/webhooks/{id}"), None)
+                .call::<Value>(Method::DELETE, &format!("/v1/webhooks/{id}"))
                 .await?;
             finish(client, answer, |_| format!("removed {id}"))
         }
         WebhookCommand::Deliveries { id } => {
             let answer = client
-                .call::<WebhookDeliveryList>(Method::GET, &format!("/v1/webhooks/{id}/deliveries"), None)
+                .call::<WebhookDeliveryList>(Method::GET, &format!("/v1/webhooks/{id}/deliveries"))
                 .await?;
             finish(client, answer, |list| {
                 if list.deliveries.is_empty() {
