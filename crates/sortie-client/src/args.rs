@@ -148,7 +148,6 @@ fn parse_model_api(text: &str) -> Result<ModelApi, String> {
     text.parse().map_err(|_| "one of anthropic, openai, gemini".to_owned())
 }
 
-
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// An https:// git URL or a local repository path.

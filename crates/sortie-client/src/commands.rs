@@ -9,12 +9,12 @@ use anyhow::Context;
 use reqwest::Method;
 use serde_json::Value;
 use sortie_protocol::ApiErrorBody;
-use sortie_protocol::phase::TurnMode;
 use sortie_protocol::api::{
     CreateSessionRequest, CreateWebhookRequest, EgressAmendment, EgressRequest, ForgeConnection, ForgeConnectionList,
     MODEL_KEY_MAX_BYTES, ModelApi, ModelKey, ModelKeyList, Session, SessionList, SetForgeConnectionRequest,
     SetModelKeyRequest, SignInLink, SteerRequest, Turn, TurnList, Webhook, WebhookDeliveryList, WebhookList,
 };
+use sortie_protocol::phase::TurnMode;
 
 use crate::args::{ClientCommand as Command, ForgeCommand, KeysCommand, LsArgs, RunArgs, WebhookCommand};
 use crate::http::{Answer, Client, Login, TOKEN_ENV, Target, login_file};
@@ -66,7 +66,11 @@ pub async fn run(target: Target, command: Command) -> anyhow::Result<ExitCode> {
         Command::Ls(ls) => list(&client, ls).await,
         Command::Show { id } => show(&client, &id).await,
         Command::Steer { id, prompt, interrupt } => {
-            let mode = if interrupt { TurnMode::Interrupt } else { TurnMode::Queue };
+            let mode = if interrupt {
+                TurnMode::Interrupt
+            } else {
+                TurnMode::Queue
+            };
             let steer = SteerRequest {
                 prompt,
                 mode: Some(mode),
@@ -370,7 +374,14 @@ async fn keys(client: &Client, command: KeysCommand) -> anyhow::Result<ExitCode>
             match answer {
                 Answer::Ok(..) => {
                     if client.json {
-                        say!("{}", Removed { api: Some(api), host: None, removed: true });
+                        say!(
+                            "{}",
+                            Removed {
+                                api: Some(api),
+                                host: None,
+                                removed: true
+                            }
+                        );
                     } else {
                         say!("removed {api} key");
                     }
@@ -440,7 +451,14 @@ async fn forge(client: &Client, command: ForgeCommand) -> anyhow::Result<ExitCod
             match answer {
                 Answer::Ok(..) => {
                     if client.json {
-                        say!("{}", Removed { api: None, host: Some(&host), removed: true });
+                        say!(
+                            "{}",
+                            Removed {
+                                api: None,
+                                host: Some(&host),
+                                removed: true
+                            }
+                        );
                     } else {
                         say!("removed the connection to {host}");
                     }

@@ -131,7 +131,9 @@ impl Client {
             .request(method, format!("{}{path}", self.server))
             .bearer_auth(&self.token);
         if let Some(body) = body {
-            request = request.header(reqwest::header::CONTENT_TYPE, "application/json").body(body);
+            request = request
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body(body);
         }
         let response = request
             .send()

@@ -12,6 +12,7 @@ pub mod agent;
 pub mod api;
 pub mod delivery;
 pub mod driver;
+pub mod launch;
 pub mod mapping;
 pub mod priming;
 /// Agent profiles live in their own crate, which the worker reads without linking the driver.

@@ -601,6 +601,19 @@ impl Relayed {
     }
 }
 
+/// Whether `origin` is a browser origin as the `Origin` header carries it: `http(s)://host[:port]`,
+/// nothing after (what `--cors-origin` takes).
+pub fn is_origin(origin: &str) -> bool {
+    let rest = origin
+        .strip_prefix("https://")
+        .or_else(|| origin.strip_prefix("http://"))
+        .unwrap_or_default();
+    !rest.is_empty()
+        && rest
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':' | b'[' | b']'))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -660,5 +673,26 @@ mod tests {
         assert!(!relayed.done && !relayed.at_boundary());
         relayed.observe(b"\n");
         assert!(relayed.done && relayed.at_boundary());
+    }
+
+    #[test]
+    fn an_origin_is_scheme_and_host_and_nothing_after() {
+        for good in [
+            "https://tools.example.com",
+            "http://127.0.0.1:8080",
+            "http://[::1]:3000",
+        ] {
+            assert!(is_origin(good), "{good}");
+        }
+        for bad in [
+            "",
+            "tools.example.com",
+            "https://",
+            "https://a.example/",
+            "ftp://a.example",
+            "https://a b",
+        ] {
+            assert!(!is_origin(bad), "{bad}");
+        }
     }
 }

@@ -359,6 +359,34 @@ pub fn installed_command(agents_dir: &Path, profile: &AgentProfile) -> Option<Pa
     candidate.exists().then_some(candidate)
 }
 
+/// Where this host runs `agent` from: its install under `agents_dir`, else its command next to the
+/// running binary or on PATH; `None` when it has none (what `agents list` and `/v1/agents` report).
+pub fn locate(agents_dir: &Path, agent: &AgentProfile) -> Option<PathBuf> {
+    let path = std::env::var("PATH").unwrap_or_default();
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(ToOwned::to_owned));
+    installed_command(agents_dir, agent).or_else(|| resolve_command(&agent.command, beside.as_deref(), Some(&path)))
+}
+
+/// What a host without `agent` does to get it.
+pub fn install_hint(agent: &AgentProfile) -> String {
+    match &agent.npm_package {
+        Some(_) => format!("sortie agents install {}", agent.id),
+        None => format!("put {} on PATH", agent.command),
+    }
+}
+
+/// The model key `agent` needs, as a person would be told.
+pub fn needs(agent: &AgentProfile) -> &'static str {
+    match agent.model_api {
+        ModelApi::Anthropic => "an anthropic key (sortie keys set anthropic)",
+        ModelApi::Openai => "an openai key (sortie keys set openai)",
+        ModelApi::Gemini => "a gemini key (sortie keys set gemini)",
+        ModelApi::None => "no model key",
+    }
+}
+
 /// A pinned npm spec split into package name and version: `@scope/name@1.2.3` → (`@scope/name`, `1.2.3`).
 pub fn split_npm_spec(spec: &str) -> (&str, Option<&str>) {
     match spec.get(1..).and_then(|rest| rest.rfind('@')) {

@@ -6,6 +6,7 @@
 //! input makes it answer 500: faults of its own are logged with detail and answered with `INTERNAL`.
 
 mod agents;
+pub mod bootstrap;
 pub mod error;
 pub mod events;
 mod extract;
@@ -102,6 +103,50 @@ impl Default for AgentCatalog {
             default: DEFAULT_AGENT.to_owned(),
             probe: Arc::new(std::collections::BTreeMap::new()),
         }
+    }
+}
+
+impl AgentCatalog {
+    /// The agents of `profiles` (the built-in ones and an operator's manifest's, all as good), probed
+    /// on this host at each question so an install while `serve` runs counts. `default_agent`, when
+    /// given, must be one of them.
+    pub fn for_host(
+        profiles: Vec<sortie_profile::AgentProfile>,
+        agents_dir: std::path::PathBuf,
+        default_agent: Option<String>,
+    ) -> Result<Self, String> {
+        let mut catalog = Self::default();
+        for profile in &profiles {
+            if !catalog.known.contains(&profile.id) {
+                catalog.known.push(profile.id.clone());
+            }
+        }
+        if let Some(default_agent) = default_agent {
+            if !catalog.known.contains(&default_agent) {
+                return Err(format!(
+                    "--default-agent {default_agent:?} is not a known agent ({})",
+                    catalog.known.join(", ")
+                ));
+            }
+            catalog.default = default_agent;
+        }
+        catalog.probe = Arc::new(HostAgents { profiles, agents_dir });
+        Ok(catalog)
+    }
+}
+
+/// The agents this host can run: installed under the agents dir, next to sortie or on PATH.
+struct HostAgents {
+    profiles: Vec<sortie_profile::AgentProfile>,
+    agents_dir: std::path::PathBuf,
+}
+
+impl AgentProbe for HostAgents {
+    fn needs(&self, id: &str) -> Option<String> {
+        let profile = self.profiles.iter().find(|p| p.id == id)?;
+        sortie_profile::locate(&self.agents_dir, profile)
+            .is_none()
+            .then(|| sortie_profile::install_hint(profile))
     }
 }
 

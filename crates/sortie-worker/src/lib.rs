@@ -10,11 +10,13 @@
 
 pub mod client;
 pub mod git_proxy;
+pub mod host;
 pub mod meter;
 pub mod prepare;
 pub mod priming;
 pub mod pull_request;
 pub mod recorder;
+pub mod settings;
 pub mod transcript;
 mod turn;
 
@@ -30,6 +32,7 @@ use sortie_protocol::{SessionId, SessionPhase};
 use sortie_sandbox::{Limits, SandboxRuntime};
 use sortie_store::Store;
 
+pub use settings::{SettingsError, WorkerSettings};
 pub use turn::SandboxHandle;
 
 /// The `queued_reason` of a session waiting for a sandbox slot.

@@ -2,11 +2,11 @@
 //! worker binds that directory read-only into the agent's sandboxes) and lists the agents sortie
 //! knows, whether each is installed and what it needs.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use sortie_driver::profile::{self, AgentProfile, ModelApi};
+use sortie_driver::profile::{self, AgentProfile, install_hint, locate, needs};
 
 use crate::cli::{AgentsCommand, ClientArgs};
 use crate::config;
@@ -65,86 +65,53 @@ async fn install(agents_dir: &Path, agent: &AgentProfile) -> anyhow::Result<Exit
     Ok(ExitCode::SUCCESS)
 }
 
-fn needs(agent: &AgentProfile) -> String {
-    match agent.model_api {
-        ModelApi::Anthropic => "an anthropic key (sortie keys set anthropic)".into(),
-        ModelApi::Openai => "an openai key (sortie keys set openai)".into(),
-        ModelApi::Gemini => "a gemini key (sortie keys set gemini)".into(),
-        ModelApi::None => "no model key".into(),
-    }
-}
-
-/// Where this host runs `agent` from: its install under `agents_dir`, else its command next to the
-/// running binary or on PATH; `None` when it has none (what `agents list` and `/v1/agents` report).
-pub fn locate(agents_dir: &Path, agent: &AgentProfile) -> Option<PathBuf> {
-    let path = std::env::var("PATH").unwrap_or_default();
-    let beside = std::env::current_exe()
-        .ok()
-        .and_then(|exe| exe.parent().map(ToOwned::to_owned));
-    profile::installed_command(agents_dir, agent)
-        .or_else(|| profile::resolve_command(&agent.command, beside.as_deref(), Some(&path)))
-}
-
-/// The agents this host can run, looked up at each question (an install while `serve` runs counts).
-pub struct HostAgents {
-    pub profiles: Vec<AgentProfile>,
-    pub agents_dir: PathBuf,
-}
-
-impl sortie_server::AgentProbe for HostAgents {
-    fn needs(&self, id: &str) -> Option<String> {
-        let profile = self.profiles.iter().find(|p| p.id == id)?;
-        locate(&self.agents_dir, profile)
-            .is_none()
-            .then(|| install_hint(profile))
-    }
-}
-
-/// What a host without `agent` does to get it.
-pub fn install_hint(agent: &AgentProfile) -> String {
-    match &agent.npm_package {
-        Some(_) => format!("sortie agents install {}", agent.id),
-        None => format!("put {} on PATH", agent.command),
-    }
+/// One agent as `sortie agents list` shows it (`--json` prints these).
+#[derive(serde::Serialize)]
+struct AgentRow<'a> {
+    id: &'a str,
+    installed: bool,
+    command: Option<String>,
+    npm_package: Option<&'a str>,
+    installed_version: Option<String>,
+    outdated: bool,
+    install: String,
+    needs: &'static str,
 }
 
 fn list(agents_dir: &Path, profiles: &[AgentProfile], json: bool) -> anyhow::Result<ExitCode> {
-    let mut rows = Vec::new();
-    for agent in profiles {
-        let found = locate(agents_dir, agent);
-        rows.push(serde_json::json!({
-            "id": agent.id,
-            "installed": found.is_some(),
-            "command": found.map(|p| p.display().to_string()),
-            "npm_package": agent.npm_package,
-            "installed_version": profile::installed_version(agents_dir, agent),
-            "outdated": profile::install_outdated(agents_dir, agent),
-            "install": install_hint(agent),
-            "needs": needs(agent),
-        }));
-    }
+    let rows: Vec<AgentRow<'_>> = profiles
+        .iter()
+        .map(|agent| {
+            let found = locate(agents_dir, agent);
+            AgentRow {
+                id: &agent.id,
+                installed: found.is_some(),
+                command: found.map(|p| p.display().to_string()),
+                npm_package: agent.npm_package.as_deref(),
+                installed_version: profile::installed_version(agents_dir, agent),
+                outdated: profile::install_outdated(agents_dir, agent),
+                install: install_hint(agent),
+                needs: needs(agent),
+            }
+        })
+        .collect();
     if json {
         say!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(ExitCode::SUCCESS);
     }
     for row in &rows {
-        let state = if row["outdated"] == true {
+        let state = if row.outdated {
             format!(
                 "outdated {} (sortie agents install {})",
-                row["installed_version"].as_str().unwrap_or("?"),
-                row["id"].as_str().unwrap_or("")
+                row.installed_version.as_deref().unwrap_or("?"),
+                row.id
             )
-        } else if row["installed"] == true {
+        } else if row.installed {
             "installed".to_owned()
         } else {
-            format!("not installed ({})", row["install"].as_str().unwrap_or(""))
+            format!("not installed ({})", row.install)
         };
-        say!(
-            "{:<12} {:<40} needs {}",
-            row["id"].as_str().unwrap_or(""),
-            state,
-            row["needs"].as_str().unwrap_or("")
-        );
+        say!("{:<12} {:<40} needs {}", row.id, state, row.needs);
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -7,6 +7,8 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 use sortie_protocol::api::Role;
 
+use sortie_worker::settings::env as worker_env;
+
 use crate::config::env;
 
 #[derive(Debug, Parser)]
@@ -43,7 +45,7 @@ pub enum Command {
     /// Run the server: api role with an embedded SQLite store by default.
     Serve(ServeArgs),
     /// Run the in-sandbox driver: an agent behind a local HTTP API on a Unix socket.
-    Driver(DriverArgs),
+    Driver(sortie_driver::launch::DriverSettings),
     /// Local sandboxes (bubblewrap).
     #[command(subcommand)]
     Sandbox(SandboxCommand),
@@ -75,17 +77,17 @@ pub enum AgentsCommand {
     Install {
         id: String,
         /// An agent manifest (TOML) adding or overriding profiles.
-        #[arg(long, env = env::AGENT_PROFILES)]
+        #[arg(long, env = worker_env::AGENT_PROFILES)]
         profiles: Option<PathBuf>,
         /// Install under this directory instead of `<data dir>/agents`.
-        #[arg(long, env = env::AGENTS_DIR)]
+        #[arg(long, env = worker_env::AGENTS_DIR)]
         agents_dir: Option<PathBuf>,
     },
     /// The agents sortie knows: installed or not, and what each needs.
     List {
-        #[arg(long, env = env::AGENT_PROFILES)]
+        #[arg(long, env = worker_env::AGENT_PROFILES)]
         profiles: Option<PathBuf>,
-        #[arg(long, env = env::AGENTS_DIR)]
+        #[arg(long, env = worker_env::AGENTS_DIR)]
         agents_dir: Option<PathBuf>,
     },
 }
@@ -95,13 +97,13 @@ pub struct DoctorArgs {
     #[command(flatten)]
     pub store: StoreArgs,
     /// Where installed agents live; default `<data dir>/agents`.
-    #[arg(long, env = env::AGENTS_DIR)]
+    #[arg(long, env = worker_env::AGENTS_DIR)]
     pub agents_dir: Option<PathBuf>,
     /// An agent manifest (TOML) adding or overriding profiles.
-    #[arg(long, env = env::AGENT_PROFILES)]
+    #[arg(long, env = worker_env::AGENT_PROFILES)]
     pub agent_profiles: Option<PathBuf>,
     /// The host uid sandboxes run as.
-    #[arg(long, env = env::SANDBOX_UID, default_value_t = 61000)]
+    #[arg(long, env = worker_env::SANDBOX_UID, default_value_t = 61000)]
     pub sandbox_uid: u32,
 }
 
@@ -110,73 +112,6 @@ pub struct StoreArgs {
     /// `sqlite://…` or `postgres://…`; default: SQLite in the data dir.
     #[arg(long, env = env::DATABASE_URL)]
     pub database_url: Option<String>,
-}
-
-#[derive(Debug, Args)]
-pub struct DriverArgs {
-    /// The Unix socket to serve the driver API on (a stale file there is replaced).
-    #[arg(long, required_unless_present = "listen_on_stdin")]
-    pub socket: Option<PathBuf>,
-    /// Serve the driver API on the listening Unix socket passed as stdin (how the worker starts the
-    /// driver in a sandbox: the socket's name is the host's, out of the sandbox's reach).
-    #[arg(long, conflicts_with = "socket")]
-    pub listen_on_stdin: bool,
-    /// The agent's working directory: the session's checkout.
-    #[arg(long)]
-    pub workspace: PathBuf,
-    /// The agent's HOME (its state, kept across sandboxes).
-    #[arg(long)]
-    pub home: PathBuf,
-    /// The agent profile to run.
-    #[arg(long)]
-    pub agent: String,
-    /// An agent manifest (TOML) that adds or overrides profiles.
-    #[arg(long)]
-    pub profiles: Option<PathBuf>,
-    /// The sortie session id; assistant messages are `<session>-t<n>`.
-    #[arg(long, default_value = "ses_local")]
-    pub session: String,
-    /// Where turn logs go; default `<home>/.sortie/turns`.
-    #[arg(long)]
-    pub state_dir: Option<PathBuf>,
-    /// A turn running longer than this many seconds fails with TURN_TIMEOUT.
-    #[arg(long, default_value_t = 1800)]
-    pub turn_timeout: u64,
-    /// Seconds the agent has to finish the ACP handshake.
-    #[arg(long, default_value_t = 60)]
-    pub start_timeout: u64,
-    /// Seconds between a cancel (or SIGTERM) and the next, harder step.
-    #[arg(long, default_value_t = 5)]
-    pub kill_grace: u64,
-    /// Relay 127.0.0.1:3128 to this egress socket and point the agent's proxy variables at it.
-    #[arg(long)]
-    pub egress_socket: Option<PathBuf>,
-    /// Deliver each turn's work to this branch (e.g. `sortie/ses_…`): commit, scan for secrets, push.
-    /// Without it the work stays in the workspace.
-    #[arg(long)]
-    pub branch: Option<String>,
-    /// The remote to push to: a name in the workspace's git config, a URL or a path.
-    #[arg(long, default_value = "origin", requires = "branch")]
-    pub remote: String,
-    /// The author and committer name of delivered commits.
-    #[arg(long, default_value = "sortie", requires = "branch")]
-    pub author_name: String,
-    /// The author and committer email of delivered commits.
-    #[arg(long, default_value = "sortie@localhost", requires = "branch")]
-    pub author_email: String,
-    /// A file of known secret values' SHA-256 digests (lowercase hex, one a line): a delivery whose
-    /// changes hold one of them fails SECRET_DETECTED.
-    #[arg(long, requires = "branch")]
-    pub secret_digests: Option<PathBuf>,
-    /// The gateway's model proxy as the agent reaches it; `/<api>` is appended for the profile's API.
-    #[arg(long, default_value = "http://127.0.0.1:3128/_sortie/model")]
-    pub model_proxy: String,
-    /// The model the agent uses; default: its profile's.
-    #[arg(long)]
-    pub model: Option<String>,
-    /// Where `sortie agents install` put agents (`<dir>/<id>/node_modules/.bin`), searched first.
-    #[arg(long)]
-    pub agents_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -228,7 +163,7 @@ pub struct SandboxExecArgs {
     #[arg(long = "ro")]
     pub read_only: Vec<PathBuf>,
     /// The host uid sandboxes run as when sortie runs as root.
-    #[arg(long, env = env::SANDBOX_UID, default_value_t = sortie_sandbox::local::DEFAULT_SANDBOX_UID)]
+    #[arg(long, env = worker_env::SANDBOX_UID, default_value_t = sortie_sandbox::local::DEFAULT_SANDBOX_UID)]
     pub sandbox_uid: u32,
     /// The command and its arguments.
     #[arg(last = true, required = true)]
@@ -266,7 +201,7 @@ pub struct ServeArgs {
     #[arg(long, env = env::WEBHOOK_EXEMPT, value_delimiter = ',')]
     pub webhook_exempt: Vec<String>,
     #[command(flatten)]
-    pub worker: WorkerArgs,
+    pub worker: sortie_worker::WorkerSettings,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -274,63 +209,6 @@ pub enum ServeRole {
     Api,
     Gateway,
     Worker,
-}
-
-/// How the worker role runs sandboxes.
-#[derive(Debug, Args)]
-pub struct WorkerArgs {
-    /// Mirrors, session workspaces and homes, sandbox state; default `<data dir>/work`.
-    #[arg(long, env = env::WORK_DIR)]
-    pub work_dir: Option<PathBuf>,
-    /// Live sandboxes per workspace; more turns wait in `queued`.
-    #[arg(long, env = env::SANDBOXES_PER_WORKSPACE, default_value_t = 4)]
-    pub sandboxes_per_workspace: usize,
-    /// Seconds a turn may run before it fails with TURN_TIMEOUT (never disabled).
-    #[arg(long, env = env::TURN_TIMEOUT, default_value_t = 1800)]
-    pub turn_timeout: u64,
-    /// Seconds a warm sandbox may idle before its session is hibernated.
-    #[arg(long, env = env::IDLE_GRACE, default_value_t = 600)]
-    pub idle_grace: u64,
-    /// Seconds a setup script may run.
-    #[arg(long, env = env::SETUP_TIMEOUT, default_value_t = 600)]
-    pub setup_timeout: u64,
-    /// MiB of each session's disk (its /workspace and $HOME together); writes past it fail with
-    /// ENOSPC and the turn with DISK_QUOTA_EXCEEDED. At least 16.
-    #[arg(long, env = env::SANDBOX_DISK_MIB, default_value_t = 10 * 1024, value_parser = clap::value_parser!(u64).range(16..))]
-    pub sandbox_disk_mib: u64,
-    /// Seconds a sandbox runs on after `serve` is gone, waiting for the next `serve` to adopt it.
-    #[arg(long, env = env::SANDBOX_ORPHAN_GRACE, default_value_t = 120)]
-    pub sandbox_orphan_grace: u64,
-    /// Hosts reachable during the setup phase only; default: the host's package registries.
-    #[arg(long, env = env::SETUP_HOSTS, value_delimiter = ',')]
-    pub setup_hosts: Option<Vec<String>>,
-    /// CIDRs the egress proxy may reach although private (an internal registry).
-    #[arg(long, env = env::EGRESS_EXEMPT, value_delimiter = ',')]
-    pub egress_exempt: Vec<String>,
-    /// Fixed resolver answers for the egress proxy, `name=ip` (internal names).
-    #[arg(long, env = env::EGRESS_HOSTS, value_delimiter = ',')]
-    pub egress_hosts: Vec<String>,
-    /// An agent manifest (TOML) adding or overriding profiles.
-    #[arg(long, env = env::AGENT_PROFILES)]
-    pub agent_profiles: Option<PathBuf>,
-    /// The host uid sandboxes run as when sortie runs as root.
-    #[arg(long, env = env::SANDBOX_UID, default_value_t = sortie_sandbox::local::DEFAULT_SANDBOX_UID)]
-    pub sandbox_uid: u32,
-    /// Where `sortie agents install` put the agents; default `<data dir>/agents`.
-    #[arg(long, env = env::AGENTS_DIR)]
-    pub agents_dir: Option<PathBuf>,
-    /// Where the model proxy sends Anthropic requests (default: Anthropic's public API).
-    #[arg(long, env = env::UPSTREAM_ANTHROPIC)]
-    pub upstream_anthropic: Option<String>,
-    /// Where the model proxy sends OpenAI requests (default: OpenAI's public API).
-    #[arg(long, env = env::UPSTREAM_OPENAI)]
-    pub upstream_openai: Option<String>,
-    /// Where the model proxy sends Gemini requests (default: Google's public Gemini API).
-    #[arg(long, env = env::UPSTREAM_GEMINI)]
-    pub upstream_gemini: Option<String>,
-    /// PEM certificates trusted as roots for forges besides the platform's (an internal forge's CA).
-    #[arg(long, env = env::FORGE_CA_FILE)]
-    pub forge_ca_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]

@@ -19,38 +19,13 @@ pub async fn run(command: SandboxCommand) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// `sortie sandbox keep`: runs the sandbox's command as its parent (bwrap's parent-death signal is
-/// tied to this process, not to `serve`), exits the way it exits, and SIGKILLs it once the lease has
-/// gone untouched for the grace: a sandbox outlives a restart of `serve`, never `serve` for good.
+/// `sortie sandbox keep`: the sandbox's parent in place of `serve` (`sortie_sandbox::local::keeper`);
+/// exits the way the sandbox exits.
 fn keep(args: &SandboxKeepArgs) -> anyhow::Result<ExitCode> {
     let grace = std::time::Duration::from_secs(args.grace_secs);
-    let (program, rest) = args.command.split_first().context("no command to keep")?;
-    let mut child = std::process::Command::new(program)
-        .args(rest)
-        .spawn()
-        .with_context(|| format!("cannot run {program}"))?;
-    let child_pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).context("pid")?);
-    let (ended_tx, ended) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = ended_tx.send(child.wait());
-    });
-    let mut killed = false;
-    loop {
-        match ended.recv_timeout(std::time::Duration::from_millis(500)) {
-            Ok(status) => return Ok(exit_like(status.context("cannot wait for the sandbox")?)),
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => anyhow::bail!("the sandbox's waiter vanished"),
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-        }
-        let renewed = std::fs::metadata(&args.lease)
-            .and_then(|meta| meta.modified())
-            .ok()
-            .and_then(|at| at.elapsed().ok());
-        if !killed && renewed.is_none_or(|age| age > grace) {
-            // No runtime holds the sandbox any more: bwrap's parent-death signal takes the rest with it.
-            let _ = nix::sys::signal::kill(child_pid, nix::sys::signal::Signal::SIGKILL);
-            killed = true;
-        }
-    }
+    let status =
+        sortie_sandbox::local::keeper::keep(&args.lease, grace, &args.command).context("cannot keep the sandbox")?;
+    Ok(exit_like(status))
 }
 
 /// This process's exit, the same as the sandbox's: its code, or death by its signal.

@@ -15,6 +15,7 @@
 pub mod bwrap;
 pub mod cgroup;
 pub mod disk;
+pub mod keeper;
 
 use std::collections::HashMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
