@@ -195,7 +195,7 @@ function Presets() {
         <label>Agent <select value={agent} onChange={(e) => setAgent(e.target.value)}>
           <option value="">the server's default</option>{agents.map((a) => <option key={a.id} value={a.id}>{a.id}</option>)}
         </select></label>
-        <label>Egress allowlist <input value={allow} onChange={(e) => setAllow(e.target.value)} placeholder="registry.npmjs.org, docs.example.com" /></label>
+        <label>Egress allowlist <input value={allow} onChange={(e) => setAllow(e.target.value)} placeholder="registry.example.org, docs.example.com" /></label>
         <label>Setup script <textarea rows={2} value={setup} onChange={(e) => setSetup(e.target.value)} placeholder="npm ci" /></label>
         <button type="submit" className="primary" disabled={!repo.trim()}>Save preset</button>
       </form>

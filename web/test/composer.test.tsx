@@ -32,7 +32,7 @@ function stub(agents: () => Response, create: () => Response = () => json(202, {
 
 describe('composer presets', () => {
   it('offers presets and recent repositories, and fills a preset\'s allowlist, setup and agent in', async () => {
-    const preset = { repo: 'https://github.com/acme/app.git', agent: 'scripted', setup: 'npm ci', egress_allow: ['registry.npmjs.org'], updated_at: '2026-12-05T00:00:00Z' };
+    const preset = { repo: 'https://github.com/acme/app.git', agent: 'scripted', setup: 'npm ci', egress_allow: ['registry.example.org'], updated_at: '2026-12-05T00:00:00Z' };
     vi.stubGlobal('fetch', vi.fn(async (url: string) => {
       if (url === '/v1/agents') return json(200, { ...AGENTS, default: 'scripted' });
       if (url === '/v1/presets') return json(200, { presets: [preset] });
@@ -44,7 +44,7 @@ describe('composer presets', () => {
     expect([...container.querySelectorAll('#repo-options option')].map((o) => [(o as HTMLOptionElement).value, o.textContent]))
       .toEqual([[preset.repo, 'preset'], ['/srv/git/old.git', 'recent']]);
     fireEvent.change(screen.getByLabelText('Repository'), { target: { value: preset.repo } });
-    expect((screen.getByLabelText('Egress allowlist') as HTMLInputElement).value).toBe('registry.npmjs.org');
+    expect((screen.getByLabelText('Egress allowlist') as HTMLInputElement).value).toBe('registry.example.org');
     expect((screen.getByLabelText('Setup script') as HTMLTextAreaElement).value).toBe('npm ci');
     expect(screen.getByRole('status').textContent).toMatch(/preset/);
   });

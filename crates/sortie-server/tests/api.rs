@@ -336,7 +336,7 @@ async fn presets_are_kept_per_repository_checked_like_a_session(h: Harness) {
             "/v1/presets",
             Some(&h.admin),
             Payload::Json(
-                json!({"repo": repo, "agent": "scripted", "setup": "npm ci", "egress_allow": ["registry.npmjs.org"]}),
+                json!({"repo": repo, "agent": "scripted", "setup": "npm ci", "egress_allow": ["registry.example.org"]}),
             ),
         )
         .await;

@@ -1,6 +1,6 @@
 // Top-level keys each UI message chunk type defines in the pinned `ai` v7
 // schema (src/ui-message-stream/ui-message-chunks.ts; see
-// /work/shared/ref/ui-message-stream.md §2). `type` is implied.
+// docs/design/ref/ui-message-stream.md §2). `type` is implied.
 // `req` keys must be present (null is allowed only where the schema type is
 // `unknown`, i.e. the `nullable` list); `opt` keys may be absent but never null.
 // test/chunk-keys.test.mjs checks this table against the installed schema,
