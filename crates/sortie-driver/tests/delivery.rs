@@ -2,37 +2,14 @@
 //! the agent committed itself, a first commit, a remote that cannot be reached).
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
 use sortie_driver::delivery::{DeliveryConfig, DeliveryInput, Git, deliver};
 use sortie_driver::secrets::KnownSecrets;
+use sortie_testkit::git::git;
 
 const BRANCH: &str = "sortie/ses_lib";
-
-fn git(dir: &Path, args: &[&str]) -> String {
-    let output = Command::new("git")
-        .args([
-            "-c",
-            "safe.directory=*",
-            "-c",
-            "user.name=Test",
-            "-c",
-            "user.email=test@localhost",
-        ])
-        .args(["-c", "init.defaultBranch=main"])
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("git");
-    assert!(
-        output.status.success(),
-        "git {args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).trim().to_owned()
-}
 
 struct Setup {
     _temp: tempfile::TempDir,

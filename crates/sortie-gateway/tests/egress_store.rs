@@ -57,19 +57,8 @@ async fn an_amended_allowlist_opens_the_next_connection() {
         .await
         .expect("session");
 
-    let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let port = server.local_addr().expect("addr").port();
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = server.accept().await {
-            tokio::spawn(async move {
-                let mut buffer = [0_u8; 1024];
-                let _ = stream.read(&mut buffer).await;
-                let _ = stream
-                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
-                    .await;
-            });
-        }
-    });
+    let server = sortie_testkit::http::respond("ok").await;
+    let port = server.port();
     let names: HashMap<String, Vec<std::net::IpAddr>> = ["pkg.sortie-test.dev", "late.sortie-test.dev"]
         .iter()
         .map(|n| ((*n).to_owned(), vec!["127.0.0.1".parse().expect("ip")]))

@@ -86,36 +86,17 @@ struct Setup {
     ledger: Arc<PushRecords>,
 }
 
+/// The test's git as the agent runs it: `HOME` is the agent's.
 fn git(dir: &Path, home: &Path, args: &[&str]) -> Output {
-    Command::new("git")
-        .args([
-            "-c",
-            "user.name=agent",
-            "-c",
-            "user.email=agent@sortie.invalid",
-            "-c",
-            "init.defaultBranch=main",
-            "-c",
-            "protocol.file.allow=always",
-        ])
-        .args(args)
-        .current_dir(dir)
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
+    sortie_testkit::git::command(dir)
         .env("HOME", home)
-        .env("GIT_TERMINAL_PROMPT", "0")
-        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .args(args)
         .output()
         .expect("git")
 }
 
 fn ok(output: Output) -> Output {
-    assert!(
-        output.status.success(),
-        "git failed: {}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    sortie_testkit::git::assert_ok(&[], &output);
     output
 }
 
@@ -129,23 +110,7 @@ fn rev(dir: &Path, home: &Path, spec: &str) -> Option<String> {
 
 /// A bare upstream with one commit on `main` under `root`.
 fn make_upstream(root: &Path) -> PathBuf {
-    let upstream = root.join("upstream.git");
-    ok(git(
-        root,
-        root,
-        &["init", "-q", "--bare", upstream.to_str().expect("utf-8")],
-    ));
-    let seed = root.join("seed");
-    ok(git(root, root, &["init", "-q", seed.to_str().expect("utf-8")]));
-    std::fs::write(seed.join("README.md"), "hello\n").expect("write");
-    ok(git(&seed, root, &["add", "."]));
-    ok(git(&seed, root, &["commit", "-q", "-m", "first"]));
-    ok(git(
-        &seed,
-        root,
-        &["push", "-q", upstream.to_str().expect("utf-8"), "HEAD:refs/heads/main"],
-    ));
-    upstream
+    sortie_testkit::git::bare_with_main(root, "upstream.git")
 }
 
 async fn setup() -> Setup {
@@ -1104,16 +1069,7 @@ fn real_git() -> PathBuf {
 
 /// Reads a ref of a repository this process does not own (the test's own look, not the proxy's).
 fn foreign_rev(repo: &Path, spec: &str) -> Option<String> {
-    let output = Command::new("git")
-        .args(["-c", "safe.directory=*", "--git-dir"])
-        .arg(repo)
-        .args(["rev-parse", "--verify", "--quiet", spec])
-        .output()
-        .expect("git");
-    output
-        .status
-        .success()
-        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
+    sortie_testkit::git::rev(repo, spec)
 }
 
 fn chmod(path: &Path, mode: u32) {

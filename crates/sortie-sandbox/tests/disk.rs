@@ -125,11 +125,8 @@ fn sandbox_spec(name: &str, workspace: PathBuf, home: PathBuf, script: &str) -> 
 }
 
 async fn eventually(within: Duration, what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !done() {
-        assert!(Instant::now() < deadline, "not within {within:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let probe = || std::future::ready(if done() { Ok(()) } else { Err("not yet") });
+    sortie_testkit::wait::eventually(what, within, probe).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,7 +3,7 @@
 //! [`FakeVendor`] is a model API on `127.0.0.1:0` that speaks a vendor's real wire format
 //! (Anthropic Messages, OpenAI Responses, Gemini `generateContent`), streaming SSE when the request
 //! asks for it and plain JSON otherwise. It is scripted like the fakes the real agents were verified
-//! against (`ref/acp.md` §3, §5): the first answer of a turn calls the agent's file-writing tool
+//! against (`docs/design/ref/acp.md` §3, §5): the first answer of a turn calls the agent's file-writing tool
 //! ([`ToolCall`]), the answer to a request that carries the tool's result is text and the end of the
 //! turn, and side calls (titles, suggestions, Gemini's JSON-mode router) get plain text. Every answer
 //! reports the same usage ([`FakeVendorOptions::input_tokens`], [`FakeVendorOptions::output_tokens`])
@@ -11,12 +11,19 @@
 //! gets the same bytes. [`sample`] builds requests like the agents' to drive a fake.
 //!
 //! [`forge`] is a git forge over real TLS: smart HTTP behind a token, as GitHub serves it.
+//!
+//! The shared fixtures: [`git`] (real git with a test identity, and the repositories tests start
+//! from), [`wait`] (poll with a deadline; one patience knob) and [`http`] (small servers on
+//! `127.0.0.1:0`).
 
 mod anthropic;
 pub mod forge;
 mod gemini;
+pub mod git;
+pub mod http;
 mod openai;
 pub mod sample;
+pub mod wait;
 
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};

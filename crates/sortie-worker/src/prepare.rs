@@ -345,26 +345,7 @@ mod tests {
     use std::process::Command;
 
     fn run(dir: &Path, args: &[&str]) {
-        let output = Command::new("git")
-            .args([
-                "-c",
-                "user.name=t",
-                "-c",
-                "user.email=t@sortie.invalid",
-                "-c",
-                "init.defaultBranch=main",
-            ])
-            .args(args)
-            .current_dir(dir)
-            .env("GIT_CONFIG_NOSYSTEM", "1")
-            .env("HOME", dir)
-            .output()
-            .expect("git");
-        assert!(
-            output.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+        sortie_testkit::git::git(dir, args);
     }
 
     fn chown(path: &Path, owner: u32) {
@@ -429,15 +410,7 @@ mod tests {
         let mirror = ensure_mirror(&wrapper, &mirrors, repo_text, None)
             .await
             .expect("mirror");
-        let head = |dir: &Path| {
-            let output = Command::new("git")
-                .args(["-c", "safe.directory=*", "--git-dir"])
-                .arg(dir)
-                .args(["rev-parse", "refs/heads/main"])
-                .output()
-                .expect("git");
-            String::from_utf8_lossy(&output.stdout).trim().to_owned()
-        };
+        let head = |dir: &Path| sortie_testkit::git::rev(dir, "refs/heads/main").unwrap_or_default();
         assert_eq!(head(&mirror), head(&repo));
         // A new commit upstream reaches the mirror through a fetch, the same way.
         std::fs::write(seed.join("b.txt"), "b\n").expect("write");

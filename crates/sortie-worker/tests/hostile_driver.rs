@@ -8,14 +8,15 @@
 //! replacing it here is how a test gets a driver that lies.
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sortie_protocol::{SessionId, SessionPhase};
 use sortie_sandbox::local::{LocalConfig, LocalRuntime};
 use sortie_store::testing::TestDatabase;
 use sortie_store::{NewSession, NewTurn, RepoAccess, SqlStore, Store};
+use sortie_testkit::git::git;
 use sortie_worker::{Worker, WorkerConfig};
 
 const FORGED_HEAD: &str = "deadbeefdeadbeefdeadbeefdeadbeefdeadbeef";
@@ -104,29 +105,6 @@ server.serve_forever()
     )
 }
 
-fn git(dir: &Path, args: &[&str]) -> String {
-    let output = std::process::Command::new("git")
-        .args([
-            "-c",
-            "user.name=t",
-            "-c",
-            "user.email=t@t",
-            "-c",
-            "init.defaultBranch=main",
-        ])
-        .args(args)
-        .current_dir(dir)
-        .env("GIT_CONFIG_NOSYSTEM", "1")
-        .output()
-        .expect("git");
-    assert!(
-        output.status.success(),
-        "git {args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).trim().to_owned()
-}
-
 struct World {
     _temp: tempfile::TempDir,
     store: Arc<dyn Store>,
@@ -144,17 +122,7 @@ impl World {
         let root = temp.path().to_owned();
         let database = TestDatabase::sqlite(&root);
         let store: Arc<dyn Store> = Arc::new(SqlStore::connect(&database.url).await.expect("store"));
-        let upstream = root.join("upstream.git");
-        git(&root, &["init", "-q", "--bare", upstream.to_str().expect("utf-8")]);
-        let seed = root.join("seed");
-        git(&root, &["init", "-q", seed.to_str().expect("utf-8")]);
-        std::fs::write(seed.join("README.md"), "hi\n").expect("readme");
-        git(&seed, &["add", "."]);
-        git(&seed, &["commit", "-qm", "first"]);
-        git(
-            &seed,
-            &["push", "-q", upstream.to_str().expect("utf-8"), "HEAD:refs/heads/main"],
-        );
+        let upstream = sortie_testkit::git::bare_with_main(&root, "upstream.git");
         let bin = root.join("bin");
         std::fs::create_dir_all(&bin).expect("bin");
         let driver = bin.join("sortie");
@@ -213,17 +181,18 @@ impl World {
 
     /// Waits until turn `n` ended and the session rests.
     async fn settled(&self, id: &SessionId, n: u32) -> sortie_store::TurnRow {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
+        let what = format!("turn {n} ends and its session rests");
+        sortie_testkit::wait::eventually(&what, Duration::from_secs(60), move || async move {
             let session = self.store.session_by_id(id).await.expect("session");
             let turn = self.store.turn(id, n).await.expect("turn");
             let resting = [SessionPhase::Idle, SessionPhase::Failed, SessionPhase::Hibernated].contains(&session.phase);
             if turn.status.is_terminal() && resting {
-                return turn;
+                Ok(turn)
+            } else {
+                Err((session, turn))
             }
-            assert!(Instant::now() < deadline, "turn {n} never ended: {session:?} {turn:?}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        })
+        .await
     }
 
     async fn stored(&self, id: &SessionId) -> String {

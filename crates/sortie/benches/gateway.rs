@@ -283,24 +283,7 @@ impl Upstreams for OneRepo {
     }
 }
 
-fn git(dir: &Path, args: &[&str]) {
-    let status = Command::new("git")
-        .args([
-            "-c",
-            "user.name=b",
-            "-c",
-            "user.email=b@sortie.invalid",
-            "-c",
-            "init.defaultBranch=main",
-        ])
-        .args(args)
-        .current_dir(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .expect("git");
-    assert!(status.success(), "git {args:?}");
-}
+use sortie_testkit::git::git;
 
 // As the `sortie` binary, whose gateway this runs in-process.
 #[global_allocator]

@@ -16,24 +16,7 @@ use serde_json::{Value, json};
 
 const SORTIE: &str = env!("CARGO_BIN_EXE_sortie");
 
-fn git(dir: &Path, args: &[&str]) {
-    let status = Command::new("git")
-        .args([
-            "-c",
-            "user.name=b",
-            "-c",
-            "user.email=b@sortie.invalid",
-            "-c",
-            "init.defaultBranch=main",
-        ])
-        .args(args)
-        .current_dir(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .expect("git");
-    assert!(status.success(), "git {args:?}");
-}
+use sortie_testkit::git::git;
 
 fn percentile(samples: &mut [f64], q: f64) -> f64 {
     samples.sort_by(|a, b| a.total_cmp(b));

@@ -9,6 +9,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use sortie_testkit::git::git;
 
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -178,15 +179,15 @@ impl DriverProcess {
 
     /// Polls turn `n`'s report until it is neither running nor delivering; returns it.
     async fn wait_turn(&self, n: u32, within: Duration) -> Value {
-        let deadline = Instant::now() + within;
-        loop {
+        sortie_testkit::wait::eventually(&format!("turn {n} ends"), within, move || async move {
             let turn = self.report(n).await;
             if !turn.is_null() && turn["state"] != "running" && turn["state"] != "delivering" {
-                return turn;
+                Ok(turn)
+            } else {
+                Err(turn)
             }
-            assert!(Instant::now() < deadline, "turn {n} still running: {turn}");
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+        })
+        .await
     }
 
     async fn stream(&self, n: u32, after: Option<u64>) -> String {
@@ -616,31 +617,6 @@ async fn a_failed_turn_leaves_the_agent_ready_for_the_next() {
 
 /// The branch the tests deliver to.
 const BRANCH: &str = "sortie/ses_test";
-
-/// Runs git in `dir` and answers its stdout; any owner of `dir` is fine (CI runs as root).
-fn git(dir: &Path, args: &[&str]) -> String {
-    let output = Command::new("git")
-        .args([
-            "-c",
-            "safe.directory=*",
-            "-c",
-            "user.name=Test",
-            "-c",
-            "user.email=test@localhost",
-        ])
-        .args(["-c", "init.defaultBranch=main"])
-        .args(args)
-        .current_dir(dir)
-        .env("GIT_TERMINAL_PROMPT", "0")
-        .output()
-        .expect("git");
-    assert!(
-        output.status.success(),
-        "git {args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).trim().to_owned()
-}
 
 /// A workspace with one commit and a bare remote cloned from it, so that the base is already there.
 struct Repo {

@@ -26,27 +26,8 @@ async fn only_allowlisted_public_names_are_reachable() {
     }
 
     // The "public" package server: a local HTTP server every allowed name resolves to.
-    let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let port = server.local_addr().expect("addr").port();
-    tokio::spawn(async move {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        while let Ok((mut stream, _)) = server.accept().await {
-            tokio::spawn(async move {
-                let mut buffer = [0_u8; 2048];
-                let _ = stream.read(&mut buffer).await;
-                let body = "hello from the package server";
-                let _ = stream
-                    .write_all(
-                        format!(
-                            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                            body.len()
-                        )
-                        .as_bytes(),
-                    )
-                    .await;
-            });
-        }
-    });
+    let server = sortie_testkit::http::respond("hello from the package server").await;
+    let port = server.port();
 
     let names: HashMap<String, Vec<IpAddr>> = [
         ("pkg.sortie-test.dev", vec!["127.0.0.1"]),

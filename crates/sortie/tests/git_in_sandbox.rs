@@ -5,14 +5,14 @@
 mod support;
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use sortie_gateway::egress::proxy::{EgressProxy, FixedAllowlist, SystemResolver};
 use sortie_gateway::git::config::{GitProxyConfig, NoKnownSecrets, PushRecords};
 use sortie_gateway::git::http::{Upstream, Upstreams, router};
 use sortie_protocol::SessionId;
+use sortie_testkit::git::rev;
 
 struct OneRepo(SessionId, PathBuf);
 
@@ -22,54 +22,12 @@ impl Upstreams for OneRepo {
     }
 }
 
-fn git(dir: &Path, args: &[&str]) -> String {
-    let output = Command::new("git")
-        .args([
-            "-c",
-            "user.name=seed",
-            "-c",
-            "user.email=seed@sortie.invalid",
-            "-c",
-            "init.defaultBranch=main",
-        ])
-        .args(args)
-        .current_dir(dir)
-        .env("GIT_CONFIG_NOSYSTEM", "1")
-        .env("HOME", dir)
-        .output()
-        .expect("git");
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    String::from_utf8_lossy(&output.stdout).trim().to_owned()
-}
-
-fn rev(repo: &Path, reference: &str) -> Option<String> {
-    let output = Command::new("git")
-        .args(["rev-parse", "--verify", "--quiet", reference])
-        .current_dir(repo)
-        .output()
-        .expect("git");
-    output
-        .status
-        .success()
-        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn git_inside_a_sandbox_pushes_only_its_own_branch() {
     let temp = tempfile::tempdir().expect("temp");
     std::fs::set_permissions(temp.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
     let root = temp.path().to_owned();
-    let upstream = root.join("upstream.git");
-    git(&root, &["init", "-q", "--bare", upstream.to_str().expect("utf-8")]);
-    let seed = root.join("seed");
-    git(&root, &["init", "-q", seed.to_str().expect("utf-8")]);
-    std::fs::write(seed.join("README.md"), "hello\n").expect("write");
-    git(&seed, &["add", "."]);
-    git(&seed, &["commit", "-q", "-m", "first"]);
-    git(
-        &seed,
-        &["push", "-q", upstream.to_str().expect("utf-8"), "HEAD:refs/heads/main"],
-    );
+    let upstream = sortie_testkit::git::bare_with_main(&root, "upstream.git");
     let main_before = rev(&upstream, "refs/heads/main").expect("main");
     // The proxy runs in this process: its push decisions land in this recorder.
     let _ = sortie_server::render_metrics();

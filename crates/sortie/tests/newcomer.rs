@@ -14,7 +14,7 @@ mod support;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 
@@ -164,14 +164,7 @@ fn chmod(path: &Path, mode: u32) {
 }
 
 fn poll<T>(what: &str, within: Duration, mut probe: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(found) = probe() {
-            return found;
-        }
-        assert!(Instant::now() < deadline, "{what} did not happen within {within:?}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    sortie_testkit::wait::eventually_blocking(what, within, || probe().ok_or("not yet"))
 }
 
 fn text(output: &Output) -> String {

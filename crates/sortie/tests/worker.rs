@@ -1251,23 +1251,8 @@ async fn a_cancel_while_the_forge_opens_the_pull_request_still_cancels() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_allowlist_amended_through_the_api_opens_the_next_connection_of_a_running_turn() {
     // The "public" server every test name resolves to (127.0.0.1, exempted for the test only).
-    let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let port = server.local_addr().expect("addr").port();
-    tokio::spawn(async move {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        while let Ok((mut stream, _)) = server.accept().await {
-            tokio::spawn(async move {
-                let mut buffer = [0_u8; 2048];
-                let _ = stream.read(&mut buffer).await;
-                let body = "reached-the-late-host";
-                let answer = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = stream.write_all(answer.as_bytes()).await;
-            });
-        }
-    });
+    let server = sortie_testkit::http::respond("reached-the-late-host").await;
+    let port = server.port();
     let world = World::start(&[
         "--egress-hosts",
         "late.sortie-test.dev=127.0.0.1",
@@ -1405,23 +1390,8 @@ async fn a_gateway_started_alone_serves_the_live_tail_of_the_worker_beside_it() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_setup_script_reaches_the_setup_hosts_and_the_agent_does_not() {
     // A "package registry" on this machine, reachable under a public-looking name.
-    let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let port = server.local_addr().expect("addr").port();
-    tokio::spawn(async move {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        while let Ok((mut stream, _)) = server.accept().await {
-            tokio::spawn(async move {
-                let mut buffer = [0_u8; 2048];
-                let _ = stream.read(&mut buffer).await;
-                let body = "reached-the-registry";
-                let answer = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = stream.write_all(answer.as_bytes()).await;
-            });
-        }
-    });
+    let server = sortie_testkit::http::respond("reached-the-registry").await;
+    let port = server.port();
     let world = World::start(&[
         "--setup-hosts",
         "registry.sortie-test.dev",

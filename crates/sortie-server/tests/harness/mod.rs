@@ -74,25 +74,8 @@ pub enum Payload {
 
 /// A repository with one commit on `main` (a session's `base` must name a branch it has).
 pub fn git_init(path: &std::path::Path) {
-    let git = |args: &[&str]| {
-        let status = std::process::Command::new("git")
-            .args([
-                "-c",
-                "init.defaultBranch=main",
-                "-c",
-                "user.name=t",
-                "-c",
-                "user.email=t@sortie.invalid",
-            ])
-            .args(args)
-            .env("GIT_CONFIG_NOSYSTEM", "1")
-            .status()
-            .expect("run git");
-        assert!(status.success(), "git {args:?} failed");
-    };
-    let text = path.to_str().expect("utf-8");
-    git(&["init", "-q", text]);
-    git(&["-C", text, "commit", "-q", "--allow-empty", "-m", "first"]);
+    sortie_testkit::git::init(path);
+    sortie_testkit::git::commit_files(path, &[], "first");
 }
 
 impl Harness {

@@ -167,51 +167,16 @@ pub fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
-pub fn git_repo(parent: &Path, name: &str) -> PathBuf {
-    let path = parent.join(name);
-    let status = Command::new("git")
-        .args(["init", "-q"])
-        .arg(&path)
-        .status()
-        .expect("git");
-    assert!(status.success());
-    std::fs::canonicalize(path).expect("canonical")
-}
+pub use sortie_testkit::git::git;
 
-/// `git` with a fixed identity and default branch and no host or user config; panics with git's
-/// stderr if it fails; its stdout, trimmed.
-pub fn git(dir: &Path, args: &[&str]) -> String {
-    let output = Command::new("git")
-        .args(["-c", "user.name=seed", "-c", "user.email=seed@sortie.invalid"])
-        .args(["-c", "init.defaultBranch=main", "-c", "safe.directory=*"])
-        .args(args)
-        .current_dir(dir)
-        .env("GIT_CONFIG_NOSYSTEM", "1")
-        .env("HOME", dir)
-        .output()
-        .expect("git");
-    assert!(
-        output.status.success(),
-        "git {args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+/// An empty repository `parent/<name>`.
+pub fn git_repo(parent: &Path, name: &str) -> PathBuf {
+    sortie_testkit::git::init(&parent.join(name))
 }
 
 /// A bare repository `root/upstream.git` whose `main` holds one commit with a README.
 pub fn upstream_with_main(root: &Path) -> PathBuf {
-    let upstream = root.join("upstream.git");
-    git(root, &["init", "-q", "--bare", upstream.to_str().expect("utf-8")]);
-    let seed = root.join("seed");
-    git(root, &["init", "-q", seed.to_str().expect("utf-8")]);
-    std::fs::write(seed.join("README.md"), "hello\n").expect("write");
-    git(&seed, &["add", "."]);
-    git(&seed, &["commit", "-q", "-m", "first"]);
-    git(
-        &seed,
-        &["push", "-q", upstream.to_str().expect("utf-8"), "HEAD:refs/heads/main"],
-    );
-    upstream
+    sortie_testkit::git::bare_with_main(root, "upstream.git")
 }
 
 /// Host pids of the processes of the sandbox of `session`: its `sortie driver` and everything under it.

@@ -4,24 +4,13 @@
 use std::collections::HashSet;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
 use super::{Server, git, http_client, sortie};
 
-pub fn rev(repo: &Path, reference: &str) -> Option<String> {
-    let output = Command::new("git")
-        .args(["-c", "safe.directory=*", "rev-parse", "--verify", "--quiet", reference])
-        .current_dir(repo)
-        .output()
-        .expect("git");
-    output
-        .status
-        .success()
-        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
-}
+pub use sortie_testkit::git::rev;
 
 /// Session ids of the `sortie driver` processes alive on this machine (one per live sandbox).
 pub fn live_sandboxes() -> HashSet<String> {
@@ -225,19 +214,21 @@ impl World {
 
     /// Polls the session until `done` holds (or panics at the deadline with what it last saw).
     pub async fn wait(&self, id: &str, seconds: u64, done: impl Fn(&Value, &[Value]) -> bool) -> (Value, Vec<Value>) {
-        let deadline = Instant::now() + Duration::from_secs(seconds);
-        loop {
-            let session = self.session(id).await;
-            let turns = self.turns(id).await;
-            if done(&session, &turns) {
-                return (session, turns);
-            }
-            assert!(
-                Instant::now() < deadline,
-                "session {id} did not get there in {seconds}s: {session:#}\nturns: {turns:#?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let done = &done;
+        sortie_testkit::wait::eventually(
+            &format!("session {id} gets there"),
+            Duration::from_secs(seconds),
+            move || async move {
+                let session = self.session(id).await;
+                let turns = self.turns(id).await;
+                if done(&session, &turns) {
+                    Ok((session, turns))
+                } else {
+                    Err((session, turns))
+                }
+            },
+        )
+        .await
     }
 
     /// Waits until turn `n` ended and the session rests (`idle`, `failed`, `canceled`).
@@ -260,11 +251,11 @@ impl World {
     }
 
     pub async fn wait_said(&self, id: &str, text: &str) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !self.assistant_said(id, text).await {
-            assert!(Instant::now() < deadline, "the agent never said {text:?}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let what = format!("the agent says {text:?}");
+        sortie_testkit::wait::eventually(&what, Duration::from_secs(30), move || async move {
+            self.assistant_said(id, text).await.then_some(()).ok_or("not yet")
+        })
+        .await;
     }
 
     pub async fn messages(&self, id: &str) -> Vec<Value> {
