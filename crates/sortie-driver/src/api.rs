@@ -149,7 +149,11 @@ async fn run_setup(State(driver): State<Driver>, body: Bytes) -> Response {
 
 async fn cancel_turn(State(driver): State<Driver>, Path(n): Path<u32>) -> Response {
     if driver.cancel_turn(n) {
-        (StatusCode::ACCEPTED, Json(serde_json::json!({"n": n}))).into_response()
+        (
+            StatusCode::ACCEPTED,
+            Json(sortie_protocol::driver::CancelAccepted { n }),
+        )
+            .into_response()
     } else {
         refuse(
             StatusCode::CONFLICT,

@@ -9,8 +9,11 @@
 
 use std::collections::HashMap;
 
-use serde_json::{Value, json};
-use sortie_protocol::chunk::UiChunk;
+use serde_json::Value;
+use sortie_protocol::acp_data::{
+    CombinedOutput, CommandsData, DiffData, ExitStatus, ModeData, PermissionData, PlanData, TerminalData, to_data,
+};
+use sortie_protocol::chunk::{FinishMetadata, UiChunk};
 
 /// What became of one update.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,7 +76,7 @@ struct Terminal {
     /// Earlier output was dropped to keep the cap.
     cut: bool,
     /// `{exitCode, signal}`, once the command ended.
-    exit: Option<Value>,
+    exit: Option<ExitStatus>,
     /// How much output the last part carried: more is sent as the output grows by
     /// [`TERMINAL_PART_STEP_BYTES`], so a chatty command costs the stream linear bytes, not quadratic.
     sent: Option<usize>,
@@ -117,7 +120,10 @@ impl Terminal {
                 .cloned()
                 .unwrap_or(Value::Null);
             let signal = exit.get("signal").cloned().unwrap_or(Value::Null);
-            self.exit = Some(json!({ "exitCode": code, "signal": signal }));
+            self.exit = Some(ExitStatus {
+                exit_code: code,
+                signal,
+            });
             return true;
         }
         changed
@@ -130,14 +136,14 @@ impl Terminal {
 
     fn part(&mut self, tool_call_id: &str) -> UiChunk {
         self.sent = Some(self.output.len());
-        let mut body = json!({ "toolCallId": tool_call_id, "terminalId": self.id, "output": self.output });
-        if let Some(exit) = &self.exit {
-            body["exitStatus"] = exit.clone();
-        }
-        if self.cut {
-            body["truncated"] = Value::Bool(true);
-        }
-        data("acp-terminal", Some(format!("terminal:{}", self.id)), body)
+        let body = TerminalData {
+            tool_call_id: tool_call_id.to_owned(),
+            terminal_id: self.id.clone(),
+            output: self.output.clone(),
+            exit_status: self.exit.clone(),
+            truncated: self.cut,
+        };
+        data("acp-terminal", Some(format!("terminal:{}", self.id)), to_data(&body))
     }
 }
 
@@ -208,20 +214,29 @@ impl Mapper {
                 out.push(data(
                     "acp-plan",
                     Some("plan".into()),
-                    json!({ "entries": update.get("entries").cloned().unwrap_or(json!([])) }),
+                    to_data(&PlanData {
+                        entries: update.get("entries").cloned().unwrap_or(Value::Array(Vec::new())),
+                    }),
                 ));
             }
             "available_commands_update" => out.push(UiChunk::Data {
                 name: "acp-commands".into(),
                 id: None,
-                data: json!({ "availableCommands": update.get("availableCommands").cloned().unwrap_or(json!([])) }),
+                data: to_data(&CommandsData {
+                    available_commands: update
+                        .get("availableCommands")
+                        .cloned()
+                        .unwrap_or(Value::Array(Vec::new())),
+                }),
                 transient: true,
             }),
             "current_mode_update" => {
                 out.push(data(
                     "acp-mode",
                     Some("mode".into()),
-                    json!({ "currentModeId": update.get("currentModeId").cloned().unwrap_or(Value::Null) }),
+                    to_data(&ModeData {
+                        current_mode_id: update.get("currentModeId").cloned().unwrap_or(Value::Null),
+                    }),
                 ));
             }
             "usage_update" => out.push(data("acp-usage", Some("usage".into()), without_discriminator(update))),
@@ -260,12 +275,16 @@ impl Mapper {
         let answer = chosen
             .and_then(|o| o.get("kind"))
             .cloned()
-            .unwrap_or_else(|| json!("cancelled"));
+            .unwrap_or_else(|| Value::from("cancelled"));
         let option = chosen.and_then(|o| o.get("name")).cloned().unwrap_or(Value::Null);
         out.push(data(
             "acp-permission",
             Some(format!("permission:{tool_call_id}")),
-            json!({ "toolCallId": tool_call_id, "answer": answer, "option": option }),
+            to_data(&PermissionData {
+                tool_call_id: tool_call_id.to_owned(),
+                answer,
+                option,
+            }),
         ));
     }
 
@@ -303,9 +322,12 @@ impl Mapper {
                     "refusal" => "content-filter",
                     _ => "other",
                 };
-                (reason, json!({ "sortie": { "stopReason": stop_reason } }))
+                (
+                    reason,
+                    FinishMetadata::<String>::stopped(stop_reason.as_str()).to_value(),
+                )
             }
-            TurnEnd::Failed { code, .. } => ("error", json!({ "sortie": { "failure": code } })),
+            TurnEnd::Failed { code, .. } => ("error", FinishMetadata::failed(code.as_str()).to_value()),
         };
         let interrupted = !matches!(end, TurnEnd::Stopped { stop_reason } if stop_reason == "end_turn");
         if interrupted {
@@ -476,11 +498,11 @@ impl Mapper {
                         out.push(data(
                             "acp-diff",
                             Some(format!("diff:{id}:{path}")),
-                            json!({
-                                "toolCallId": id,
-                                "path": path,
-                                "oldText": item.get("oldText").cloned().unwrap_or(Value::Null),
-                                "newText": item.get("newText").cloned().unwrap_or(Value::Null),
+                            to_data(&DiffData {
+                                tool_call_id: id.to_owned(),
+                                path: path.to_owned(),
+                                old_text: item.get("oldText").cloned().unwrap_or(Value::Null),
+                                new_text: item.get("newText").cloned().unwrap_or(Value::Null),
                             }),
                         ));
                     }
@@ -541,14 +563,22 @@ impl Mapper {
                     out.push(data(
                         "acp-diff",
                         Some(format!("diff:{id}:{path}")),
-                        json!({"toolCallId": id, "path": path, "oldText": null, "newText": content}),
+                        to_data(&DiffData {
+                            tool_call_id: id.to_owned(),
+                            path: path.to_owned(),
+                            old_text: Value::Null,
+                            new_text: Value::from(content),
+                        }),
                     ));
                 }
                 let output = match (tool.text_output.is_empty(), &tool.raw_output) {
                     (true, None) => Value::Null,
                     (true, Some(raw)) => raw.clone(),
                     (false, None) => Value::String(tool.text_output.clone()),
-                    (false, Some(raw)) => json!({ "text": tool.text_output, "raw": raw }),
+                    (false, Some(raw)) => to_data(&CombinedOutput {
+                        text: tool.text_output.clone(),
+                        raw: raw.clone(),
+                    }),
                 };
                 out.push(UiChunk::ToolOutputAvailable {
                     tool_call_id: id.to_owned(),
@@ -604,6 +634,8 @@ fn data(name: &str, id: Option<String>, data: Value) -> UiChunk {
     }
 }
 
+/// `data-acp-usage` is the agent's `usage_update` as it sent it, less its discriminator: passed
+/// through unparsed (ACP's type would drop the fields an agent adds).
 fn without_discriminator(update: &Value) -> Value {
     let mut copy = update.clone();
     if let Some(object) = copy.as_object_mut() {
@@ -636,6 +668,7 @@ fn content_text(content: Option<&Value>) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     const AT: &str = "2026-12-02T00:00:00.000Z";
 

@@ -16,8 +16,14 @@ use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{CallToolResult, ContentBlock, Extensions, Implementation, ServerCapabilities, ServerConfig};
 use rmcp::{ServerHandler, schemars, tool, tool_handler, tool_router};
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sortie_protocol::SessionPhase;
+use sortie_protocol::api::{
+    CreateSessionRequest, EgressAmendment, EgressRequest, Failure, PullRequest, Session, SessionList, SteerRequest,
+};
+use sortie_protocol::phase::TurnMode;
 use tower::ServiceExt;
 
 /// The longest `await_session` waits in one call.
@@ -201,6 +207,65 @@ struct Failed(String);
 
 type Answer = Result<CallToolResult, rmcp::ErrorData>;
 
+/// A request or a tool's answer as JSON: always one of the API's types or this crate's, never a literal.
+fn body(value: &impl Serialize) -> Value {
+    // Plain structs of strings, numbers and enums: encoding cannot fail.
+    serde_json::to_value(value).unwrap_or_default()
+}
+
+/// The server's answer as the API's type it documents.
+fn typed<T: DeserializeOwned>(value: Value) -> Result<T, Failed> {
+    serde_json::from_value(value)
+        .map_err(|error| Failed(format!("the server's answer has an unexpected shape: {error}")))
+}
+
+/// `list_sessions`: a session in a line.
+#[derive(Serialize)]
+struct SessionSummary {
+    id: String,
+    phase: SessionPhase,
+    title: String,
+    repo: String,
+    branch: String,
+}
+
+impl SessionSummary {
+    fn of(session: &Session) -> Self {
+        Self {
+            id: session.id.to_string(),
+            phase: session.phase,
+            title: session.title.clone(),
+            repo: session.repo.clone(),
+            branch: session.branch.clone(),
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct SessionSummaries {
+    sessions: Vec<SessionSummary>,
+}
+
+/// `await_session`: where the session stands when the wait ends.
+#[derive(Serialize)]
+struct AwaitOutcome {
+    id: String,
+    phase: SessionPhase,
+    finished: bool,
+    failure: Option<Failure>,
+    branch: String,
+    head_sha: Option<String>,
+    pr: Option<PullRequest>,
+    last_turn_summary: String,
+}
+
+/// `allow_egress`: the session's allowlist now.
+#[derive(Serialize)]
+struct EgressAllowed {
+    id: String,
+    allow: Vec<String>,
+}
+
 fn ok(value: &Value) -> Answer {
     let text = serde_json::to_string_pretty(value).unwrap_or_default();
     Ok(CallToolResult::success(vec![ContentBlock::text(text)]))
@@ -258,22 +323,18 @@ impl Sortie {
         description = "Start a coding agent on a repository in a fresh sandbox. It works in the background and delivers its commits to the branch sortie/<id>. Returns the new session (id, phase, branch); follow it with await_session."
     )]
     async fn create_session(&self, Parameters(p): Parameters<CreateSession>, extensions: Extensions) -> Answer {
-        let mut body = json!({"repo": p.repo, "task": p.task});
-        for (key, value) in [
-            ("agent", p.agent),
-            ("base", p.base),
-            ("model", p.model),
-            ("title", p.title),
-        ] {
-            if let Some(value) = value {
-                body[key] = json!(value);
-            }
-        }
-        if let Some(allow) = p.allow {
-            body["egress"] = json!({"allow": allow});
-        }
+        let request = CreateSessionRequest {
+            repo: p.repo,
+            task: p.task,
+            agent: p.agent,
+            base: p.base,
+            model: p.model,
+            egress: p.allow.map(|allow| EgressRequest { allow }),
+            setup: None,
+            title: p.title,
+        };
         answer(
-            self.rest(&extensions, Method::POST, "/v1/sessions".into(), Some(body))
+            self.rest(&extensions, Method::POST, "/v1/sessions".into(), Some(body(&request)))
                 .await
                 .map(|session| ok(&session)),
         )
@@ -290,15 +351,13 @@ impl Sortie {
                 Err(_) => return failed(Failed(format!("INVALID_REQUEST: {phase:?} is not a phase"))),
             }
         }
-        answer(self.rest(&extensions, Method::GET, path, None).await.map(|list| {
-            let sessions: Vec<Value> = list["sessions"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|s| json!({"id": s["id"], "phase": s["phase"], "title": s["title"], "repo": s["repo"], "branch": s["branch"]}))
-                .collect();
-            ok(&json!({"sessions": sessions}))
-        }))
+        let result = async {
+            let list: SessionList = typed(self.rest(&extensions, Method::GET, path, None).await?)?;
+            let sessions = list.sessions.iter().map(SessionSummary::of).collect();
+            Ok(ok(&body(&SessionSummaries { sessions })))
+        }
+        .await;
+        answer(result)
     }
 
     #[tool(
@@ -325,17 +384,20 @@ impl Sortie {
             Err(error) => return failed(error),
         };
         let mode = if p.interrupt.unwrap_or(false) {
-            "interrupt"
+            TurnMode::Interrupt
         } else {
-            "queue"
+            TurnMode::Queue
         };
-        let body = json!({"prompt": p.prompt, "mode": mode});
+        let request = SteerRequest {
+            prompt: p.prompt,
+            mode: Some(mode),
+        };
         answer(
             self.rest(
                 &extensions,
                 Method::POST,
                 format!("/v1/sessions/{id}/steer"),
-                Some(body),
+                Some(body(&request)),
             )
             .await
             .map(|turn| ok(&turn)),
@@ -385,24 +447,28 @@ impl Sortie {
         let path = format!("/v1/sessions/{id}");
         let result = async {
             loop {
-                let session = self.rest(&extensions, Method::GET, path.clone(), None).await?;
-                let phase = session["phase"].as_str().unwrap_or_default();
+                let session: Session = typed(self.rest(&extensions, Method::GET, path.clone(), None).await?)?;
                 let working = matches!(
-                    phase,
-                    "queued" | "provisioning" | "running" | "delivering" | "canceling"
+                    session.phase,
+                    SessionPhase::Queued
+                        | SessionPhase::Provisioning
+                        | SessionPhase::Running
+                        | SessionPhase::Delivering
+                        | SessionPhase::Canceling
                 );
                 if !working || Instant::now() >= deadline {
                     let said = self.last_words(&extensions, &id).await.unwrap_or_default();
-                    return Ok(ok(&json!({
-                        "id": session["id"],
-                        "phase": phase,
-                        "finished": !working,
-                        "failure": session["failure"],
-                        "branch": session["branch"],
-                        "head_sha": session["head_sha"],
-                        "pr": session["pr"],
-                        "last_turn_summary": said,
-                    })));
+                    let outcome = AwaitOutcome {
+                        id: session.id.to_string(),
+                        phase: session.phase,
+                        finished: !working,
+                        failure: session.failure,
+                        branch: session.branch,
+                        head_sha: session.head_sha,
+                        pr: session.pr,
+                        last_turn_summary: said,
+                    };
+                    return Ok(ok(&body(&outcome)));
                 }
                 tokio::time::sleep(AWAIT_POLL.min(deadline.saturating_duration_since(Instant::now()))).await;
             }
@@ -436,29 +502,30 @@ impl Sortie {
             Err(error) => return failed(error),
         };
         let result = async {
-            let session = self
-                .rest(&extensions, Method::GET, format!("/v1/sessions/{id}"), None)
-                .await?;
-            let mut allow: Vec<String> = session["egress"]["allow"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|h| h.as_str().map(str::to_owned))
-                .collect();
+            let session: Session = typed(
+                self.rest(&extensions, Method::GET, format!("/v1/sessions/{id}"), None)
+                    .await?,
+            )?;
+            let mut allow = session.egress.allow;
             for host in p.hosts {
                 if !allow.contains(&host) {
                     allow.push(host);
                 }
             }
-            let updated = self
-                .rest(
+            let updated: Session = typed(
+                self.rest(
                     &extensions,
                     Method::POST,
                     format!("/v1/sessions/{id}/egress"),
-                    Some(json!({"allow": allow})),
+                    Some(body(&EgressAmendment { allow })),
                 )
-                .await?;
-            Ok(ok(&json!({"id": updated["id"], "allow": updated["egress"]["allow"]})))
+                .await?,
+            )?;
+            let allowed = EgressAllowed {
+                id: updated.id.to_string(),
+                allow: updated.egress.allow,
+            };
+            Ok(ok(&body(&allowed)))
         }
         .await;
         answer(result)
@@ -571,6 +638,7 @@ pub async fn serve_stdio(api: Arc<dyn Api>, authorization: String) -> Result<(),
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn only_session_ids_go_into_paths() {

@@ -3,7 +3,8 @@
 //! absent optional key left out (never `null`), `input`/`output`/`data` always present, provider
 //! metadata two levels deep.
 
-use serde::ser::{Serialize, SerializeMap, Serializer};
+use serde::Serialize;
+use serde::ser::{SerializeMap, Serializer};
 use serde_json::Value;
 
 /// One chunk of an assistant message's stream.
@@ -123,20 +124,81 @@ impl UiChunk {
     }
 }
 
-fn provider_metadata(at: &str) -> Value {
-    serde_json::json!({ "sortie": { "at": at } })
+/// `providerMetadata` of a chunk: `{"sortie": {"at"?, "endedAt"?}}`.
+#[derive(Serialize)]
+struct ProviderMetadata<'a> {
+    sortie: Span<'a>,
+}
+
+/// When a block started and, for a chunk that ends it, when it ended.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Span<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    at: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ended_at: Option<&'a str>,
+}
+
+fn provider_metadata(at: &str) -> ProviderMetadata<'_> {
+    ProviderMetadata {
+        sortie: Span {
+            at: Some(at),
+            ended_at: None,
+        },
+    }
 }
 
 /// `providerMetadata` of a chunk that ends something: its start again and its end, when known.
-fn span_metadata(at: Option<&String>, ended_at: Option<&String>) -> Option<Value> {
-    let mut sortie = serde_json::Map::new();
-    if let Some(at) = at {
-        sortie.insert("at".into(), Value::from(at.as_str()));
+fn span_metadata<'a>(at: Option<&'a String>, ended_at: Option<&'a String>) -> Option<ProviderMetadata<'a>> {
+    (at.is_some() || ended_at.is_some()).then(|| ProviderMetadata {
+        sortie: Span {
+            at: at.map(String::as_str),
+            ended_at: ended_at.map(String::as_str),
+        },
+    })
+}
+
+/// A turn's `finish.messageMetadata`: `{"sortie": {"stopReason"}}` or `{"sortie": {"failure"}}`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FinishMetadata<F> {
+    pub sortie: FinishNote<F>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FinishNote<F> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failure: Option<F>,
+}
+
+impl<F: Serialize> FinishMetadata<F> {
+    /// The agent ended the turn with `stop_reason` (ACP's, e.g. `end_turn`).
+    pub fn stopped(stop_reason: impl Into<String>) -> Self {
+        Self {
+            sortie: FinishNote {
+                stop_reason: Some(stop_reason.into()),
+                failure: None,
+            },
+        }
     }
-    if let Some(ended_at) = ended_at {
-        sortie.insert("endedAt".into(), Value::from(ended_at.as_str()));
+
+    /// The turn failed with `code`.
+    pub fn failed(code: F) -> Self {
+        Self {
+            sortie: FinishNote {
+                stop_reason: None,
+                failure: Some(code),
+            },
+        }
     }
-    (!sortie.is_empty()).then(|| serde_json::json!({ "sortie": sortie }))
+
+    /// As the chunk carries it. A code and a string: encoding cannot fail.
+    pub fn to_value(&self) -> Value {
+        serde_json::to_value(self).unwrap_or_default()
+    }
 }
 
 impl Serialize for UiChunk {

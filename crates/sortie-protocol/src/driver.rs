@@ -32,6 +32,12 @@ pub const SETUP_OUTPUT_TAIL_BYTES: usize = 8 * 1024;
 /// words are the sandbox's and are shown as such.
 pub const EXIT_AGENT_NOT_FOUND: u8 = 78;
 
+/// `POST /turns/{n}/cancel` accepted: the turn is being canceled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CancelAccepted {
+    pub n: u32,
+}
+
 /// `POST /turns`: the host starts turn `n`. Idempotent on `(n, nonce)`; the same `n` with another
 /// nonce is refused ([`DriverErrorCode::TurnNotOurs`]): a turn the host did not start never runs
 /// under a number the host will use.

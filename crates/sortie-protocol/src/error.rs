@@ -158,9 +158,60 @@ pub struct ErrorDetail {
     pub details: serde_json::Value,
 }
 
+/// The `details` of the refusals that carry any: each a plain object on the wire. A refusal builds
+/// its details from one of these, never from a JSON literal.
+pub mod details {
+    use serde::{Deserialize, Serialize};
+
+    use crate::egress::AllowlistViolation;
+
+    /// `details` of a refusal that has none: `{}`.
+    pub fn none() -> serde_json::Value {
+        serde_json::Value::Object(serde_json::Map::new())
+    }
+
+    /// What is known, where a name was not (`AGENT_UNKNOWN`, `MODEL_API_UNKNOWN`).
+    #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct Known {
+        pub known: Vec<String>,
+    }
+
+    /// `AGENT_NOT_INSTALLED`: the agent, how to install it, and the agents this host can run.
+    #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct AgentNotInstalled {
+        pub agent: String,
+        pub install: String,
+        pub installed: Vec<String>,
+    }
+
+    /// `BASE_NOT_FOUND`: the branch the repository does not have.
+    #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct BaseNotFound {
+        pub base: String,
+    }
+
+    /// `REPO_NOT_READABLE`: the repository's path.
+    #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct RepoNotReadable {
+        pub path: String,
+    }
+
+    /// `EGRESS_ALLOWLIST_INVALID`: each refused entry and why.
+    #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct AllowlistRefused {
+        pub entries: Vec<AllowlistViolation>,
+    }
+
+    /// `EVENTS_PRUNED`: the newest event no longer kept.
+    #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct EventsPruned {
+        pub pruned_through: u64,
+    }
+}
+
 impl ApiErrorBody {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        Self::with_details(code, message, serde_json::json!({}))
+        Self::with_details(code, message, details::none())
     }
 
     pub fn with_details(code: ErrorCode, message: impl Into<String>, details: serde_json::Value) -> Self {

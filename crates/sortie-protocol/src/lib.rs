@@ -6,6 +6,7 @@
 //! (`agent_stream`) and sortie's own transcript parts (`sortie_data`). This crate does no I/O: every function takes values and returns values, so
 //! the CLI, the driver and the dashboard's generated types can use it without the server.
 
+pub mod acp_data;
 pub mod agent_stream;
 pub mod agents;
 pub mod api;

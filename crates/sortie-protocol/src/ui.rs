@@ -17,14 +17,38 @@ pub const TRUNCATED_PART_TYPE: &str = "data-sortie-truncated";
 /// The note that ends a turn's answer when only its first `shown_parts` parts (`shown_bytes` bytes of
 /// stored payloads) were read, because the stored turn goes past the transcript caps.
 pub fn truncation_note(shown_parts: u64, shown_bytes: u64) -> Value {
-    json!({
-        "type": TRUNCATED_PART_TYPE,
-        "data": {
-            "shownParts": shown_parts,
-            "shownBytes": shown_bytes,
-            "reason": "the turn's transcript is longer than sortie keeps; the rest is not shown",
+    /// `data-sortie-truncated`: the part's envelope.
+    #[derive(serde::Serialize)]
+    #[serde(tag = "type", rename = "data-sortie-truncated")]
+    struct Note {
+        data: Shown,
+    }
+    #[derive(serde::Serialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Shown {
+        shown_parts: u64,
+        shown_bytes: u64,
+        reason: &'static str,
+    }
+    let note = Note {
+        data: Shown {
+            shown_parts,
+            shown_bytes,
+            reason: "the turn's transcript is longer than sortie keeps; the rest is not shown",
         },
-    })
+    };
+    // Numbers and strings only: encoding cannot fail.
+    serde_json::to_value(note).unwrap_or_default()
+}
+
+/// The one part of a user message: its prompt as a `text` part.
+pub fn user_text_part(text: &str) -> Value {
+    #[derive(serde::Serialize)]
+    #[serde(tag = "type", rename = "text")]
+    struct Text<'a> {
+        text: &'a str,
+    }
+    serde_json::to_value(Text { text }).unwrap_or_default()
 }
 
 /// The parts of the assistant message that `chunks` (in part order) build.
@@ -37,6 +61,9 @@ pub fn assemble_parts<'a>(chunks: impl IntoIterator<Item = &'a Value>) -> Vec<Va
 }
 
 /// Folds chunks one at a time, so that a caller can parse each stored part, fold it and drop it.
+///
+/// Parts are JSON values, not a type of ours: a `UIMessage` part is the AI SDK's shape, and a stored
+/// chunk's keys (its data, a tool's input and output) pass through to the client as they were.
 #[derive(Debug, Default)]
 pub struct PartsAssembler {
     parts: Vec<Value>,

@@ -57,7 +57,7 @@ struct BarrierLine {
     params: BarrierParams,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, serde::Serialize)]
 struct BarrierParams {
     token: u64,
 }
@@ -147,7 +147,7 @@ impl SharedStdout {
         let token = self.inner.next_barrier.fetch_add(1, Ordering::Relaxed);
         let (released, on_release) = oneshot::channel();
         self.waiting_barriers().insert(token, released);
-        let sent = UntypedMessage::new(BARRIER_METHOD, serde_json::json!({ "token": token }))
+        let sent = UntypedMessage::new(BARRIER_METHOD, BarrierParams { token })
             .and_then(|barrier| connection.send_notification(barrier));
         if sent.is_ok() {
             let _ = tokio::time::timeout(BARRIER_TIMEOUT, on_release).await;

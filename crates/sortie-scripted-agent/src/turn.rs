@@ -245,7 +245,7 @@ impl Turn {
             ToolCall::new(tool_call_id.clone(), command)
                 .kind(ToolKind::Execute)
                 .status(ToolCallStatus::Pending)
-                .raw_input(serde_json::json!({ "command": command })),
+                .raw_input(raw(&ShellInput { command })),
         ))?;
         self.send(SessionUpdate::ToolCallUpdate(ToolCallUpdate::new(
             tool_call_id.clone(),
@@ -263,7 +263,11 @@ impl Turn {
             Ok(CommandOutcome::Cancelled { output }) => ToolCallUpdateFields::new()
                 .status(ToolCallStatus::Failed)
                 .content(vec![ToolCallContent::from(format!("{output}[cancelled]"))])
-                .raw_output(serde_json::json!({ "exitCode": null, "cancelled": true })),
+                .raw_output(raw(&ShellExit {
+                    exit_code: None,
+                    signal: None,
+                    cancelled: true,
+                })),
             Err(error) => ToolCallUpdateFields::new()
                 .status(ToolCallStatus::Failed)
                 .content(vec![ToolCallContent::from(format!("cannot run `sh -c`: {error}"))]),
@@ -459,11 +463,35 @@ async fn run_shell(command: &str, cwd: &Path, cancellation: &CancellationToken) 
     })
 }
 
+/// A shell tool's `rawInput`, as the real agents send it (ACP leaves raw input free-form).
+#[derive(serde::Serialize)]
+struct ShellInput<'a> {
+    command: &'a str,
+}
+
+/// A shell tool's `rawOutput`: its exit code (null when it has none), its signal, whether it was
+/// cancelled.
+#[derive(serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ShellExit {
+    exit_code: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    signal: Option<i32>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    cancelled: bool,
+}
+
+/// Numbers, strings and flags: encoding cannot fail.
+fn raw(value: &impl serde::Serialize) -> serde_json::Value {
+    serde_json::to_value(value).unwrap_or_default()
+}
+
 fn exit_status_json(status: ExitStatus) -> serde_json::Value {
-    match status.signal() {
-        Some(signal) => serde_json::json!({ "exitCode": status.code(), "signal": signal }),
-        None => serde_json::json!({ "exitCode": status.code() }),
-    }
+    raw(&ShellExit {
+        exit_code: status.code(),
+        signal: status.signal(),
+        cancelled: false,
+    })
 }
 
 #[cfg(test)]

@@ -20,12 +20,14 @@ impl ApiError {
         Self {
             code,
             message: message.into(),
-            details: serde_json::json!({}),
+            details: sortie_protocol::error::details::none(),
         }
     }
 
-    pub fn with_details(mut self, details: serde_json::Value) -> Self {
-        self.details = details;
+    /// Details from one of `sortie_protocol::error::details`' types.
+    pub fn with_details(mut self, details: impl serde::Serialize) -> Self {
+        // The details types are plain structs of strings and numbers: encoding cannot fail.
+        self.details = serde_json::to_value(details).unwrap_or_else(|_| sortie_protocol::error::details::none());
         self
     }
 

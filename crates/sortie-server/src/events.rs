@@ -96,7 +96,9 @@ async fn events(
                 EVENTS_RETENTION.as_secs() / 3600
             ),
         )
-        .with_details(serde_json::json!({ "pruned_through": first.pruned_through })));
+        .with_details(sortie_protocol::error::details::EventsPruned {
+            pruned_through: first.pruned_through,
+        }));
     }
     let reader = Reader {
         store: state.store.clone(),

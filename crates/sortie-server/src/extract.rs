@@ -115,7 +115,9 @@ impl FromRequestParts<ApiState> for ModelApiPath {
                 ErrorCode::ModelApiUnknown,
                 format!("no model API {named:?}; known: {}", known.join(", ")),
             )
-            .with_details(serde_json::json!({ "known": known }))
+            .with_details(sortie_protocol::error::details::Known {
+                known: known.iter().map(|api| (*api).to_owned()).collect(),
+            })
         };
         let Path(api) = Path::<String>::from_request_parts(parts, state)
             .await

@@ -99,7 +99,7 @@ pub(crate) async fn check_base(repo: &str, base: &str) -> Result<(), ApiError> {
             ErrorCode::BaseNotFound,
             format!("repo {repo:?} has no branch {base:?}: name one it has, or leave base out for its default branch"),
         )
-        .with_details(serde_json::json!({ "base": base }))),
+        .with_details(sortie_protocol::error::details::BaseNotFound { base: base.to_owned() })),
         _ => Ok(()),
     }
 }
@@ -109,7 +109,7 @@ fn not_readable(path: &str, why: String) -> ApiError {
         ErrorCode::RepoNotReadable,
         format!("repo {path:?} cannot be read: {why}"),
     )
-    .with_details(serde_json::json!({ "path": path }))
+    .with_details(sortie_protocol::error::details::RepoNotReadable { path: path.to_owned() })
 }
 
 /// The repository's git dir: `.git` of a work tree, or the directory itself when bare. `None` when it

@@ -129,8 +129,11 @@ async fn create(
 /// installed. What the server accepts, a worker on it can start (DESIGN §13).
 fn choose_agent(agents: &crate::AgentCatalog, named: Option<String>) -> Result<String, ApiError> {
     let installed = agents.installed();
-    let details =
-        |agent: &str, install: &str| serde_json::json!({ "agent": agent, "install": install, "installed": installed });
+    let details = |agent: &str, install: &str| sortie_protocol::error::details::AgentNotInstalled {
+        agent: agent.to_owned(),
+        install: install.to_owned(),
+        installed: installed.clone(),
+    };
     match named {
         Some(agent) => {
             if !agents.known.contains(&agent) {
@@ -138,7 +141,9 @@ fn choose_agent(agents: &crate::AgentCatalog, named: Option<String>) -> Result<S
                     ErrorCode::AgentUnknown,
                     format!("no agent profile {agent:?}; known: {}", agents.known.join(", ")),
                 )
-                .with_details(serde_json::json!({ "known": agents.known })));
+                .with_details(sortie_protocol::error::details::Known {
+                    known: agents.known.clone(),
+                }));
             }
             match agents.needs(&agent) {
                 None => Ok(agent),
@@ -181,7 +186,7 @@ pub(crate) fn check_allowlist(field: &str, allow: &[String]) -> Result<(), ApiEr
             ErrorCode::EgressAllowlistInvalid,
             format!("{field} has invalid entries: {named:?}"),
         )
-        .with_details(serde_json::json!({ "entries": violations }))
+        .with_details(sortie_protocol::error::details::AllowlistRefused { entries: violations })
     })
 }
 

@@ -82,7 +82,7 @@ pub async fn read_page(
         messages.push(UiMessage {
             id: session_id.user_message_id(turn.n),
             role: UiRole::User,
-            parts: vec![serde_json::json!({"type": "text", "text": turn.prompt})],
+            parts: vec![sortie_protocol::ui::user_text_part(&turn.prompt)],
         });
         if let Some(parts) = parts {
             messages.push(UiMessage {

@@ -146,9 +146,14 @@ impl DriverClient {
     }
 
     pub async fn cancel(&self, n: u32) -> Result<(), DriverError> {
-        self.json::<serde_json::Value>(Method::POST, &format!("/turns/{n}/cancel"), None, REQUEST_DEADLINE)
-            .await
-            .map(|_| ())
+        self.json::<sortie_protocol::driver::CancelAccepted>(
+            Method::POST,
+            &format!("/turns/{n}/cancel"),
+            None,
+            REQUEST_DEADLINE,
+        )
+        .await
+        .map(|_| ())
     }
 
     /// Runs the setup script inside the sandbox; the driver enforces `timeout`, this waits a little longer.

@@ -9,8 +9,10 @@ use sortie_profile::AgentProfile;
 /// Below this much free space on the data dir's disk, sessions' disks and mirrors will soon fail.
 const FREE_DISK_WANTED: u64 = 2 << 30;
 
-/// One finding.
+/// One finding (`sortie doctor --json` prints these).
+#[derive(Debug, serde::Serialize)]
 pub struct Check {
+    #[serde(rename = "check")]
     pub name: &'static str,
     pub ok: bool,
     /// A miss of a required check means sessions cannot run; of another, some of them.

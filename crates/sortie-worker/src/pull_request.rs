@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use serde_json::Value;
 use sortie_protocol::api::{ForgeKind, repo_forge_host};
 use sortie_store::{SessionRow, Store};
 
@@ -80,13 +80,27 @@ pub async fn ensure_draft(
         session.title.clone()
     };
     let task: String = task.chars().take(BODY_TASK_MAX_CHARS).collect();
-    let body = json!({
-        "title": title,
-        "head": branch,
-        "base": base,
-        "draft": true,
-        "body": format!("{task}\n\n---\nOpened by sortie session `{}`; every push to `{branch}` updates it.", session.id),
-    });
+    /// GitHub's "create a pull request" body.
+    #[derive(serde::Serialize)]
+    struct NewPullRequest<'a> {
+        title: &'a str,
+        head: &'a str,
+        base: &'a str,
+        draft: bool,
+        body: String,
+    }
+    let body = NewPullRequest {
+        title: &title,
+        head: &branch,
+        base: &base,
+        draft: true,
+        body: format!(
+            "{task}\n\n---\nOpened by sortie session `{}`; every push to `{branch}` updates it.",
+            session.id
+        ),
+    };
+    // Strings and a flag: encoding cannot fail.
+    let body = serde_json::to_string(&body).unwrap_or_default();
     let request = |request: reqwest::RequestBuilder| {
         request
             .bearer_auth(&token)
@@ -97,7 +111,7 @@ pub async fn ensure_draft(
     };
     let created = request(http.post(&pulls))
         .header(reqwest::header::CONTENT_TYPE, "application/json")
-        .body(body.to_string())
+        .body(body)
         .send()
         .await;
     let answer = match created {

@@ -17,11 +17,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use serde_json::json;
 use sortie_feed::hub::TurnHub;
 use sortie_gateway::live::Feeds;
 use sortie_protocol::agent_stream::{AgentStream, ChunkRefusal};
-use sortie_protocol::chunk::UiChunk;
+use sortie_protocol::chunk::{FinishMetadata, UiChunk};
 use sortie_protocol::sortie_data::{NoticeData, SortieData};
 use sortie_protocol::{FailureCode, SessionId, limits};
 use sortie_store::{NewPart, Store, StoreError};
@@ -507,8 +506,10 @@ impl Writer {
         }
         let reason = finish_reason(&ending);
         let metadata = match &ending.failure {
-            Some((code, _)) => json!({"sortie": {"failure": code}}),
-            None => json!({"sortie": {"stopReason": ending.stop_reason.as_deref().unwrap_or("end_turn")}}),
+            Some((code, _)) => FinishMetadata::failed(*code).to_value(),
+            None => {
+                FinishMetadata::<FailureCode>::stopped(ending.stop_reason.as_deref().unwrap_or("end_turn")).to_value()
+            }
         };
         let failure = ending.failure.clone();
         for part in ending.parts {

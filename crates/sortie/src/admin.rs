@@ -57,7 +57,17 @@ pub async fn workspace(client: &ClientArgs, command: WorkspaceCommand) -> anyhow
                 Err(other) => return Err(other.into()),
             };
             if client.json {
-                say!("{}", serde_json::json!({"id": created.id, "name": created.name}));
+                /// What `workspace create --json` prints.
+                #[derive(serde::Serialize)]
+                struct Created<'a> {
+                    id: &'a str,
+                    name: &'a str,
+                }
+                let shown = Created {
+                    id: &created.id,
+                    name: &created.name,
+                };
+                say!("{}", serde_json::to_string(&shown)?);
             } else {
                 say!("created workspace {}", created.name);
             }

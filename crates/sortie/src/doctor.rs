@@ -75,11 +75,7 @@ pub async fn run(client: &ClientArgs, args: DoctorArgs) -> anyhow::Result<ExitCo
     });
     checks.push(keys(&data_dir, args.store.database_url.clone()).await);
     if client.json {
-        let rows: Vec<serde_json::Value> = checks
-            .iter()
-            .map(|c| serde_json::json!({"check": c.name, "ok": c.ok, "required": c.required, "says": c.says}))
-            .collect();
-        say!("{}", serde_json::to_string_pretty(&rows)?);
+        say!("{}", serde_json::to_string_pretty(&checks)?);
     } else {
         checks.iter().for_each(print);
     }

@@ -158,7 +158,18 @@ fn pinned_header(pinned: &PinnedHeader) -> Result<(ModelApi, HeaderName, HeaderV
 
 /// An answer made here, never the vendor's: `{"error": {"code", "message"}}`.
 fn refusal(status: StatusCode, code: &str, message: &str) -> Response {
-    let body = serde_json::json!({ "error": { "code": code, "message": message } });
+    #[derive(serde::Serialize)]
+    struct Refusal<'a> {
+        error: Said<'a>,
+    }
+    #[derive(serde::Serialize)]
+    struct Said<'a> {
+        code: &'a str,
+        message: &'a str,
+    }
+    let body = Refusal {
+        error: Said { code, message },
+    };
     (status, axum::Json(body)).into_response()
 }
 
