@@ -2,7 +2,7 @@
 //! made private, the first workspace and admin token on a fresh store, the ticket secret every replica
 //! shares, and the one-time dashboard sign-in link printed for whoever started the server.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use sortie_protocol::api::Role;
 use sortie_store::{Backend, ControlPlane, RepoAccess, StoreError, Tickets};
@@ -72,10 +72,21 @@ pub fn create_data_dir(path: &Path) -> Result<(), BootstrapError> {
         })
 }
 
-/// On first start: workspace `default` and an admin token, printed once and saved mode 0600 in the
-/// data dir. The embedded (SQLite) install lets `default` use any local repository; a shared
-/// PostgreSQL deployment gives it none until an operator creates workspaces with roots.
-pub async fn first_start(store: &dyn ControlPlane, backend: Backend, data_dir: &Path) -> Result<(), BootstrapError> {
+/// The admin token a first start made: shown once to whoever started the server, kept at `saved_to`.
+pub struct FirstAdmin {
+    pub token: String,
+    pub saved_to: PathBuf,
+}
+
+/// On first start: workspace `default` and an admin token, saved mode 0600 in the data dir and
+/// answered for the caller to show once; `None` when an earlier start (or another replica) made
+/// them. The embedded (SQLite) install lets `default` use any local repository; a shared PostgreSQL
+/// deployment gives it none until an operator creates workspaces with roots.
+pub async fn first_start(
+    store: &dyn ControlPlane,
+    backend: Backend,
+    data_dir: &Path,
+) -> Result<Option<FirstAdmin>, BootstrapError> {
     let repo_access = RepoAccess {
         any_local_path: backend == Backend::Sqlite,
         allowed_roots: Vec::new(),
@@ -83,7 +94,7 @@ pub async fn first_start(store: &dyn ControlPlane, backend: Backend, data_dir: &
     let workspace = match store.create_workspace("default", repo_access).await {
         Ok(workspace) => workspace,
         // Already bootstrapped (by an earlier start or another replica).
-        Err(StoreError::Conflict(_)) => return Ok(()),
+        Err(StoreError::Conflict(_)) => return Ok(None),
         Err(source) => {
             return Err(BootstrapError::Store {
                 what: "cannot create the default workspace",
@@ -104,12 +115,7 @@ pub async fn first_start(store: &dyn ControlPlane, backend: Backend, data_dir: &
         what: format!("cannot write {}", path.display()),
         source,
     })?;
-    println!(
-        "created workspace `default` and an admin token (shown once, saved to {}):",
-        path.display()
-    );
-    println!("{token}");
-    Ok(())
+    Ok(Some(FirstAdmin { token, saved_to: path }))
 }
 
 /// The attach tickets' secret: the operator's (`configured`, the same on every replica), else one

@@ -60,7 +60,13 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
             .await
             .context("cannot open the store")?,
     );
-    bootstrap::first_start(store.as_ref(), store.backend(), &data_dir).await?;
+    if let Some(admin) = bootstrap::first_start(store.as_ref(), store.backend(), &data_dir).await? {
+        announce(&format!(
+            "created workspace `default` and an admin token (shown once, saved to {}):\n{}",
+            admin.saved_to.display(),
+            admin.token
+        ));
+    }
     let ticket_secret = bootstrap::ticket_secret(store.as_ref(), std::env::var(env::TICKET_SECRET).ok()).await?;
 
     let keyring = sortie_store::KeyRing::from_env_or_file(
