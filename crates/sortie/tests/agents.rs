@@ -616,9 +616,40 @@ async fn a_rejected_key_fails_the_turn_at_once_and_the_session_goes_on_once_it_i
         if session["phase"] == "idle" && session["turns"] == 2 {
             break;
         }
-        assert!(Instant::now() < deadline, "{session:#}");
+        assert!(
+            Instant::now() < deadline,
+            "{session:#}\nthe vendor saw {} requests; the last ones ended with:\n{}",
+            fake.requests().len(),
+            last_messages(&fake, 3)
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let branch = format!("refs/heads/sortie/{id}");
     assert_eq!(git(&upstream, &["show", &format!("{branch}:hello.txt")]), "hello");
+}
+
+/// The last message of each of the vendor's `n` latest requests, for a failure's message.
+fn last_messages(fake: &FakeVendor, n: usize) -> String {
+    let requests = fake.requests();
+    requests
+        .iter()
+        .rev()
+        .take(n)
+        .map(|request| {
+            let body: Value = serde_json::from_slice(&request.body).unwrap_or_default();
+            let last = body["messages"]
+                .as_array()
+                .and_then(|m| m.last())
+                .cloned()
+                .unwrap_or_default();
+            let tools = body["tools"].as_array().map_or(0, Vec::len);
+            format!(
+                "{} ({} tools): {}",
+                request.path,
+                tools,
+                last.to_string().chars().take(600).collect::<String>()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
