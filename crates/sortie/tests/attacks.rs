@@ -526,8 +526,20 @@ async fn s9_the_model_proxy_refuses_what_is_not_inference() {
     ];
     let id = world.create(&script(&attack), json!({})).await;
     world.settled(&id, 1).await;
-    let said = turn_text(&world, &id, 1).await;
-    assert_eq!(said.matches("403").count(), 4, "{said}");
+    // The probes' own output, a status code a line: the whole transcript also holds timings and ids,
+    // in which "403" may appear by chance.
+    let wanted = format!("{id}-t1");
+    let messages = world.messages(&id).await;
+    let output: String = messages
+        .iter()
+        .filter(|m| m["id"] == wanted.as_str())
+        .filter_map(|m| m["parts"].as_array())
+        .flatten()
+        .filter(|part| part["type"] == "dynamic-tool")
+        .filter_map(|part| part["output"]["text"].as_str().or(part["output"].as_str()))
+        .collect();
+    let codes: Vec<&str> = output.lines().map(str::trim).filter(|line| !line.is_empty()).collect();
+    assert_eq!(codes, ["403"; 4], "{output}");
 }
 
 /// S10: a write past the session's disk quota fails inside the sandbox (ENOSPC), the turn fails with a
