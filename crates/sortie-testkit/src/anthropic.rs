@@ -20,13 +20,34 @@ pub(crate) fn error(status: u16, message: &str) -> Value {
     json!({ "type": "error", "error": { "type": kind, "message": message } })
 }
 
+/// Tool calls the fake makes in one conversation at most: past them it answers text whatever the
+/// request looks like, so that no agent can loop on it.
+const MAX_TOOL_ROUNDS: usize = 4;
+
+/// The fake's own tool calls in the request's conversation (its earlier answers).
+fn tool_rounds(options: &FakeVendorOptions, messages: &[Value]) -> usize {
+    messages
+        .iter()
+        .filter(|message| message["role"] == "assistant")
+        .flat_map(|message| message["content"].as_array().into_iter().flatten())
+        .filter(|block| block["type"] == "tool_use" && block["name"] == options.tool.name.as_str())
+        .count()
+}
+
+/// The id of the fake's next tool call: unique in the conversation (`toolu_fake_1` first), as a real
+/// model's are — Claude Code drops a repeated `tool_use` id, and its result with it.
+fn tool_use_id(options: &FakeVendorOptions, request: &Value) -> String {
+    let messages = request["messages"].as_array().map_or(&[][..], Vec::as_slice);
+    format!("toolu_fake_{}", tool_rounds(options, messages) + 1)
+}
+
 fn step(options: &FakeVendorOptions, request: &Value) -> Step {
     let offered = request["tools"]
         .as_array()
         .is_some_and(|tools| tools.iter().any(|tool| tool["name"] == options.tool.name.as_str()));
-    let last = request["messages"].as_array().and_then(|messages| messages.last());
+    let messages = request["messages"].as_array().map_or(&[][..], Vec::as_slice);
+    let last = messages.last();
     let blocks = last.and_then(|message| message["content"].as_array());
-    let has = |kind: &str| blocks.is_some_and(|blocks| blocks.iter().any(|block| block["type"] == kind));
     let text = match last.map(|message| &message["content"]) {
         Some(Value::String(text)) => text.clone(),
         _ => blocks
@@ -35,7 +56,15 @@ fn step(options: &FakeVendorOptions, request: &Value) -> Step {
             .filter_map(|block| block["text"].as_str())
             .collect(),
     };
-    if has("tool_result") {
+    // The tool's result anywhere after the model's latest answer: in the last message or an earlier
+    // one, before or after the agent's reminders.
+    let answered = messages
+        .iter()
+        .rev()
+        .take_while(|message| message["role"] != "assistant")
+        .flat_map(|message| message["content"].as_array().into_iter().flatten())
+        .any(|block| block["type"] == "tool_result");
+    if answered || tool_rounds(options, messages) >= MAX_TOOL_ROUNDS {
         Step::Final
     } else if !offered || text.contains("[SUGGESTION MODE") {
         Step::Side
@@ -49,6 +78,7 @@ pub(crate) fn reply(options: &FakeVendorOptions, path: &str, request: &Value) ->
         return Reply::NotFound;
     }
     let step = step(options, request);
+    let tool_id = tool_use_id(options, request);
     let model = options
         .model
         .clone()
@@ -62,7 +92,7 @@ pub(crate) fn reply(options: &FakeVendorOptions, path: &str, request: &Value) ->
     };
     let (block, stop_reason) = match step {
         Step::Tool => (
-            json!({ "type": "tool_use", "id": "toolu_fake_1", "name": options.tool.name, "input": options.tool.arguments }),
+            json!({ "type": "tool_use", "id": tool_id, "name": options.tool.name, "input": options.tool.arguments }),
             "tool_use",
         ),
         _ => (json!({ "type": "text", "text": text }), "end_turn"),
@@ -101,7 +131,7 @@ pub(crate) fn reply(options: &FakeVendorOptions, path: &str, request: &Value) ->
                 .map(|piece| json!({ "type": "input_json_delta", "partial_json": piece }))
                 .collect::<Vec<_>>();
             (
-                json!({ "type": "tool_use", "id": "toolu_fake_1", "name": options.tool.name, "input": {} }),
+                json!({ "type": "tool_use", "id": tool_id, "name": options.tool.name, "input": {} }),
                 deltas,
             )
         }
@@ -161,5 +191,47 @@ mod tests {
         assert_eq!(step(&options, &request(user, false)), Step::Side);
         assert_eq!(step(&options, &request(suggestion, true)), Step::Side);
         assert_eq!(step(&options, &Value::Null), Step::Side);
+    }
+
+    #[test]
+    fn a_turn_ends_once_its_tool_answered_and_a_conversation_ends_at_last() {
+        let options = FakeVendorOptions::new(VendorKind::Anthropic);
+        let call = |id: &str| json!({ "role": "assistant", "content": [{ "type": "tool_use", "id": id, "name": "Write", "input": {} }] });
+        let result = |id: &str| json!({ "role": "user", "content": [{ "type": "tool_result", "tool_use_id": id, "content": "ok" }] });
+        let prompt = json!({ "role": "user", "content": [{ "type": "text", "text": "create hello.txt" }] });
+        let reminder = json!({ "role": "user", "content": [{ "type": "text", "text": "<system-reminder>" }] });
+        let done = json!({ "role": "assistant", "content": [{ "type": "text", "text": "done" }] });
+        let tools = json!([{ "name": "Write" }]);
+        let conversation = |messages: Vec<Value>| json!({ "messages": messages, "tools": tools });
+        // The result, then a user message of its own: still the end of the turn.
+        let after = conversation(vec![
+            prompt.clone(),
+            call("toolu_fake_1"),
+            result("toolu_fake_1"),
+            reminder,
+        ]);
+        assert_eq!(step(&options, &after), Step::Final);
+        // A later prompt in the same conversation gets a tool call again, under a new id.
+        let next = conversation(vec![
+            prompt.clone(),
+            call("toolu_fake_1"),
+            result("toolu_fake_1"),
+            done.clone(),
+            prompt.clone(),
+        ]);
+        assert_eq!(step(&options, &next), Step::Tool);
+        assert_eq!(tool_use_id(&options, &next), "toolu_fake_2");
+        assert_eq!(
+            tool_use_id(&options, &conversation(vec![prompt.clone()])),
+            "toolu_fake_1"
+        );
+        // Past the cap: text, whatever the request.
+        let mut long = Vec::new();
+        for n in 1..=MAX_TOOL_ROUNDS {
+            let id = format!("toolu_fake_{n}");
+            long.extend([prompt.clone(), call(id.as_str()), result(id.as_str()), done.clone()]);
+        }
+        long.push(prompt);
+        assert_eq!(step(&options, &conversation(long)), Step::Final);
     }
 }

@@ -575,8 +575,8 @@ async fn a_rejected_key_fails_the_turn_at_once_and_the_session_goes_on_once_it_i
         "the reason never quotes a key"
     );
 
-    // Fix the key; the session takes the next turn and delivers.
-    set_key(CANARY_KEY).await;
+    // Once the session has failed (turn 1's agent is gone: a key fixed while it still ran could serve
+    // it, and the next turn loads its history), fix the key; the session takes the next turn and delivers.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let session: Value = http
@@ -594,6 +594,11 @@ async fn a_rejected_key_fails_the_turn_at_once_and_the_session_goes_on_once_it_i
         assert!(Instant::now() < deadline, "{session:#}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    assert!(
+        fake.requests().iter().all(|r| r.key_matched == Some(false)),
+        "turn 1's agent reached the vendor with a good key"
+    );
+    set_key(CANARY_KEY).await;
     let steered = http
         .post(format!("{}/v1/sessions/{id}/steer", server.url))
         .bearer_auth(&token)
