@@ -4,7 +4,9 @@
 //!
 //! In one process the attach subscribes to the worker's feeds directly; a gateway started without the
 //! worker role reaches them through the worker's feed socket ([`feed_router`] served by the worker,
-//! [`SocketTails`] on the gateway's side), a Unix socket in a directory only the host can open.
+//! [`SocketTails`] on the gateway's side), a Unix socket in a directory only the host can open; a
+//! gateway on another host finds the turn's worker in the store and reads its feed listener with a feed
+//! token ([`RoutedTails`]), so any replica serves any live tail.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -100,23 +102,60 @@ struct AfterQuery {
     after: Option<u64>,
 }
 
-/// The worker's feed socket: `GET /sessions/{id}/turns/{n}/stream?after=K`, for a gateway in another
-/// process on this host.
-pub fn feed_router(feeds: Arc<Feeds>) -> Router {
+/// Who may read a worker's feed.
+#[derive(Clone)]
+pub enum FeedAccess {
+    /// Whoever can open the socket: the worker's feed socket is in a directory only the host opens.
+    Socket,
+    /// A gateway of another process or host, with a feed token for the turn it reads
+    /// (`sortie_protocol::ticket::mint_feed_token`, under the ticket secret every replica shares).
+    Token(Arc<[u8]>),
+}
+
+#[derive(Clone)]
+struct FeedState {
+    feeds: Arc<Feeds>,
+    access: FeedAccess,
+}
+
+/// The authorization scheme of a feed token.
+const FEED_SCHEME: &str = "Feed ";
+
+/// The worker's feed: `GET /sessions/{id}/turns/{n}/stream?after=K`, the live copy of a running turn
+/// for a gateway in another process (on this host through the feed socket, on another through the
+/// worker's feed listener).
+pub fn feed_router(feeds: Arc<Feeds>, access: FeedAccess) -> Router {
     Router::new()
         .route("/sessions/{id}/turns/{n}/stream", get(feed_stream))
-        .with_state(feeds)
+        .with_state(FeedState { feeds, access })
 }
 
 async fn feed_stream(
-    State(feeds): State<Arc<Feeds>>,
+    State(state): State<FeedState>,
     Path((id, n)): Path<(String, u32)>,
     Query(query): Query<AfterQuery>,
+    headers: axum::http::HeaderMap,
 ) -> Response {
     let Ok(session) = SessionId::parse(&id) else {
         return StatusCode::NOT_FOUND.into_response();
     };
-    let Some(hub) = feeds.get(&session, n) else {
+    if let FeedAccess::Token(secret) = &state.access {
+        let token = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.strip_prefix(FEED_SCHEME));
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+        let allowed = token.is_some_and(|token| {
+            sortie_protocol::ticket::verify_feed_token(secret, token, now, session.as_str(), n).is_ok()
+        });
+        if !allowed {
+            metrics::counter!("sortie_feed_refused_total").increment(1);
+            return StatusCode::UNAUTHORIZED.into_response();
+        }
+    }
+    let Some(hub) = state.feeds.get(&session, n) else {
         return StatusCode::NOT_FOUND.into_response();
     };
     let mut response = Response::new(Body::from_stream(sortie_feed::sse::body(hub.subscribe(query.after))));
@@ -127,7 +166,41 @@ async fn feed_stream(
     response
 }
 
-/// The live tails of a worker in another process, through its feed socket.
+/// The feed path of turn `n` of `session`, after `after`.
+fn feed_path(base: &str, session: &SessionId, n: u32, after: Option<u64>) -> String {
+    match after {
+        Some(k) => format!("{base}/sessions/{session}/turns/{n}/stream?after={k}"),
+        None => format!("{base}/sessions/{session}/turns/{n}/stream"),
+    }
+}
+
+/// One GET on a connection already open to a worker's feed: its body, or `None` when the worker has no
+/// live copy of the turn (or refused).
+async fn read_feed<IO>(io: IO, host: &str, path: String, authorization: Option<String>) -> Option<TailBody>
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await.ok()?;
+    tokio::spawn(connection);
+    let mut request = axum::http::Request::get(path).header(header::HOST, host);
+    if let Some(authorization) = authorization {
+        request = request.header(header::AUTHORIZATION, authorization);
+    }
+    let request = request.body(http_body_util::Empty::<Bytes>::new()).ok()?;
+    let response = sender.send_request(request).await.ok()?;
+    if !response.status().is_success() {
+        return None;
+    }
+    let body = http_body_util::BodyStream::new(response.into_body()).filter_map(|frame| async move {
+        match frame {
+            Ok(frame) => frame.into_data().ok().map(Ok),
+            Err(error) => Some(Err(std::io::Error::other(error))),
+        }
+    });
+    Some(Box::pin(body) as TailBody)
+}
+
+/// The live tails of a worker in another process on this host, through its feed socket.
 pub struct SocketTails(pub PathBuf);
 
 impl LiveTails for SocketTails {
@@ -139,27 +212,141 @@ impl LiveTails for SocketTails {
     ) -> Pin<Box<dyn Future<Output = Option<TailBody>> + Send + 'a>> {
         Box::pin(async move {
             let stream = tokio::net::UnixStream::connect(&self.0).await.ok()?;
-            let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.ok()?;
-            tokio::spawn(connection);
-            let path = match after {
-                Some(k) => format!("/sessions/{session}/turns/{n}/stream?after={k}"),
-                None => format!("/sessions/{session}/turns/{n}/stream"),
-            };
-            let request = axum::http::Request::get(path)
-                .header(header::HOST, "worker")
-                .body(http_body_util::Empty::<Bytes>::new())
-                .ok()?;
-            let response = sender.send_request(request).await.ok()?;
-            if !response.status().is_success() {
-                return None;
-            }
-            let body = http_body_util::BodyStream::new(response.into_body()).filter_map(|frame| async move {
-                match frame {
-                    Ok(frame) => frame.into_data().ok().map(Ok),
-                    Err(error) => Some(Err(std::io::Error::other(error))),
-                }
-            });
-            Some(Box::pin(body) as TailBody)
+            read_feed(stream, "worker", feed_path("", session, n, after), None).await
         })
+    }
+}
+
+/// Where a worker serves its feed to gateways on other hosts: `http://host:port` with an optional path
+/// prefix (a proxy in front of it). Plain HTTP on the deployment's own network: every request carries
+/// a feed token for one turn, and what it reads is the host's checked copy of a transcript.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FeedUrl {
+    host: String,
+    port: u16,
+    base: String,
+}
+
+impl FeedUrl {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let uri: axum::http::Uri = text.parse().map_err(|e| format!("{text:?} is not a URL: {e}"))?;
+        if uri.scheme_str() != Some("http") {
+            return Err(format!(
+                "{text:?} must be an http:// URL (the feed is served in plain HTTP on the deployment's network)"
+            ));
+        }
+        let authority = uri.authority().ok_or_else(|| format!("{text:?} names no host"))?;
+        let port = authority.port_u16().ok_or_else(|| format!("{text:?} names no port"))?;
+        if uri.query().is_some() {
+            return Err(format!("{text:?} must not have a query"));
+        }
+        let host = authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
+        Ok(Self {
+            host,
+            port,
+            base: uri.path().trim_end_matches('/').to_owned(),
+        })
+    }
+}
+
+impl std::fmt::Display for FeedUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "http://[{}]:{}{}", self.host, self.port, self.base)
+        } else {
+            write!(f, "http://{}:{}{}", self.host, self.port, self.base)
+        }
+    }
+}
+
+/// How long a gateway waits to reach a worker's feed.
+const FEED_CONNECT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The live tails any gateway replica serves (DESIGN §15): the near copy when this process (or a worker
+/// beside it on this host) has it, else the feed of the worker the store says runs the turn, reached
+/// over the network with a feed token.
+pub struct RoutedTails {
+    pub near: Arc<dyn LiveTails>,
+    pub store: Arc<dyn sortie_store::GatewayStore>,
+    pub secret: Arc<[u8]>,
+}
+
+impl LiveTails for RoutedTails {
+    fn open<'a>(
+        &'a self,
+        session: &'a SessionId,
+        n: u32,
+        after: Option<u64>,
+    ) -> Pin<Box<dyn Future<Output = Option<TailBody>> + Send + 'a>> {
+        Box::pin(async move {
+            if let Some(body) = self.near.open(session, n, after).await {
+                return Some(body);
+            }
+            let url = self.store.live_feed(session, n).await.ok()??;
+            let Ok(feed) = FeedUrl::parse(&url) else {
+                tracing::warn!(%url, "a worker registered a feed address this gateway cannot use");
+                return None;
+            };
+            let connect = tokio::net::TcpStream::connect((feed.host.as_str(), feed.port));
+            let stream = match tokio::time::timeout(FEED_CONNECT_DEADLINE, connect).await {
+                Ok(Ok(stream)) => stream,
+                _ => {
+                    metrics::counter!("sortie_feed_routes_total", "result" => "unreachable").increment(1);
+                    return None;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let exp = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+                + sortie_protocol::ticket::FEED_TOKEN_TTL_SECONDS;
+            let token = sortie_protocol::ticket::mint_feed_token(&self.secret, session.as_str(), n, exp);
+            let host = format!("{}:{}", feed.host, feed.port);
+            let body = read_feed(
+                stream,
+                &host,
+                feed_path(&feed.base, session, n, after),
+                Some(format!("{FEED_SCHEME}{token}")),
+            )
+            .await;
+            let result = if body.is_some() { "routed" } else { "refused" };
+            metrics::counter!("sortie_feed_routes_total", "result" => result).increment(1);
+            body
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FeedUrl;
+
+    #[test]
+    fn feed_urls_are_plain_http_with_a_port() {
+        let url = FeedUrl::parse("http://10.0.0.7:7450").expect("url");
+        assert_eq!(url.to_string(), "http://10.0.0.7:7450");
+        assert_eq!(
+            FeedUrl::parse("http://worker-0.sortie:7450/feed/")
+                .expect("url")
+                .to_string(),
+            "http://worker-0.sortie:7450/feed"
+        );
+        assert_eq!(
+            FeedUrl::parse("http://[fd00::7]:7450").expect("url").to_string(),
+            "http://[fd00::7]:7450"
+        );
+        for bad in [
+            "https://w:7450",
+            "http://w",
+            "w:7450",
+            "http://w:7450/?x=1",
+            "",
+            "ftp://w:1",
+        ] {
+            assert!(FeedUrl::parse(bad).is_err(), "{bad:?}");
+        }
     }
 }

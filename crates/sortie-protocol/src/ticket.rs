@@ -97,6 +97,41 @@ pub fn verify(
     Ok(claims)
 }
 
+/// How long a feed token lives: a gateway mints one for each request it routes to a worker's feed.
+pub const FEED_TOKEN_TTL_SECONDS: i64 = 60;
+
+/// What a feed token signs: domain-separated from attach tickets (whose signed text is base64, never
+/// holding a NUL byte).
+fn feed_message(session_id: &str, n: u32, exp: i64) -> Vec<u8> {
+    format!("sortie-feed\0{session_id}\0{n}\0{exp}").into_bytes()
+}
+
+/// A gateway's proof, to a worker in another process, that it may read the live copy of turn `n` of a
+/// session: `<expiry, epoch seconds>.<base64url(HMAC-SHA256(secret, …))>`, under the ticket secret
+/// every replica shares.
+pub fn mint_feed_token(secret: &[u8], session_id: &str, n: u32, exp: i64) -> String {
+    let tag = URL_SAFE_NO_PAD.encode(signature(secret, &feed_message(session_id, n, exp)));
+    format!("{exp}.{tag}")
+}
+
+/// Checks a feed token (constant time) for turn `n` of `session_id`. `now` is epoch seconds; a token
+/// that would live longer than [`FEED_TOKEN_TTL_SECONDS`] from now is refused too.
+pub fn verify_feed_token(secret: &[u8], token: &str, now: i64, session_id: &str, n: u32) -> Result<(), TicketError> {
+    if token.len() > TICKET_MAX_LEN {
+        return Err(TicketError::Invalid);
+    }
+    let (exp, tag) = token.split_once('.').ok_or(TicketError::Invalid)?;
+    let exp: i64 = exp.parse().map_err(|_| TicketError::Invalid)?;
+    let tag = URL_SAFE_NO_PAD.decode(tag).map_err(|_| TicketError::Invalid)?;
+    let mut mac = <HmacSha256 as KeyInit>::new_from_slice(secret).map_err(|_| TicketError::Invalid)?;
+    mac.update(&feed_message(session_id, n, exp));
+    mac.verify_slice(&tag).map_err(|_| TicketError::WrongTarget)?;
+    if exp <= now || exp > now.saturating_add(FEED_TOKEN_TTL_SECONDS) {
+        return Err(TicketError::Expired);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -158,6 +193,51 @@ mod tests {
                 verify(b"secret", &bad, 1_000, ses, TicketAction::Attach),
                 Err(TicketError::Invalid),
                 "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_feed_token_opens_one_turn_of_one_session_for_a_minute() {
+        let secret = b"shared by every replica";
+        let session = "ses_01jd8x3k4m5n6p7q8r9s0t1v2w";
+        let now = 1_800_000_000;
+        let token = mint_feed_token(secret, session, 2, now + FEED_TOKEN_TTL_SECONDS);
+        assert_eq!(verify_feed_token(secret, &token, now, session, 2), Ok(()));
+        // Another turn, another session, another secret: the signature does not match.
+        assert_eq!(
+            verify_feed_token(secret, &token, now, session, 3),
+            Err(TicketError::WrongTarget)
+        );
+        assert_eq!(
+            verify_feed_token(secret, &token, now, "ses_01jd8x3k4m5n6p7q8r9s0t1v2x", 2),
+            Err(TicketError::WrongTarget)
+        );
+        assert_eq!(
+            verify_feed_token(b"another", &token, now, session, 2),
+            Err(TicketError::WrongTarget)
+        );
+        // Expired, or minted to live longer than a feed token may.
+        assert_eq!(
+            verify_feed_token(secret, &token, now + FEED_TOKEN_TTL_SECONDS, session, 2),
+            Err(TicketError::Expired)
+        );
+        let long = mint_feed_token(secret, session, 2, now + FEED_TOKEN_TTL_SECONDS + 1);
+        assert_eq!(
+            verify_feed_token(secret, &long, now, session, 2),
+            Err(TicketError::Expired)
+        );
+        // A moved expiry breaks the signature; garbage is invalid.
+        let (_, tag) = token.split_once('.').expect("dot");
+        let moved = format!("{}.{tag}", now + 30);
+        assert_eq!(
+            verify_feed_token(secret, &moved, now, session, 2),
+            Err(TicketError::WrongTarget)
+        );
+        for garbage in ["", ".", "x.y", "12", "12.!!", &"9".repeat(5000)] {
+            assert!(
+                verify_feed_token(secret, garbage, now, session, 2).is_err(),
+                "{garbage:?}"
             );
         }
     }

@@ -1,11 +1,12 @@
 //! What `serve` does once before it serves: the process's descriptor limit raised, the data dir
 //! made private, the first workspace and admin token on a fresh store, the ticket secret every replica
-//! shares, and the one-time dashboard sign-in link printed for whoever started the server.
+//! shares, the check that every replica seals with the same master key, and the one-time dashboard
+//! sign-in link printed for whoever started the server.
 
 use std::path::{Path, PathBuf};
 
 use sortie_protocol::api::Role;
-use sortie_store::{Backend, ControlPlane, RepoAccess, StoreError, Tickets};
+use sortie_store::{Backend, ControlPlane, KeyRing, RepoAccess, StoreError, Tickets};
 
 use crate::signin::{CODE_TTL, SignIns};
 use crate::tokens::{self, Secret};
@@ -30,6 +31,11 @@ pub enum BootstrapError {
     },
     #[error("no randomness for {0}")]
     Randomness(&'static str),
+    #[error(
+        "this server's master key ({env} or <data dir>/keyring.key) is not the one the store's model keys and forge \
+         tokens are sealed with: give every replica the same key (e.g. from one Kubernetes Secret in {env})"
+    )]
+    KeyRingMismatch { env: &'static str },
 }
 
 /// Raises the soft `RLIMIT_NOFILE` to the hard limit (the most this process may open without
@@ -133,6 +139,26 @@ pub async fn ticket_secret(store: &dyn Tickets, configured: Option<String>) -> R
             source,
         })?;
     Ok(Secret::new(kept.into_bytes()))
+}
+
+/// Makes sure every replica seals with the same master key: the first to start stores a check sealed
+/// with its key; any later one whose key cannot open it is refused (`env` names the setting to fix).
+pub async fn check_keyring(store: &dyn Tickets, keyring: &KeyRing, env: &'static str) -> Result<(), BootstrapError> {
+    let candidate = keyring
+        .check_value()
+        .map_err(|_| BootstrapError::Randomness("the master key's check"))?;
+    let kept = store
+        .instance_secret("keyring-check", &candidate)
+        .await
+        .map_err(|source| BootstrapError::Store {
+            what: "cannot read the master key's check",
+            source,
+        })?;
+    if keyring.opens_check(&kept) {
+        Ok(())
+    } else {
+        Err(BootstrapError::KeyRingMismatch { env })
+    }
 }
 
 /// The line that tells whoever started the server how to open the dashboard: a one-time link that

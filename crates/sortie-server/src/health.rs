@@ -21,6 +21,14 @@ pub fn routes() -> OpenApiRouter<ApiState> {
         .routes(routes!(metrics_text))
 }
 
+/// `/healthz` and `/metrics` for a process that serves no api (a worker on its feed listener): metrics
+/// per role, from whichever process records them.
+pub fn operations_router() -> axum::Router {
+    axum::Router::new()
+        .route("/healthz", axum::routing::get(healthz))
+        .route("/metrics", axum::routing::get(metrics_text))
+}
+
 #[derive(Serialize, utoipa::ToSchema)]
 struct Health {
     status: &'static str,

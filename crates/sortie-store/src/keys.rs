@@ -76,6 +76,10 @@ pub enum KeyError {
     Store(#[from] StoreError),
 }
 
+/// What the keyring check seals, bound to its own associated data (no secret's context can match it).
+const CHECK_PLAINTEXT: &[u8] = b"sortie keyring check v1";
+const CHECK_ASSOCIATED_DATA: &[u8] = b"sortie/keyring-check";
+
 /// A sealed model key as the store keeps it: base64 ciphertext (with its tag) and base64 nonce.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SealedKey {
@@ -219,6 +223,22 @@ impl KeyRing {
         )
     }
 
+    /// A sealed canary, `nonce.ciphertext`: the first replica stores it, and every other replica opens
+    /// it with [`KeyRing::opens_check`] before it seals or opens anything, so one started with another
+    /// master key refuses to start instead of failing every session's model request.
+    pub fn check_value(&self) -> Result<String, KeyError> {
+        let sealed = self.seal_bound(CHECK_ASSOCIATED_DATA, CHECK_PLAINTEXT)?;
+        Ok(format!("{}.{}", sealed.nonce, sealed.ciphertext))
+    }
+
+    /// Whether `check` (from [`KeyRing::check_value`]) was sealed with this master key.
+    pub fn opens_check(&self, check: &str) -> bool {
+        check.split_once('.').is_some_and(|(nonce, ciphertext)| {
+            self.open_bound(CHECK_ASSOCIATED_DATA, ciphertext, nonce)
+                .is_ok_and(|plain| plain.expose() == CHECK_PLAINTEXT)
+        })
+    }
+
     fn seal_bound(&self, aad: &[u8], plaintext: &[u8]) -> Result<SealedKey, KeyError> {
         let mut nonce = [0_u8; NONCE_BYTES];
         getrandom::fill(&mut nonce).map_err(|error| KeyError::Random(error.to_string()))?;
@@ -360,6 +380,17 @@ mod tests {
     use super::*;
 
     const KEY: &[u8] = b"sk-ant-api03-PLAINTEXT-VALUE-0123456789abcd";
+
+    #[test]
+    fn the_keyring_check_opens_only_under_the_same_master_key() {
+        let ring = KeyRing::generate().expect("ring");
+        let check = ring.check_value().expect("check");
+        assert!(ring.opens_check(&check));
+        assert!(!KeyRing::generate().expect("another").opens_check(&check));
+        for garbage in ["", ".", "x.y", &check.replace('.', "")] {
+            assert!(!ring.opens_check(garbage), "{garbage:?}");
+        }
+    }
 
     #[test]
     fn a_forge_token_opens_only_for_its_workspace_and_host() {

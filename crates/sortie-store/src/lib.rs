@@ -226,6 +226,9 @@ pub trait Ledger: Send + Sync + 'static {
     /// Live sandboxes as `(session, workspace, handle, worker)`.
     async fn sandboxes(&self) -> StoreResult<Vec<SandboxRow>>;
     async fn record_token_usage(&self, usage: &TokenUsage) -> StoreResult<()>;
+    /// Says where worker `worker_id` serves the live copies of the turns it claims (`None`: nowhere),
+    /// replacing what it said before; gateways of other processes route attaches there.
+    async fn register_worker(&self, worker_id: &str, feed_url: Option<&str>) -> StoreResult<()>;
     async fn record_compute(
         &self,
         session_id: &SessionId,
@@ -272,6 +275,9 @@ pub trait Transcripts: Send + Sync + 'static {
     /// Adds a turn. Refusals: [`StoreError::NotSteerable`], [`StoreError::TurnQueueFull`],
     /// [`StoreError::PromptsTooLarge`]; nothing is written on a refusal.
     async fn steer(&self, workspace_id: &str, session_id: &SessionId, steer: NewTurn) -> StoreResult<TurnRow>;
+    /// Where the live copy of turn `n` is served, while it runs: the feed address its worker registered
+    /// ([`Ledger::register_worker`]); `None` when the turn does not run or its worker serves no feed.
+    async fn live_feed(&self, session_id: &SessionId, n: u32) -> StoreResult<Option<String>>;
 }
 
 /// Single-use ticket nonces and the instance-wide secrets tickets are signed with.

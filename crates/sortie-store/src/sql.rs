@@ -1907,6 +1907,19 @@ impl Ledger for SqlStore {
         Ok(())
     }
 
+    async fn register_worker(&self, worker_id: &str, feed_url: Option<&str>) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO workers (id, feed_url, registered_at) VALUES ($1, $2, $3) \
+             ON CONFLICT (id) DO UPDATE SET feed_url = $2, registered_at = $3",
+        )
+        .bind(worker_id)
+        .bind(feed_url)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
     async fn record_compute(
         &self,
         session_id: &SessionId,
@@ -2128,6 +2141,21 @@ impl Transcripts for SqlStore {
             parts: get_u64(&row, "parts")?,
             bytes: get_u64(&row, "bytes")?,
         })
+    }
+
+    async fn live_feed(&self, session_id: &SessionId, n: u32) -> StoreResult<Option<String>> {
+        let row = sqlx::query(
+            "SELECT w.feed_url FROM turns t JOIN workers w ON w.id = t.claimed_by \
+             WHERE t.session_id = $1 AND t.n = $2 AND t.status = 'running'",
+        )
+        .bind(session_id.as_str())
+        .bind(i64::from(n))
+        .fetch_optional(&self.pool)
+        .await?;
+        match row {
+            Some(row) => Ok(row.try_get::<Option<String>, _>("feed_url")?),
+            None => Ok(None),
+        }
     }
 
     async fn steer(&self, workspace_id: &str, session_id: &SessionId, steer: NewTurn) -> StoreResult<TurnRow> {

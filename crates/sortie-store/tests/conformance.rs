@@ -96,6 +96,7 @@ on_both_databases!(
     usage_is_summed_by_session_and_day,
     ticket_nonces_are_claimed_once,
     instance_secrets_are_stable,
+    a_running_turn_is_routed_to_its_workers_feed,
     reconnecting_keeps_everything,
     egress_allowlists_are_amended_until_cancel,
     worker_finds_work_settles_sessions_and_counts_sandboxes,
@@ -1641,6 +1642,62 @@ async fn instance_secrets_are_stable(backend: TestBackend) {
         f.store.instance_secret("ticket", "second").await.expect("secret"),
         "first"
     );
+}
+
+async fn a_running_turn_is_routed_to_its_workers_feed(backend: TestBackend) {
+    let f = fixture(backend).await;
+    let session = f
+        .store
+        .create_session(new_session(&f.workspace.id, "/r", "t"))
+        .await
+        .expect("create");
+    // Not claimed yet: no worker holds it.
+    assert_eq!(f.store.live_feed(&session.id, 1).await.expect("route"), None);
+    f.store
+        .register_worker("w-feed", Some("http://10.0.0.7:7450"))
+        .await
+        .expect("register");
+    let turn = f
+        .store
+        .claim_turn(&session.id, false, "w-feed")
+        .await
+        .expect("claim")
+        .expect("claimed");
+    assert_eq!(
+        f.store.live_feed(&session.id, turn.n).await.expect("route").as_deref(),
+        Some("http://10.0.0.7:7450")
+    );
+    assert_eq!(f.store.live_feed(&session.id, turn.n + 1).await.expect("route"), None);
+    // A worker that registers again (restarted, moved) is found at its new address; one without a
+    // feed is nowhere.
+    f.store
+        .register_worker("w-feed", Some("http://10.0.0.8:7450"))
+        .await
+        .expect("register again");
+    assert_eq!(
+        f.store.live_feed(&session.id, turn.n).await.expect("route").as_deref(),
+        Some("http://10.0.0.8:7450")
+    );
+    f.store.register_worker("w-feed", None).await.expect("no feed");
+    assert_eq!(f.store.live_feed(&session.id, turn.n).await.expect("route"), None);
+    f.store
+        .register_worker("w-feed", Some("http://10.0.0.8:7450"))
+        .await
+        .expect("register");
+    // An ended turn has no live copy anywhere.
+    f.store
+        .finish_turn(
+            &session.id,
+            turn.n,
+            TurnOutcome {
+                status: TurnStatus::Completed,
+                head_sha: None,
+                failure: None,
+            },
+        )
+        .await
+        .expect("finish");
+    assert_eq!(f.store.live_feed(&session.id, turn.n).await.expect("route"), None);
 }
 
 async fn reconnecting_keeps_everything(backend: TestBackend) {

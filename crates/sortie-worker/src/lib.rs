@@ -175,6 +175,9 @@ struct Slot {
 
 pub struct Worker {
     context: Arc<Context>,
+    /// Where gateways on other hosts reach this worker's feed ([`Worker::feed_router`]), registered in
+    /// the store when the worker starts.
+    feed_url: Option<String>,
     /// Sandboxes [`Worker::reconcile`] took over from an earlier process, for [`Worker::run`] to hold.
     adopted: std::sync::Mutex<Vec<Adopted>>,
 }
@@ -203,7 +206,23 @@ impl Worker {
                 mirror_locks: tokio::sync::Mutex::new(HashMap::new()),
             }),
             adopted: std::sync::Mutex::new(Vec::new()),
+            feed_url: None,
         }
+    }
+
+    /// Says where gateways on other hosts reach this worker's feed (the address a listener serving
+    /// [`Worker::feed_router`] is reached at); registered in the store by [`Worker::run`].
+    pub fn advertise_feed(&mut self, url: &sortie_gateway::live::FeedUrl) {
+        self.feed_url = Some(url.to_string());
+    }
+
+    /// The live copies of this worker's running turns for gateways of other processes and hosts, each
+    /// request with a feed token signed with `ticket_secret`.
+    pub fn feed_router(&self, ticket_secret: Arc<[u8]>) -> axum::Router {
+        sortie_gateway::live::feed_router(
+            self.context.feeds.clone(),
+            sortie_gateway::live::FeedAccess::Token(ticket_secret),
+        )
     }
 
     /// For the gateway's attach: the live copies of this worker's running turns.
@@ -221,6 +240,15 @@ impl Worker {
     /// Runs until `shutdown` completes, then destroys the sandboxes it holds.
     pub async fn run(self, shutdown: impl std::future::Future<Output = ()> + Send) {
         let context = self.context;
+        // Gateways find this worker's running turns through this; a worker without a feed listener
+        // says so too (a stale address of an earlier run is never tried).
+        if let Err(error) = context
+            .store
+            .register_worker(&context.config.worker_id, self.feed_url.as_deref())
+            .await
+        {
+            tracing::warn!(%error, "cannot register this worker's feed: gateways of other hosts get no live tails from it");
+        }
         let feed_server = serve_feeds(&context);
         let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel::<Event>();
         let mut slots: HashMap<SessionId, Slot> = HashMap::new();
@@ -290,7 +318,8 @@ fn serve_feeds(context: &Arc<Context>) -> Option<tokio::task::JoinHandle<()>> {
     })();
     match made {
         Ok(listener) => {
-            let router = sortie_gateway::live::feed_router(context.feeds.clone());
+            let router =
+                sortie_gateway::live::feed_router(context.feeds.clone(), sortie_gateway::live::FeedAccess::Socket);
             Some(tokio::spawn(async move {
                 if let Err(error) = axum::serve(listener, router).await {
                     tracing::warn!(%error, "the feed socket stopped");

@@ -57,6 +57,10 @@ pub mod env {
     pub const UPSTREAM_GEMINI: &str = "SORTIE_UPSTREAM_GEMINI";
     /// PEM roots trusted for forges (`https://` repositories) besides the platform's (`--forge-ca-file`).
     pub const FORGE_CA_FILE: &str = "SORTIE_FORGE_CA_FILE";
+    /// Where the worker serves its feed to gateways on other hosts, `ip:port` (`--feed-listen`).
+    pub const FEED_LISTEN: &str = "SORTIE_FEED_LISTEN";
+    /// The `http://host:port` gateways reach that listener at (`--feed-url`).
+    pub const FEED_URL: &str = "SORTIE_FEED_URL";
 }
 
 /// How the worker role runs sandboxes, as the operator gave it.
@@ -114,6 +118,14 @@ pub struct WorkerSettings {
     /// PEM certificates trusted as roots for forges besides the platform's (an internal forge's CA).
     #[arg(long, env = env::FORGE_CA_FILE)]
     pub forge_ca_file: Option<PathBuf>,
+    /// Serve the live copies of this worker's turns to gateways on other hosts (and `/metrics`,
+    /// `/healthz`) on this address: replicas of the gateway then serve any live tail.
+    #[arg(long, env = env::FEED_LISTEN)]
+    pub feed_listen: Option<std::net::SocketAddr>,
+    /// The `http://host:port` gateways reach the feed listener at; default `http://<--feed-listen>`
+    /// when that names one address (an unspecified address, `0.0.0.0`, needs this).
+    #[arg(long, env = env::FEED_URL, requires = "feed_listen")]
+    pub feed_url: Option<String>,
 }
 
 /// Why the worker cannot start with these settings on this host.
@@ -136,6 +148,22 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SettingsError {
 }
 
 impl WorkerSettings {
+    /// The address gateways reach the feed listener at, once it is bound at `bound`.
+    pub fn advertised_feed(&self, bound: std::net::SocketAddr) -> Result<sortie_gateway::live::FeedUrl, SettingsError> {
+        let text = match &self.feed_url {
+            Some(url) => url.clone(),
+            None if bound.ip().is_unspecified() => {
+                return Err(SettingsError::Refused(format!(
+                    "--feed-listen {bound} listens on every address: give --feed-url (or {}), the http://host:port \
+                     gateways on other hosts reach this worker at",
+                    env::FEED_URL
+                )));
+            }
+            None => format!("http://{bound}"),
+        };
+        sortie_gateway::live::FeedUrl::parse(&text).map_err(|e| SettingsError::Refused(format!("--feed-url {e}")))
+    }
+
     /// `--work-dir`, else `<data dir>/work`.
     pub fn work_dir(&self, data_dir: &Path) -> PathBuf {
         self.work_dir.clone().unwrap_or_else(|| data_dir.join("work"))

@@ -15,6 +15,8 @@ use crate::cli::{ClientArgs, ServeArgs, ServeRole};
 use crate::config::{self, DATABASE_FILE, env};
 
 pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCode> {
+    // Before any role records a metric: a process without the api role serves them on its feed listener.
+    sortie_server::install_metrics_recorder();
     // Before anything opens a descriptor: every cap on connections is sized from this limit.
     let descriptors = sortie_server::DescriptorPlan::for_limit(
         bootstrap::raise_open_files_limit(),
@@ -79,9 +81,10 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
             env::KEYRING_KEY
         )
     })?;
+    bootstrap::check_keyring(store.as_ref(), &keyring, env::KEYRING_KEY).await?;
     let keyring = Arc::new(keyring);
     let roles = args.roles.clone();
-    let worker = if roles.contains(&ServeRole::Worker) {
+    let mut worker = if roles.contains(&ServeRole::Worker) {
         if work_dir.starts_with(&data_dir) && nix::unistd::geteuid().is_root() {
             open_data_dir_to_sandboxes(&data_dir)?;
         }
@@ -90,11 +93,34 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
     } else {
         None
     };
-    let tails: Arc<dyn sortie_gateway::live::LiveTails> = match &worker {
-        Some(worker) => worker.live_tails(),
-        // A gateway without the worker role serves the live tails of a worker on this host, if any.
-        None => sortie_worker::work_dir_tails(&work_dir),
+    // The worker's feed for gateways on other hosts, with its /metrics and /healthz.
+    let feed = match (&mut worker, args.worker.feed_listen) {
+        (Some(worker), Some(listen)) => {
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("cannot listen on --feed-listen {listen}"))?;
+            let url = args
+                .worker
+                .advertised_feed(listener.local_addr().context("the feed listener has no address")?)?;
+            worker.advertise_feed(&url);
+            let router = worker
+                .feed_router(Arc::from(ticket_secret.expose()))
+                .merge(sortie_server::operations_router());
+            Some((listener, router, url))
+        }
+        (None, Some(_)) => anyhow::bail!("--feed-listen is the worker's: serve it with --roles worker"),
+        _ => None,
     };
+    // Any gateway serves any live tail: this process's worker, a worker beside it on this host, or the
+    // worker the store says runs the turn, through its feed.
+    let tails: Arc<dyn sortie_gateway::live::LiveTails> = Arc::new(sortie_gateway::live::RoutedTails {
+        near: match &worker {
+            Some(worker) => worker.live_tails(),
+            None => sortie_worker::work_dir_tails(&work_dir),
+        },
+        store: store.clone(),
+        secret: Arc::from(ticket_secret.expose()),
+    });
 
     let cors_origins = args
         .cors_origin
@@ -124,6 +150,15 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
         worker.reconcile().await;
     }
     let worker_task = worker.map(|worker| tokio::spawn(worker.run(stopped())));
+    if let Some((listener, router, url)) = feed {
+        announce(&format!("sortie worker feed on {url}"));
+        let stopped = stopped();
+        tokio::spawn(async move {
+            if let Err(error) = axum::serve(listener, router).with_graceful_shutdown(stopped).await {
+                tracing::error!(%error, "the worker's feed listener stopped");
+            }
+        });
+    }
 
     if roles.contains(&ServeRole::Api) || roles.contains(&ServeRole::Gateway) {
         let listener = tokio::net::TcpListener::bind(args.listen)

@@ -710,9 +710,13 @@ async fn a_second_worker_starting_leaves_the_first_ones_turns_alone() {
     world.wait(&id, 30, |s, _| s["phase"] == "running").await;
     world.wait_said(&id, "working").await;
 
-    // Another `sortie serve` on the same database, its own data dir: it says it listens only once
-    // it has reconciled what it held, which is nothing of the first one's.
-    let second = Server::start_with(&world.root, &world.root.join("data-second"), Some(&database.url), &[]);
+    // Another `sortie serve` on the same database, its own data dir and the same master key (replicas
+    // share one, or the second refuses to start): it says it listens only once it has reconciled what
+    // it held, which is nothing of the first one's.
+    let second_dir = world.root.join("data-second");
+    std::fs::create_dir_all(&second_dir).expect("mkdir");
+    std::fs::copy(world.data_dir.join("keyring.key"), second_dir.join("keyring.key")).expect("share the key");
+    let second = Server::start_with(&world.root, &second_dir, Some(&database.url), &[]);
     let (session, turns) = world.settled(&id, 1).await;
     assert_eq!(status_of(&turns, 1), "completed", "{session:#}");
     assert_eq!(session["phase"], "idle", "{session:#}");

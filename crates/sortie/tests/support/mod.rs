@@ -34,6 +34,39 @@ pub fn sortie(home: &Path) -> Command {
     command
 }
 
+/// What `serve` prints once it listens for clients.
+pub const LISTENING: &str = "sortie listening on ";
+/// What `serve --roles worker --feed-listen …` prints once its feed listens.
+pub const WORKER_FEED: &str = "sortie worker feed on ";
+
+/// A workspace `e2e` that may use local repositories under `root`, made on the store at `database_url`
+/// with the admin command, and an operator token for it (a shared database's `default` workspace may use
+/// no local repository).
+pub fn operator_token_on(root: &Path, database_url: &str) -> String {
+    let made = sortie(root)
+        .args(["workspace", "create", "e2e", "--allow-root"])
+        .arg(root)
+        .args(["--database-url", database_url])
+        .output()
+        .expect("workspace create");
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let token = sortie(root)
+        .args([
+            "token",
+            "create",
+            "--workspace",
+            "e2e",
+            "--role",
+            "operator",
+            "--database-url",
+            database_url,
+        ])
+        .output()
+        .expect("token create");
+    assert!(token.status.success(), "{}", String::from_utf8_lossy(&token.stderr));
+    String::from_utf8_lossy(&token.stdout).trim().to_owned()
+}
+
 /// A running `sortie serve`; killed (SIGKILL) when dropped.
 pub struct Server {
     pub child: Child,
@@ -52,7 +85,22 @@ impl Server {
 
     /// `sortie serve` with extra arguments (e.g. the worker's settings); every role unless they say otherwise.
     pub fn start_with(home: &Path, data_dir: &Path, database_url: Option<&str>, extra: &[&str]) -> Server {
+        Self::start_announcing(home, data_dir, database_url, extra, &[], LISTENING)
+    }
+
+    /// `sortie serve` with extra arguments and environment, ready once it prints a line starting with
+    /// `ready` (its `url` is the rest of that line): [`LISTENING`] for the api and gateway roles,
+    /// [`WORKER_FEED`] for a worker alone.
+    pub fn start_announcing(
+        home: &Path,
+        data_dir: &Path,
+        database_url: Option<&str>,
+        extra: &[&str],
+        environment: &[(&str, &str)],
+        ready: &str,
+    ) -> Server {
         let mut command = sortie(home);
+        command.envs(environment.iter().copied());
         command
             .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir)
@@ -99,7 +147,7 @@ impl Server {
                 let _ = child.wait();
                 panic!("sortie serve did not report its address in time; printed {banner:?}");
             };
-            if let Some(url) = line.strip_prefix("sortie listening on ") {
+            if let Some(url) = line.strip_prefix(ready) {
                 return Server {
                     child,
                     url: url.to_owned(),

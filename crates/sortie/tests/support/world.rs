@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use super::{Server, git, http_client, sortie};
+use super::{Server, git, http_client};
 
 pub use sortie_testkit::git::rev;
 
@@ -94,31 +94,7 @@ impl World {
                 .expect("admin token")
                 .trim()
                 .to_owned(),
-            Some(url) => {
-                // A shared database's `default` workspace may use no local repository: make one that may.
-                let made = sortie(&root)
-                    .args(["workspace", "create", "e2e", "--allow-root"])
-                    .arg(&root)
-                    .args(["--database-url", url])
-                    .output()
-                    .expect("workspace create");
-                assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
-                let token = sortie(&root)
-                    .args([
-                        "token",
-                        "create",
-                        "--workspace",
-                        "e2e",
-                        "--role",
-                        "operator",
-                        "--database-url",
-                        url,
-                    ])
-                    .output()
-                    .expect("token create");
-                assert!(token.status.success(), "{}", String::from_utf8_lossy(&token.stderr));
-                String::from_utf8_lossy(&token.stdout).trim().to_owned()
-            }
+            Some(url) => super::operator_token_on(&root, url),
         };
         World {
             _temp: temp,
