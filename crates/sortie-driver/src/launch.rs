@@ -20,12 +20,20 @@ use crate::secrets::KnownSecrets;
 #[derive(Clone, Debug, clap::Args)]
 pub struct DriverSettings {
     /// The Unix socket to serve the driver API on (a stale file there is replaced).
-    #[arg(long, required_unless_present = "listen_on_stdin")]
+    #[arg(long, required_unless_present_any = ["listen_on_stdin", "link"])]
     pub socket: Option<PathBuf>,
     /// Serve the driver API on the listening Unix socket passed as stdin (how the worker starts the
     /// driver in a sandbox: the socket's name is the host's, out of the sandbox's reach).
     #[arg(long, conflicts_with = "socket")]
     pub listen_on_stdin: bool,
+    /// Dial the gateway at this `http://host:port` and serve the driver API on that link (a pod's
+    /// driver, which no host socket reaches), identified by `--identity-token-file`.
+    #[arg(long, conflicts_with_all = ["socket", "listen_on_stdin"], requires = "identity_token_file")]
+    pub link: Option<String>,
+    /// The driver's identity token for the link (a projected service-account token for audience
+    /// `sortie-gateway`), read again at every dial.
+    #[arg(long, requires = "link")]
+    pub identity_token_file: Option<PathBuf>,
     /// The agent's working directory: the session's checkout.
     #[arg(long)]
     pub workspace: PathBuf,
@@ -125,6 +133,13 @@ impl DriverSettings {
         // one, read its memory or environment, or take a descriptor from it.
         nix::sys::prctl::set_dumpable(false).map_err(failed("cannot make the driver undumpable"))?;
         let config = self.clone().resolve().await?;
+        if let (Some(url), Some(token_file)) = (&self.link, &self.identity_token_file) {
+            let target = crate::link::LinkTarget::new(url, token_file).map_err(refused)?;
+            let driver = Driver::new(config);
+            crate::link::serve(target, crate::api::router(driver.clone()), shutdown).await;
+            driver.shutdown().await;
+            return Ok(());
+        }
         let listener = match &self.socket {
             Some(socket) => {
                 if socket.exists() {

@@ -4,7 +4,7 @@
 //! before they are parsed into these types, and nothing here is taken as sortie's word on delivery,
 //! usage or the start of a turn — the host establishes those itself.
 //!
-//! Routes, all on the host-held driver socket: `POST /turns` ([`StartTurn`] → [`TurnReport`]),
+//! Routes, all on the host-held driver socket (or a driver link, [`LINK_PATH`]): `POST /turns` ([`StartTurn`] → [`TurnReport`]),
 //! `GET /turns/{n}` ([`TurnReport`]), `GET /turns/{n}/stream?after=K` (SSE of UI chunks),
 //! `POST /turns/{n}/cancel`, `GET /status` ([`DriverStatus`]), `POST /setup` ([`RunSetup`] →
 //! [`SetupOutcome`]). Refusals carry [`DriverErrorBody`].
@@ -17,6 +17,15 @@ pub const RELAY_ADDRESS: &str = "127.0.0.1:3128";
 
 /// The version of this API; `GET /status` reports it and the host refuses a driver of another one.
 pub const VERSION: u32 = 2;
+
+/// Where a driver that dials out (a pod's, DESIGN §15) offers its API to the gateway: `GET` with
+/// `Connection: upgrade`, `Upgrade: `[`LINK_PROTOCOL`] and `Authorization: Bearer <its identity token>`.
+pub const LINK_PATH: &str = "/v1/drivers/link";
+/// The protocol a driver link upgrades to: HTTP/2 on the dialed connection, the gateway the client and
+/// the driver the server of the same API as on the driver socket.
+pub const LINK_PROTOCOL: &str = "sortie-driver-link.1";
+/// The audience a driver's identity token is for (a projected service-account token on Kubernetes).
+pub const LINK_AUDIENCE: &str = "sortie-gateway";
 
 /// The most the host reads of any JSON answer of the driver (a report, the status, a setup outcome).
 pub const ANSWER_MAX_BYTES: usize = 1024 * 1024;

@@ -21,6 +21,7 @@ pub mod forge;
 mod gemini;
 pub mod git;
 pub mod http;
+pub mod kube;
 mod openai;
 pub mod sample;
 pub mod wait;

@@ -1,9 +1,10 @@
 //! The worker's side of the driver API (DESIGN §6.2, bodies in `sortie_protocol::driver`): HTTP/1.1
 //! over the driver's socket, whose name is the host's (in a directory no sandbox can see: DESIGN §9
-//! invariant 8). Every answer is untrusted input: bounded ([`ANSWER_MAX_BYTES`], a deadline) before
-//! it is parsed into its type, and a driver of another API version is refused.
+//! invariant 8), or HTTP/2 over the link a pod's driver dialed (`sortie_gateway::links`, §15). Every
+//! answer is untrusted input: bounded ([`ANSWER_MAX_BYTES`], a deadline) before it is parsed into its
+//! type, and a driver of another API version is refused.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -24,7 +25,7 @@ const REFUSAL_MAX_BYTES: usize = 16 * 1024;
 #[derive(Debug, thiserror::Error)]
 pub enum DriverError {
     #[error("the driver does not answer on {0}: {1}")]
-    Unreachable(PathBuf, String),
+    Unreachable(String, String),
     #[error("the driver did not answer within {0:?}")]
     Timeout(Duration),
     #[error("the driver refused ({status}, {code:?}): {message}")]
@@ -47,37 +48,69 @@ impl DriverError {
     }
 }
 
-#[derive(Clone, Debug)]
+/// How the worker reaches a driver.
+#[derive(Clone)]
+enum Transport {
+    /// The driver socket the host made for a local sandbox.
+    Socket(PathBuf),
+    /// The link the driver dialed to the gateway.
+    Link(sortie_gateway::links::DriverLink),
+}
+
+#[derive(Clone)]
 pub struct DriverClient {
-    socket: PathBuf,
+    transport: Transport,
+}
+
+impl std::fmt::Debug for DriverClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DriverClient({})", self.place())
+    }
 }
 
 impl DriverClient {
     pub fn new(socket: impl Into<PathBuf>) -> Self {
-        Self { socket: socket.into() }
+        Self {
+            transport: Transport::Socket(socket.into()),
+        }
     }
 
-    pub fn socket(&self) -> &Path {
-        &self.socket
+    /// A client of the driver at the other end of `link`.
+    pub fn over_link(link: sortie_gateway::links::DriverLink) -> Self {
+        Self {
+            transport: Transport::Link(link),
+        }
+    }
+
+    /// Where the driver is, for messages.
+    fn place(&self) -> String {
+        match &self.transport {
+            Transport::Socket(socket) => socket.display().to_string(),
+            Transport::Link(link) => format!("the link of pod {}", link.identity.pod_name),
+        }
     }
 
     async fn send(&self, method: Method, path: &str, body: Option<Vec<u8>>) -> Result<Incoming, DriverError> {
-        let unreachable = |e: &dyn std::fmt::Display| DriverError::Unreachable(self.socket.clone(), e.to_string());
-        let stream = tokio::net::UnixStream::connect(&self.socket)
-            .await
-            .map_err(|e| unreachable(&e))?;
-        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| unreachable(&e))?;
-        tokio::spawn(connection);
-        let request = Request::builder()
-            .method(method)
-            .uri(path)
-            .header(header::HOST, "driver")
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(Full::new(body.map(Bytes::from).unwrap_or_default()))
-            .map_err(|e| DriverError::Malformed(e.to_string()))?;
-        let response = sender.send_request(request).await.map_err(|e| unreachable(&e))?;
+        let unreachable = |e: &dyn std::fmt::Display| DriverError::Unreachable(self.place(), e.to_string());
+        let body = Full::new(body.map(Bytes::from).unwrap_or_default());
+        let response = match &self.transport {
+            Transport::Socket(socket) => {
+                let stream = tokio::net::UnixStream::connect(socket)
+                    .await
+                    .map_err(|e| unreachable(&e))?;
+                let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+                    .await
+                    .map_err(|e| unreachable(&e))?;
+                tokio::spawn(connection);
+                let request = Self::request(method, path, body)?;
+                sender.send_request(request).await.map_err(|e| unreachable(&e))?
+            }
+            // HTTP/2 names its target in full.
+            Transport::Link(link) => {
+                let request = Self::request(method, &format!("http://driver{path}"), body)?;
+                link.send(request).await.map_err(|e| unreachable(&e))?
+            }
+        };
         let status = response.status();
         if status.is_success() {
             return Ok(response.into_body());
@@ -92,6 +125,16 @@ impl DriverClient {
             Err(_) => (None, String::from_utf8_lossy(&said).chars().take(500).collect()),
         };
         Err(DriverError::Refused { status, code, message })
+    }
+
+    fn request(method: Method, uri: &str, body: Full<Bytes>) -> Result<Request<Full<Bytes>>, DriverError> {
+        Request::builder()
+            .method(method)
+            .uri(uri)
+            .header(header::HOST, "driver")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(body)
+            .map_err(|e| DriverError::Malformed(e.to_string()))
     }
 
     async fn json<T: serde::de::DeserializeOwned>(

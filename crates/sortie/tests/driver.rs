@@ -1153,3 +1153,155 @@ async fn without_a_loadable_session_the_transcript_or_the_task_primes_the_agent(
         "the new session replaced it: {now}"
     );
 }
+
+/// A driver of a pod (DESIGN §15) dials the gateway, the cluster says which pod it is, and the host runs
+/// turns on it over that link with the worker's own driver client. The driver runs as a plain process:
+/// what is under test is the link, and a bwrap sandbox here has no network that reaches a gateway (a
+/// pod's does, to the gateway only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pods_driver_dials_the_gateway_and_the_host_runs_turns_over_its_link() {
+    use sortie_gateway::links::{DriverLinks, KubeTokenReview, LinkState, link_router};
+    use sortie_protocol::driver::{LINK_AUDIENCE, StartTurn, TurnState};
+    use sortie_worker::client::DriverClient;
+
+    ensure_scripted_agent();
+    let apiserver = sortie_testkit::kube::FakeApiserver::start("gateway-account-token").await;
+    let links = DriverLinks::new();
+    let identity = Arc::new(KubeTokenReview {
+        apiserver: apiserver.url(),
+        bearer: "gateway-account-token".into(),
+        sandbox_account: "system:serviceaccount:sortie:sandbox".into(),
+        http: support::http_client(),
+    });
+    let gateway = sortie_testkit::http::serve(link_router(LinkState {
+        links: links.clone(),
+        identity,
+    }))
+    .await;
+
+    let root = tempfile::tempdir().expect("temp");
+    let spawn_driver = |name: &str, token: &str| {
+        let dir = root.path().join(name);
+        std::fs::create_dir_all(dir.join("workspace")).expect("workspace");
+        let token_file = dir.join("token");
+        std::fs::write(&token_file, token).expect("token");
+        let mut command = support::sortie(&dir);
+        command
+            .args(["driver", "--link", &gateway.url(), "--identity-token-file"])
+            .arg(&token_file)
+            .arg("--workspace")
+            .arg(dir.join("workspace"))
+            .arg("--home")
+            .arg(dir.join("home"))
+            .args(["--agent", "scripted", "--session", "ses_test", "--kill-grace", "1"])
+            .env("SORTIE_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        command.spawn().expect("spawn driver")
+    };
+    struct Killed(Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    // Drivers whose tokens the cluster does not vouch for, as ours, never link: one for another
+    // audience, one of another service account, one the cluster never issued.
+    let strangers = [
+        apiserver.issue_token(
+            "sortie",
+            "sandbox",
+            "pool-x",
+            "uid-x",
+            &["https://kubernetes.default.svc"],
+        ),
+        apiserver.issue_token("sortie", "gateway", "gw-0", "uid-y", &[LINK_AUDIENCE]),
+        "eyJhbGciOiJSUzI1NiJ9.forged.sig".to_owned(),
+    ];
+    let strangers: Vec<Killed> = strangers
+        .iter()
+        .enumerate()
+        .map(|(i, token)| Killed(spawn_driver(&format!("stranger-{i}"), token)))
+        .collect();
+
+    let token = apiserver.issue_token("sortie", "sandbox", "pool-a-1", "uid-a", &[LINK_AUDIENCE]);
+    let _driver = Killed(spawn_driver("pod-a", &token));
+    let link = links
+        .wait_for("uid-a", Duration::from_secs(30))
+        .await
+        .expect("the pod's driver linked");
+    assert_eq!(link.identity.pod_name, "pool-a-1");
+
+    let client = DriverClient::over_link(link.clone());
+    client.status().await.expect("the driver answers over its link");
+    let started = client
+        .start_turn(&StartTurn {
+            n: 1,
+            nonce: "nonce-link-1".into(),
+            prompt: "#!scripted\nsay: over the link\nwrite: linked.txt\nhello\n>>>".into(),
+            baseline: None,
+            priming_context: None,
+        })
+        .await
+        .expect("start");
+    assert_eq!(started.nonce, "nonce-link-1");
+    // The stream and the turn's report go over the same link at once (HTTP/2 streams).
+    let body = client.stream(1, None).await.expect("stream");
+    let report = sortie_testkit::wait::eventually("the turn ends", Duration::from_secs(30), || {
+        let client = client.clone();
+        async move {
+            let report = client.report(1).await.map_err(|e| e.to_string())?;
+            if report.state == TurnState::Running || report.state == TurnState::Delivering {
+                Err(format!("{:?}", report.state))
+            } else {
+                Ok(report)
+            }
+        }
+    })
+    .await;
+    assert_eq!(report.state, TurnState::Completed, "{report:?}");
+    let bytes = tokio::time::timeout(Duration::from_secs(30), http_body_util::BodyExt::collect(body))
+        .await
+        .expect("the stream ends")
+        .expect("body")
+        .to_bytes();
+    let stream = String::from_utf8_lossy(&bytes);
+    assert_eq!(text_of(&stream), "over the link", "{stream}");
+    assert!(stream.ends_with("data: [DONE]\n\n"), "{stream}");
+    assert_eq!(
+        std::fs::read_to_string(root.path().join("pod-a/workspace/linked.txt")).expect("the agent wrote"),
+        "hello\n"
+    );
+
+    // The link breaks (the gateway dropped it); the driver dials again and the host finds the turn it
+    // ran on the new link.
+    link.close();
+    sortie_testkit::wait::eventually("the old link closes", Duration::from_secs(10), || {
+        let open = link.is_open();
+        async move { if open { Err("open") } else { Ok(()) } }
+    })
+    .await;
+    let relinked = links
+        .wait_for("uid-a", Duration::from_secs(30))
+        .await
+        .expect("the driver dialed again");
+    let again = DriverClient::over_link(relinked).report(1).await.expect("report");
+    assert_eq!(
+        (again.state, again.nonce.as_str()),
+        (TurnState::Completed, "nonce-link-1")
+    );
+
+    // None of the strangers linked, though each was reviewed (and each keeps dialing, backing off).
+    sortie_testkit::wait::eventually("the strangers were reviewed", Duration::from_secs(30), || {
+        let reviews = apiserver.reviews();
+        async move { if reviews >= 5 { Ok(()) } else { Err(reviews) } }
+    })
+    .await;
+    assert_eq!(links.len(), 1, "only the pod's own driver is linked");
+    for uid in ["uid-x", "uid-y"] {
+        assert!(links.get(uid).is_none(), "{uid} linked");
+    }
+    drop(strangers);
+}
