@@ -306,6 +306,25 @@ pub fn scan_files(root: &Path, needle: &[u8]) -> FileScan {
     scan
 }
 
+/// Every file named `name` under `root` (symlinks not followed), with its size.
+pub fn scan_sizes(root: &Path, name: &str) -> Vec<(PathBuf, u64)> {
+    let mut found = Vec::new();
+    let mut pending = vec![root.to_owned()];
+    while let Some(path) = pending.pop() {
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if meta.is_dir() {
+            if let Ok(entries) = std::fs::read_dir(&path) {
+                pending.extend(entries.flatten().map(|e| e.path()));
+            }
+        } else if meta.is_file() && path.file_name().is_some_and(|n| n == name) {
+            found.push((path, meta.len()));
+        }
+    }
+    found
+}
+
 /// Asserts that `needle` is in no process of the session's live sandbox (environment, argv) and in
 /// no file under its `/workspace`, `$HOME` and `/tmp`, and that the search really looked: the
 /// driver's environment was read, and the workspace's git metadata and the home were walked.
