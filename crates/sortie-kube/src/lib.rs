@@ -9,4 +9,5 @@
 
 pub mod crd;
 pub mod runtime;
+pub mod shape;
 pub mod status;

@@ -74,6 +74,8 @@ pub struct Claimed {
 
 /// Sandboxes as agent-sandbox claims in one namespace, from one warm pool.
 pub struct KubeSandboxes {
+    client: kube::Client,
+    namespace: String,
     claims: Api<SandboxClaim>,
     pods: Api<Pod>,
     pool: String,
@@ -99,11 +101,36 @@ impl KubeSandboxes {
     ) -> Self {
         Self {
             claims: Api::namespaced(client.clone(), namespace),
-            pods: Api::namespaced(client, namespace),
+            pods: Api::namespaced(client.clone(), namespace),
+            client,
+            namespace: namespace.to_owned(),
             pool: pool.to_owned(),
             links,
             deadlines,
         }
+    }
+
+    /// Makes the cluster hold `shape`'s template and warm pool as sortie says (server-side apply, sortie
+    /// the field manager): called at start, so a changed image or pool size takes effect then.
+    pub async fn reconcile(&self, shape: &crate::shape::SandboxShape) -> Result<(), kube::Error> {
+        let params = kube::api::PatchParams::apply("sortie").force();
+        let templates: Api<crate::crd::SandboxTemplate> = Api::namespaced(self.client.clone(), &self.namespace);
+        templates
+            .patch(
+                &shape.name,
+                &params,
+                &kube::api::Patch::Apply(crate::shape::template(shape)),
+            )
+            .await?;
+        let pools: Api<crate::crd::SandboxWarmPool> = Api::namespaced(self.client.clone(), &self.namespace);
+        pools
+            .patch(
+                &shape.name,
+                &params,
+                &kube::api::Patch::Apply(crate::shape::warm_pool(shape)),
+            )
+            .await?;
+        Ok(())
     }
 
     /// The claim sortie makes for `session`: from the pool, labelled, with a shutdown time; never env

@@ -114,7 +114,12 @@ mod tests {
     fn every_documented_reason_maps_to_a_state() {
         use FailureCode::{SandboxLost, SandboxStartFailed};
         // (Ready's status, its reason, the claim's sandbox, what it means)
-        type Row = (&'static str, &'static str, Option<&'static str>, Result<&'static str, FailureCode>);
+        type Row = (
+            &'static str,
+            &'static str,
+            Option<&'static str>,
+            Result<&'static str, FailureCode>,
+        );
         let table: &[Row] = &[
             ("True", "DependenciesReady", Some("pool-abc"), Ok("ready")),
             ("True", "DependenciesReady", None, Ok("pending")),

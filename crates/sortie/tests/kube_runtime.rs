@@ -211,12 +211,6 @@ async fn world() -> World {
         }),
     }))
     .await;
-    // The pool and its template exist (reconciled at start by the runtime, in the next step of this work).
-    apiserver.put(
-        key(POOLS, "agents"),
-        json!({"apiVersion": "extensions.agents.x-k8s.io/v1beta1", "kind": "SandboxWarmPool",
-               "spec": {"replicas": 2, "sandboxTemplateRef": {"name": "agents"}}}),
-    );
     let controller = Arc::new(Controller {
         apiserver: apiserver.clone(),
         root: tempfile::tempdir().expect("temp"),
@@ -239,6 +233,10 @@ async fn world() -> World {
             lifetime: Duration::from_secs(3600),
         },
     );
+    // The shape's template and pool, as the runtime reconciles them at start (again: nothing changes).
+    let shape = shape("agents", 2);
+    sandboxes.reconcile(&shape).await.expect("reconcile");
+    sandboxes.reconcile(&shape).await.expect("reconcile again");
     World {
         apiserver,
         controller,
@@ -246,6 +244,59 @@ async fn world() -> World {
         links,
         _gateway: gateway,
     }
+}
+
+fn shape(name: &str, replicas: i32) -> sortie_kube::shape::SandboxShape {
+    sortie_kube::shape::SandboxShape {
+        name: name.into(),
+        image: "sortie-sandbox:test".into(),
+        runtime_class: None,
+        cpu: "1".into(),
+        memory: "1Gi".into(),
+        ephemeral_storage: "4Gi".into(),
+        replicas,
+        service_account: "sandbox".into(),
+        gateway_url: "http://sortie-gateway:7700".into(),
+        gateway_pods: [("app.kubernetes.io/component".to_owned(), "gateway".to_owned())].into(),
+        gateway_port: 7700,
+        agent: "scripted".into(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconciling_a_shape_applies_its_template_and_pool_once() {
+    let world = world().await;
+    let template = world
+        .apiserver
+        .get(&key(
+            "apis/extensions.agents.x-k8s.io/v1beta1/sandboxtemplates",
+            "agents",
+        ))
+        .expect("the template");
+    assert_eq!(
+        template["spec"]["podTemplate"]["spec"]["automountServiceAccountToken"],
+        false
+    );
+    let pool = world.apiserver.get(&key(POOLS, "agents")).expect("the pool");
+    assert_eq!(pool["spec"]["replicas"], 2);
+    assert_eq!(
+        pool["metadata"]["generation"], 1,
+        "applying the same shape again changes nothing"
+    );
+    let applies = world
+        .apiserver
+        .requests()
+        .iter()
+        .filter(|r| r.starts_with("PATCH ") && r.contains("fieldManager=sortie"))
+        .count();
+    assert_eq!(applies, 4, "{:#?}", world.apiserver.requests());
+    // A restart with a bigger pool: the same objects, the new size.
+    world.sandboxes.reconcile(&shape("agents", 5)).await.expect("reconcile");
+    let pool = world.apiserver.get(&key(POOLS, "agents")).expect("the pool");
+    assert_eq!(
+        (pool["spec"]["replicas"].clone(), pool["metadata"]["generation"].clone()),
+        (json!(5), json!(2))
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
