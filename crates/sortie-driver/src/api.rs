@@ -59,7 +59,7 @@ pub async fn run(
         .await
 }
 
-fn refuse(status: StatusCode, code: DriverErrorCode, message: impl Into<String>) -> Response {
+pub(crate) fn refuse(status: StatusCode, code: DriverErrorCode, message: impl Into<String>) -> Response {
     let body = DriverErrorBody {
         error: DriverError {
             code,

@@ -41,8 +41,12 @@ pub struct DriverSettings {
     #[arg(long)]
     pub home: PathBuf,
     /// The agent profile to run.
-    #[arg(long)]
-    pub agent: String,
+    #[arg(long, required_unless_present = "await_assignment")]
+    pub agent: Option<String>,
+    /// Run no agent until the host assigns a session over the link (`POST /assignment`: session,
+    /// agent, model, branch): a generic pod's driver, the same for every session.
+    #[arg(long, requires = "link", conflicts_with = "agent")]
+    pub await_assignment: bool,
     /// An agent manifest (TOML) that adds or overrides profiles.
     #[arg(long)]
     pub profiles: Option<PathBuf>,
@@ -132,6 +136,18 @@ impl DriverSettings {
         // Before anything else: from here on, a process of the same uid (the agent) cannot ptrace this
         // one, read its memory or environment, or take a descriptor from it.
         nix::sys::prctl::set_dumpable(false).map_err(failed("cannot make the driver undumpable"))?;
+        if let (Some(url), Some(token_file)) = (&self.link, &self.identity_token_file)
+            && self.await_assignment
+        {
+            let target = crate::link::LinkTarget::new(url, token_file).map_err(refused)?;
+            let (router, driver) = crate::assignment::router(self.clone());
+            crate::link::serve(target, router, shutdown).await;
+            let driver = driver.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(driver) = driver {
+                driver.shutdown().await;
+            }
+            return Ok(());
+        }
         let config = self.clone().resolve().await?;
         if let (Some(url), Some(token_file)) = (&self.link, &self.identity_token_file) {
             let target = crate::link::LinkTarget::new(url, token_file).map_err(refused)?;
@@ -160,10 +176,27 @@ impl DriverSettings {
         Ok(())
     }
 
+    /// Takes what the host assigned (a generic pod's driver): the session, the agent, where it delivers.
+    pub fn apply(&mut self, assignment: &sortie_protocol::driver::Assignment) {
+        self.session = assignment.session.clone();
+        self.agent = Some(assignment.agent.clone());
+        self.model = assignment.model.clone();
+        if let Some(proxy) = &assignment.model_proxy {
+            self.model_proxy = proxy.clone();
+        }
+        self.branch = assignment.branch.clone();
+        if let Some(remote) = &assignment.remote {
+            self.remote = remote.clone();
+        }
+        if let Some(seconds) = assignment.turn_timeout_secs {
+            self.turn_timeout = seconds;
+        }
+    }
+
     /// The agent's profile, its program, files, environment and delivery: a [`DriverConfig`].
-    async fn resolve(self) -> Result<DriverConfig, LaunchError> {
+    pub(crate) async fn resolve(self) -> Result<DriverConfig, LaunchError> {
         let profiles = profile::load(self.profiles.as_deref()).map_err(refused)?;
-        let profile = profile::find(&profiles, &self.agent)
+        let profile = profile::find(&profiles, self.agent.as_deref().unwrap_or_default())
             .map_err(refused)?
             .rendered(&profile::Render {
                 model_proxy: self.model_proxy.clone(),

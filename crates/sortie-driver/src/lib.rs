@@ -11,6 +11,7 @@
 
 pub mod agent;
 pub mod api;
+pub mod assignment;
 pub mod delivery;
 pub mod driver;
 pub mod launch;

@@ -49,8 +49,6 @@ pub struct SandboxShape {
     /// The labels of the gateway's pods and the port they serve, for the network policy.
     pub gateway_pods: BTreeMap<String, String>,
     pub gateway_port: i32,
-    /// The agent profile the driver runs.
-    pub agent: String,
 }
 
 fn labels(shape: &SandboxShape) -> BTreeMap<String, String> {
@@ -85,8 +83,8 @@ fn pod_spec(shape: &SandboxShape) -> PodSpec {
                 "/workspace",
                 "--home",
                 "/home/agent",
-                "--agent",
-                &shape.agent,
+                // The session, its agent and its branch come over the link once the pod is claimed.
+                "--await-assignment",
             ]
             .map(str::to_owned)
             .to_vec(),
@@ -267,7 +265,6 @@ mod tests {
             gateway_url: "http://sortie-gateway.sortie.svc:7700".into(),
             gateway_pods: BTreeMap::from([("app.kubernetes.io/component".into(), "gateway".into())]),
             gateway_port: 7700,
-            agent: "claude-code".into(),
         }
     }
 
@@ -288,9 +285,14 @@ mod tests {
         assert_eq!(container["securityContext"]["capabilities"]["drop"][0], "ALL");
         let token = &spec["volumes"][0]["projected"]["sources"][0]["serviceAccountToken"];
         assert_eq!(token["audience"], LINK_AUDIENCE);
+        let command = container["command"].to_string();
         assert!(
-            container["command"].to_string().contains("--identity-token-file"),
+            command.contains("--identity-token-file") && command.contains("--await-assignment"),
             "{container:#}"
+        );
+        assert!(
+            !command.contains("--agent"),
+            "a generic pod runs no agent before its assignment"
         );
         let policy = &json["spec"]["networkPolicy"];
         assert_eq!(policy["ingress"], serde_json::json!([]));

@@ -7,7 +7,8 @@
 //! Routes, all on the host-held driver socket (or a driver link, [`LINK_PATH`]): `POST /turns` ([`StartTurn`] → [`TurnReport`]),
 //! `GET /turns/{n}` ([`TurnReport`]), `GET /turns/{n}/stream?after=K` (SSE of UI chunks),
 //! `POST /turns/{n}/cancel`, `GET /status` ([`DriverStatus`]), `POST /setup` ([`RunSetup`] →
-//! [`SetupOutcome`]). Refusals carry [`DriverErrorBody`].
+//! [`SetupOutcome`]); a driver that awaits its assignment serves `POST /assignment` ([`Assignment`])
+//! first and refuses the rest `NOT_ASSIGNED`. Refusals carry [`DriverErrorBody`].
 
 use serde::{Deserialize, Serialize};
 
@@ -260,6 +261,29 @@ pub struct DriverStatus {
     pub active_turn: Option<u32>,
 }
 
+/// `POST /assignment`: the session a generic pod's driver (`sortie driver --await-assignment`) serves,
+/// given once, by the host, over the driver's link. What the local runtime gives as flags.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Assignment {
+    /// The sortie session id.
+    pub session: String,
+    /// The agent profile to run.
+    pub agent: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Where the agent's model requests go (the gateway's model proxy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_proxy: Option<String>,
+    /// The branch each turn is delivered to (`sortie/<session>`), through `remote`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub branch: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn_timeout_secs: Option<u64>,
+}
+
 /// `POST /setup`: the setup script, run to its end between turns.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -300,6 +324,10 @@ pub enum DriverErrorCode {
     NoTurnRunning,
     /// The setup script could not be started.
     SetupFailed,
+    /// A driver waiting for its assignment serves nothing else yet.
+    NotAssigned,
+    /// The driver serves another session already.
+    AlreadyAssigned,
 }
 
 /// The body of every refusal of the driver API.

@@ -176,6 +176,19 @@ impl DriverClient {
         Ok(status)
     }
 
+    /// `POST /assignment`: the session a generic pod's driver serves (the same one again is a no-op).
+    pub async fn assign(&self, assignment: &sortie_protocol::driver::Assignment) -> Result<(), DriverError> {
+        // The driver resolves the agent's profile and files before it answers.
+        let answer = tokio::time::timeout(
+            REQUEST_DEADLINE,
+            self.send(Method::POST, "/assignment", Some(Self::encode(assignment)?)),
+        )
+        .await
+        .map_err(|_| DriverError::Timeout(REQUEST_DEADLINE))??;
+        drop(answer);
+        Ok(())
+    }
+
     /// `POST /turns`; idempotent on the turn's number and nonce.
     pub async fn start_turn(&self, turn: &StartTurn) -> Result<TurnReport, DriverError> {
         self.json(Method::POST, "/turns", Some(Self::encode(turn)?), REQUEST_DEADLINE)

@@ -17,7 +17,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use sortie_gateway::links::{DriverLinks, KubeTokenReview, LinkState, link_router};
 use sortie_kube::runtime::{Deadlines, KubeSandboxes, claim_name};
-use sortie_protocol::driver::LINK_AUDIENCE;
+use sortie_protocol::driver::{Assignment, DriverErrorCode, LINK_AUDIENCE, StartTurn, TurnState};
 use sortie_protocol::{FailureCode, SessionId};
 use sortie_testkit::kube::{ChangeKind, FakeApiserver, ObjectKey};
 
@@ -135,7 +135,7 @@ impl Controller {
             .arg(dir.join("workspace"))
             .arg("--home")
             .arg(dir.join("home"))
-            .args(["--agent", "scripted", "--kill-grace", "1"])
+            .args(["--await-assignment", "--kill-grace", "1"])
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
@@ -259,7 +259,6 @@ fn shape(name: &str, replicas: i32) -> sortie_kube::shape::SandboxShape {
         gateway_url: "http://sortie-gateway:7700".into(),
         gateway_pods: [("app.kubernetes.io/component".to_owned(), "gateway".to_owned())].into(),
         gateway_port: 7700,
-        agent: "scripted".into(),
     }
 }
 
@@ -330,8 +329,55 @@ async fn a_session_gets_a_warm_pod_or_a_cold_one_and_its_own_pods_driver() {
     }
     assert!(claimed.pod_name.contains("-warm-"), "{}", claimed.pod_name);
     assert_eq!(claimed.link.identity.pod_uid, claimed.pod_uid);
+    // A generic pod's driver serves nothing until the host assigns it its session; then that session
+    // only.
     let client = sortie_worker::client::DriverClient::over_link(claimed.link.clone());
+    let unassigned = client.status().await.expect_err("no session, no status");
+    assert_eq!(unassigned.code(), Some(DriverErrorCode::NotAssigned), "{unassigned}");
+    let assignment = Assignment {
+        session: session.as_str().to_owned(),
+        agent: "scripted".into(),
+        model: None,
+        model_proxy: None,
+        branch: None,
+        remote: None,
+        turn_timeout_secs: Some(60),
+    };
+    client.assign(&assignment).await.expect("assigned");
+    client
+        .assign(&assignment)
+        .await
+        .expect("the same assignment again is fine");
+    let other = Assignment {
+        session: SessionId::generate().as_str().to_owned(),
+        ..assignment.clone()
+    };
+    let refused = client.assign(&other).await.expect_err("one session per pod");
+    assert_eq!(refused.code(), Some(DriverErrorCode::AlreadyAssigned), "{refused}");
     client.status().await.expect("the pod's driver answers");
+    let started = client
+        .start_turn(&StartTurn {
+            n: 1,
+            nonce: "nonce-kube-1".into(),
+            prompt: "#!scripted\nsay: from a claimed pod".into(),
+            baseline: None,
+            priming_context: None,
+        })
+        .await
+        .expect("a turn on the claimed pod");
+    assert_eq!(started.n, 1);
+    sortie_testkit::wait::eventually("the pod's turn ends", Duration::from_secs(30), || {
+        let client = client.clone();
+        async move {
+            let report = client.report(1).await.map_err(|e| e.to_string())?;
+            if report.state == TurnState::Completed {
+                Ok(())
+            } else {
+                Err(format!("{:?}", report.state))
+            }
+        }
+    })
+    .await;
     eprintln!(
         "KUBE_CLAIM warm: claim -> ready {:?}, ready -> linked {:?}",
         claimed.ready_after, claimed.linked_after

@@ -1,0 +1,98 @@
+//! A driver that awaits its assignment (`--await-assignment`, a generic pod's): until the host says which
+//! session it serves (`POST /assignment`, over the link only the host holds), it runs no agent and
+//! answers everything else `NOT_ASSIGNED`; then it is the driver the flags would have made, for good. The
+//! same assignment again is a no-op (a host that retries); another one is refused `ALREADY_ASSIGNED`.
+
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use sortie_protocol::driver::{Assignment, DriverErrorCode};
+use tower::ServiceExt;
+
+use crate::driver::Driver;
+use crate::launch::DriverSettings;
+
+#[derive(Clone)]
+struct Awaiting {
+    settings: DriverSettings,
+    assigned: Arc<tokio::sync::Mutex<Option<(Assignment, Router)>>>,
+    /// The driver made, for the shutdown to stop its agent.
+    driver: Arc<Mutex<Option<Driver>>>,
+}
+
+/// The router of a driver awaiting its assignment, and the driver once it has one.
+pub fn router(settings: DriverSettings) -> (Router, Arc<Mutex<Option<Driver>>>) {
+    let driver = Arc::new(Mutex::new(None));
+    let state = Awaiting {
+        settings,
+        assigned: Arc::default(),
+        driver: driver.clone(),
+    };
+    let router = Router::new()
+        .route("/assignment", post(assign))
+        .fallback(forward)
+        .with_state(state);
+    (router, driver)
+}
+
+async fn assign(State(state): State<Awaiting>, body: Bytes) -> Response {
+    let assignment: Assignment = match serde_json::from_slice(&body) {
+        Ok(assignment) => assignment,
+        Err(error) => {
+            return crate::api::refuse(
+                StatusCode::BAD_REQUEST,
+                DriverErrorCode::InvalidRequest,
+                format!("the body is not an assignment: {error}"),
+            );
+        }
+    };
+    let mut assigned = state.assigned.lock().await;
+    if let Some((held, _)) = assigned.as_ref() {
+        return if *held == assignment {
+            StatusCode::OK.into_response()
+        } else {
+            crate::api::refuse(
+                StatusCode::CONFLICT,
+                DriverErrorCode::AlreadyAssigned,
+                format!("this driver serves session {}", held.session),
+            )
+        };
+    }
+    let mut settings = state.settings.clone();
+    settings.apply(&assignment);
+    let config = match settings.resolve().await {
+        Ok(config) => config,
+        Err(error) => {
+            return crate::api::refuse(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                DriverErrorCode::InvalidRequest,
+                format!("the assignment cannot be served: {error}"),
+            );
+        }
+    };
+    let driver = Driver::new(config);
+    *state.driver.lock().unwrap_or_else(|p| p.into_inner()) = Some(driver.clone());
+    tracing::info!(session = %assignment.session, agent = %assignment.agent, "assigned");
+    *assigned = Some((assignment, crate::api::router(driver)));
+    StatusCode::OK.into_response()
+}
+
+async fn forward(State(state): State<Awaiting>, request: Request) -> Response {
+    let router = state.assigned.lock().await.as_ref().map(|(_, router)| router.clone());
+    match router {
+        Some(router) => match router.oneshot(request).await {
+            Ok(response) => response,
+            Err(never) => match never {},
+        },
+        None => crate::api::refuse(
+            StatusCode::CONFLICT,
+            DriverErrorCode::NotAssigned,
+            "this driver has no session yet: POST /assignment first",
+        ),
+    }
+}
