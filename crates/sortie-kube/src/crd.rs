@@ -10,11 +10,9 @@ use k8s_openapi::api::networking::v1::{NetworkPolicyEgressRule, NetworkPolicyIng
 use kube::CustomResource;
 use serde::{Deserialize, Serialize};
 
-/// The label that names a claim's session (on the claim, and through `additionalPodMetadata` on its pod).
+/// The label that names a claim's session. On the claim only: the claim controller refuses pod labels
+/// outside the domains its operator allowlisted, and sortie needs none on the pod.
 pub const SESSION_LABEL: &str = "sortie.dev/session";
-/// The label the claim controller puts on the pod it hands a claim (its uid): how sortie knows which
-/// pod is a claim's.
-pub const CLAIM_UID_LABEL: &str = "agents.x-k8s.io/claim-uid";
 
 /// A condition as agent-sandbox reports it (`metav1.Condition`), lenient about what is missing.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
@@ -90,6 +88,21 @@ pub struct SandboxClaimStatus {
     pub sandbox: Option<ClaimedSandboxRef>,
     #[serde(default)]
     pub conditions: Vec<Condition>,
+}
+
+/// A sandbox: what a claim is handed (its pod has the sandbox's name and is controlled by it). Only its
+/// metadata matters to sortie: who controls it.
+#[derive(CustomResource, Clone, Debug, Default, Deserialize, Serialize)]
+#[kube(
+    group = "agents.x-k8s.io",
+    version = "v1beta1",
+    kind = "Sandbox",
+    namespaced,
+    schema = "disabled"
+)]
+pub struct SandboxSpec {
+    #[serde(flatten)]
+    pub rest: BTreeMap<String, serde_json::Value>,
 }
 
 /// The blueprint of a sandbox shape's pods.

@@ -1,10 +1,12 @@
 //! Claims, watched to readiness and bound to their pod's driver link.
 //!
 //! A session's claim is named after the session and labelled with it; the claim controller hands it a
-//! pod (warm from the pool, or cold from the template when the pool is empty) and labels that pod with
-//! the claim's uid. The pod's driver has dialed the gateway meanwhile ([`sortie_gateway::links`]), known
-//! by the pod uid the apiserver vouched for. The session gets that link, and no other: a link is bound
-//! only when the pod the cluster gave this claim is the pod the cluster says dialed.
+//! sandbox (adopted warm from the pool, or made cold from the template when the pool is empty), names
+//! it in the claim's status and makes the claim its controller; the sandbox's pod has its name and is
+//! controlled by it. The pod's driver has dialed the gateway meanwhile ([`sortie_gateway::links`]),
+//! known by the pod uid the apiserver vouched for. The session gets that link, and no other: a link is
+//! bound only when the chain claim → sandbox → pod, each controlled by the one before, ends at the pod
+//! the cluster says dialed.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,9 +18,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use sortie_gateway::links::{DriverLink, DriverLinks};
 use sortie_protocol::{FailureCode, SessionId};
 
-use crate::crd::{
-    CLAIM_UID_LABEL, ClaimLifecycle, NameRef, PodMetadata, SESSION_LABEL, SandboxClaim, SandboxClaimSpec,
-};
+use crate::crd::{ClaimLifecycle, NameRef, SESSION_LABEL, Sandbox, SandboxClaim, SandboxClaimSpec};
 use crate::status::{ClaimState, claim_state};
 
 /// How long each step may take.
@@ -77,6 +77,7 @@ pub struct KubeSandboxes {
     client: kube::Client,
     namespace: String,
     claims: Api<SandboxClaim>,
+    sandboxes: Api<Sandbox>,
     pods: Api<Pod>,
     pool: String,
     links: Arc<DriverLinks>,
@@ -101,6 +102,7 @@ impl KubeSandboxes {
     ) -> Self {
         Self {
             claims: Api::namespaced(client.clone(), namespace),
+            sandboxes: Api::namespaced(client.clone(), namespace),
             pods: Api::namespaced(client.clone(), namespace),
             client,
             namespace: namespace.to_owned(),
@@ -134,7 +136,8 @@ impl KubeSandboxes {
     }
 
     /// The claim sortie makes for `session`: from the pool, labelled, with a shutdown time; never env
-    /// or volumes (the type cannot hold them).
+    /// or volumes (the type cannot hold them), nor pod metadata (the controller allows only the label
+    /// domains its operator listed, and sortie needs none on the pod).
     pub fn claim_for(&self, session: &SessionId, now: std::time::SystemTime) -> SandboxClaim {
         let labels = [(SESSION_LABEL.to_owned(), session.as_str().to_owned())];
         let shutdown = rfc3339(now + self.deadlines.lifetime);
@@ -148,10 +151,7 @@ impl KubeSandboxes {
                     shutdown_time: Some(shutdown),
                     shutdown_policy: Some("DeleteForeground".into()),
                 }),
-                additional_pod_metadata: Some(PodMetadata {
-                    labels: labels.iter().cloned().collect(),
-                    annotations: Default::default(),
-                }),
+                additional_pod_metadata: None,
             },
         );
         claim.metadata.labels = Some(labels.into_iter().collect());
@@ -264,24 +264,28 @@ impl KubeSandboxes {
         }
     }
 
-    /// The pod the claim controller gave the claim: labelled with its uid, and only one.
+    /// The pod of the sandbox the controller gave the claim: the sandbox named in the claim's status must
+    /// be controlled by the claim, and the pod of that name by the sandbox.
     async fn pod_of(&self, claim_uid: &str, sandbox: &str) -> Result<Pod, SandboxFailure> {
-        let pods = self
-            .pods
-            .list(&ListParams::default().labels(&format!("{CLAIM_UID_LABEL}={claim_uid}")))
-            .await
-            .map_err(|e| SandboxFailure::start(format!("cannot find the sandbox's pod: {e}")))?
-            .items;
-        match pods.as_slice() {
-            [pod] => Ok(pod.clone()),
-            [] => Err(SandboxFailure::start(format!(
-                "sandbox {sandbox} is ready but no pod carries its claim's uid"
-            ))),
-            more => Err(SandboxFailure::start(format!(
-                "{} pods carry the claim's uid; none is taken",
-                more.len()
-            ))),
+        let read = |what: &str, e: kube::Error| SandboxFailure::start(format!("cannot read {what} {sandbox}: {e}"));
+        let held = self.sandboxes.get(sandbox).await.map_err(|e| read("sandbox", e))?;
+        if controller_uid(&held.metadata) != Some(claim_uid) {
+            return Err(SandboxFailure::start(format!(
+                "sandbox {sandbox} is not controlled by this session's claim"
+            )));
         }
+        let sandbox_uid = held.metadata.uid.clone().unwrap_or_default();
+        let pod = self
+            .pods
+            .get(sandbox)
+            .await
+            .map_err(|e| read("the pod of sandbox", e))?;
+        if sandbox_uid.is_empty() || controller_uid(&pod.metadata) != Some(sandbox_uid.as_str()) {
+            return Err(SandboxFailure::start(format!(
+                "pod {sandbox} is not controlled by the claim's sandbox"
+            )));
+        }
+        Ok(pod)
     }
 
     /// Resolves when the session's claim stops being ready (expired, its pod failed or was
@@ -341,6 +345,16 @@ impl KubeSandboxes {
             })
             .collect())
     }
+}
+
+/// The uid of the object's controller (the owner reference marked `controller`), if it has one.
+fn controller_uid(metadata: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Option<&str> {
+    metadata
+        .owner_references
+        .as_ref()?
+        .iter()
+        .find(|owner| owner.controller == Some(true))
+        .map(|owner| owner.uid.as_str())
 }
 
 /// RFC 3339 in UTC, seconds precision.

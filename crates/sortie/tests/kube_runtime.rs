@@ -44,6 +44,8 @@ enum PodDriver {
     Silent,
     /// Its driver presents the token of another pod (one the cluster made for someone else).
     Impostor,
+    /// The claim's status names a sandbox another claim controls (whose driver links).
+    OthersSandbox,
 }
 
 struct Controller {
@@ -79,26 +81,36 @@ impl Controller {
         self.apiserver.put(key(CLAIMS, name), claim);
     }
 
-    /// Hands the claim a pod: a Sandbox and its Pod labelled with the claim's uid (and the session,
-    /// from `additionalPodMetadata`), Ready, and the pod's driver started.
+    /// Hands the claim a sandbox as agent-sandbox does: the Sandbox (a pool's generated name when warm,
+    /// the claim's name when cold) controlled by the claim, its Pod of the same name controlled by the
+    /// Sandbox (no claim label reaches the pod), the claim Ready naming it; then the pod's driver starts.
     fn hand_out(&self, claim: &Value, launch: &str) {
         let name = claim["metadata"]["name"].as_str().unwrap_or_default().to_owned();
-        let uid = claim["metadata"]["uid"].as_str().unwrap_or_default();
-        let sandbox = format!(
-            "{}-{launch}",
-            claim["spec"]["warmPoolRef"]["name"].as_str().unwrap_or("pool")
-        );
-        let sandbox = format!("{sandbox}-{}", &name[name.len() - 5..]);
-        let mut labels = claim["spec"]["additionalPodMetadata"]["labels"].clone();
-        labels["agents.x-k8s.io/claim-uid"] = json!(uid);
-        self.apiserver.put(
+        let mut claim_uid = claim["metadata"]["uid"].as_str().unwrap_or_default().to_owned();
+        let mode = *self.pod_driver.lock().unwrap_or_else(|p| p.into_inner());
+        if mode == PodDriver::OthersSandbox {
+            claim_uid = "uid-of-another-claim".into();
+        }
+        let sandbox = if launch == "warm" {
+            let pool = claim["spec"]["warmPoolRef"]["name"].as_str().unwrap_or("pool");
+            format!("{pool}-warm-{}", &name[name.len() - 5..])
+        } else {
+            name.clone()
+        };
+        let owner = |kind: &str, name: &str, uid: &str, api: &str| json!([{"apiVersion": api, "kind": kind, "name": name, "uid": uid, "controller": true}]);
+        let made = self.apiserver.put(
             key(SANDBOXES, &sandbox),
             json!({"apiVersion": "agents.x-k8s.io/v1beta1", "kind": "Sandbox",
-                   "metadata": {"labels": {"agents.x-k8s.io/launch-type": launch}}, "spec": {}}),
+                   "metadata": {"labels": {"agents.x-k8s.io/launch-type": launch, "agents.x-k8s.io/claim-uid": claim_uid},
+                                "ownerReferences": owner("SandboxClaim", &name, &claim_uid, "extensions.agents.x-k8s.io/v1beta1")},
+                   "spec": {"podTemplate": {"spec": {"containers": []}}}}),
         );
+        let sandbox_uid = made["metadata"]["uid"].as_str().unwrap_or_default().to_owned();
         let pod = self.apiserver.put(
             key(PODS, &sandbox),
-            json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"labels": labels},
+            json!({"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"labels": {"agents.x-k8s.io/sandbox-name-hash": "5f2a9c11"},
+                                "ownerReferences": owner("Sandbox", &sandbox, &sandbox_uid, "agents.x-k8s.io/v1beta1")},
                    "spec": {"containers": [{"name": "driver", "image": "sortie"}]},
                    "status": {"phase": "Running", "podIP": "10.0.0.9"}}),
         );
@@ -108,11 +120,12 @@ impl Controller {
             json!({"sandbox": {"name": sandbox, "podIPs": ["10.0.0.9"]},
                    "conditions": [condition("True", "DependenciesReady", "")]}),
         );
-        let token = match *self.pod_driver.lock().unwrap_or_else(|p| p.into_inner()) {
+        let token = match mode {
             PodDriver::Silent => return,
-            PodDriver::Links => self
-                .apiserver
-                .issue_token(NAMESPACE, "sandbox", &sandbox, &pod_uid, &[LINK_AUDIENCE]),
+            PodDriver::Links | PodDriver::OthersSandbox => {
+                self.apiserver
+                    .issue_token(NAMESPACE, "sandbox", &sandbox, &pod_uid, &[LINK_AUDIENCE])
+            }
             PodDriver::Impostor => self.apiserver.issue_token(
                 NAMESPACE,
                 "sandbox",
@@ -311,10 +324,7 @@ async fn a_session_gets_a_warm_pod_or_a_cold_one_and_its_own_pods_driver() {
         .expect("the claim");
     assert_eq!(stored["spec"]["warmPoolRef"]["name"], "agents", "{stored:#}");
     assert_eq!(stored["metadata"]["labels"]["sortie.dev/session"], session.as_str());
-    assert_eq!(
-        stored["spec"]["additionalPodMetadata"]["labels"]["sortie.dev/session"],
-        session.as_str()
-    );
+    assert!(stored["spec"].get("additionalPodMetadata").is_none(), "{stored:#}");
     assert_eq!(stored["spec"]["lifecycle"]["shutdownPolicy"], "DeleteForeground");
     assert!(
         stored["spec"]["lifecycle"]["shutdownTime"]
@@ -415,7 +425,11 @@ async fn a_session_gets_a_warm_pod_or_a_cold_one_and_its_own_pods_driver() {
         .filter(|r| r.starts_with("GET ") && r.contains(&claim_name(&cold)) && !r.contains("watch=true"))
         .count();
     assert!(lists >= 2, "{:#?}", world.apiserver.requests());
-    assert!(claimed_cold.pod_name.contains("-cold-"), "{}", claimed_cold.pod_name);
+    assert_eq!(
+        claimed_cold.pod_name,
+        claim_name(&cold),
+        "a cold sandbox and its pod take the claim's name"
+    );
     eprintln!(
         "KUBE_CLAIM cold: claim -> ready {:?}, ready -> linked {:?}",
         claimed_cold.ready_after, claimed_cold.linked_after
@@ -505,4 +519,19 @@ async fn a_claim_that_cannot_be_met_or_whose_driver_does_not_link_fails_with_the
         "the impostor did link, as the pod its token names"
     );
     assert_eq!(world.links.len(), 1);
+
+    // A claim whose status names a sandbox another claim controls: its pod links, and this session
+    // still does not take it.
+    *world.controller.pod_driver.lock().unwrap_or_else(|p| p.into_inner()) = PodDriver::OthersSandbox;
+    let failure = world
+        .sandboxes
+        .claim(&SessionId::generate())
+        .await
+        .err()
+        .expect("another claim's sandbox is not bound");
+    assert!(
+        failure.reason.contains("not controlled by this session's claim"),
+        "{}",
+        failure.reason
+    );
 }
