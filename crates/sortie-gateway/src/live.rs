@@ -144,9 +144,7 @@ async fn feed_stream(
             .get(header::AUTHORIZATION)
             .and_then(|value| value.to_str().ok())
             .and_then(|value| value.strip_prefix(FEED_SCHEME));
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+        let now = crate::attach::now_seconds();
         let allowed = token.is_some_and(|token| {
             sortie_protocol::ticket::verify_feed_token(secret, token, now, session.as_str(), n).is_ok()
         });
@@ -300,10 +298,7 @@ impl LiveTails for RoutedTails {
                 }
             };
             let _ = stream.set_nodelay(true);
-            let exp = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
-                + sortie_protocol::ticket::FEED_TOKEN_TTL_SECONDS;
+            let exp = crate::attach::now_seconds() + sortie_protocol::ticket::FEED_TOKEN_TTL_SECONDS;
             let token = sortie_protocol::ticket::mint_feed_token(&self.secret, session.as_str(), n, exp);
             let host = format!("{}:{}", feed.host, feed.port);
             let body = read_feed(
