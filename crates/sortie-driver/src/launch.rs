@@ -68,6 +68,10 @@ pub struct DriverSettings {
     /// Relay 127.0.0.1:3128 to this egress socket and point the agent's proxy variables at it.
     #[arg(long)]
     pub egress_socket: Option<PathBuf>,
+    /// Relay 127.0.0.1:3128 to the gateway of `--link`, each connection with the pod's identity, and
+    /// point the agent's proxy variables at it (a pod's only way out).
+    #[arg(long, requires = "link", conflicts_with = "egress_socket")]
+    pub egress_over_link: bool,
     /// Deliver each turn's work to this branch (e.g. `sortie/ses_…`): commit, scan for secrets, push.
     /// Without it the work stays in the workspace.
     #[arg(long)]
@@ -225,8 +229,15 @@ impl DriverSettings {
             ("LANG".to_owned(), "C.UTF-8".to_owned()),
         ];
         env.extend(profile.env.iter().map(|(k, v)| (k.clone(), v.clone())));
-        if let Some(socket) = &self.egress_socket {
-            crate::relay::start(socket)
+        let upstream = match (&self.egress_socket, &self.link, &self.identity_token_file) {
+            (Some(socket), _, _) => Some(crate::relay::Upstream::Socket(socket.clone())),
+            (None, Some(url), Some(token_file)) if self.egress_over_link => Some(crate::relay::Upstream::Link(
+                crate::link::LinkTarget::new(url, token_file).map_err(refused)?,
+            )),
+            _ => None,
+        };
+        if let Some(upstream) = upstream {
+            crate::relay::start(upstream)
                 .await
                 .map_err(failed(format!("cannot listen on {}", crate::relay::RELAY_ADDRESS)))?;
             env.extend(crate::relay::proxy_env(crate::relay::RELAY_ADDRESS));

@@ -12,9 +12,10 @@ use axum::Router;
 use axum::body::Body;
 use axum::http::{HeaderValue, Request, StatusCode, Uri, header};
 use http_body_util::BodyExt;
+use hyper::upgrade::Upgraded;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use sortie_protocol::driver::{LINK_PATH, LINK_PROTOCOL};
+use sortie_protocol::driver::{EGRESS_PATH, EGRESS_PROTOCOL, LINK_PATH, LINK_PROTOCOL};
 
 /// The longest identity token the driver sends.
 const TOKEN_MAX_BYTES: u64 = 16 * 1024;
@@ -31,11 +32,25 @@ const REFUSAL_MAX_BYTES: usize = 1024;
 /// Where to dial and with what.
 #[derive(Clone, Debug)]
 pub struct LinkTarget {
-    host: String,
-    port: u16,
+    dial: Dial,
     authority: String,
     token_file: PathBuf,
 }
+
+#[derive(Clone, Debug)]
+enum Dial {
+    Tcp {
+        host: String,
+        port: u16,
+    },
+    /// A socket bound into a sandbox that no network reaches the gateway from (a bwrap sandbox
+    /// standing in for a pod).
+    Unix(PathBuf),
+}
+
+/// A dialed connection, whichever kind.
+trait Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Stream for T {}
 
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
@@ -56,9 +71,19 @@ pub enum LinkError {
 }
 
 impl LinkTarget {
-    /// `url` is the gateway's `http://host:port`.
+    /// `url` is the gateway's `http://host:port`, or `unix:/path` for a socket bound into the sandbox.
     pub fn new(url: &str, token_file: &Path) -> Result<Self, LinkError> {
         let bad = |why: &str| LinkError::BadUrl(url.to_owned(), why.to_owned());
+        if let Some(path) = url.strip_prefix("unix:") {
+            if !path.starts_with('/') {
+                return Err(bad("a socket's path must be absolute"));
+            }
+            return Ok(Self {
+                dial: Dial::Unix(PathBuf::from(path)),
+                authority: "localhost".into(),
+                token_file: token_file.to_owned(),
+            });
+        }
         let uri: Uri = url.parse().map_err(|_| bad("not a URL"))?;
         if uri.scheme_str() != Some("http") {
             return Err(bad("must be http://host:port (the cluster's network carries the link)"));
@@ -66,14 +91,27 @@ impl LinkTarget {
         let authority = uri.authority().ok_or_else(|| bad("names no host"))?;
         let port = authority.port_u16().unwrap_or(80);
         Ok(Self {
-            host: authority
-                .host()
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .to_owned(),
-            port,
+            dial: Dial::Tcp {
+                host: authority
+                    .host()
+                    .trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .to_owned(),
+                port,
+            },
             authority: authority.as_str().to_owned(),
             token_file: token_file.to_owned(),
+        })
+    }
+
+    async fn connect(&self) -> std::io::Result<Box<dyn Stream>> {
+        Ok(match &self.dial {
+            Dial::Tcp { host, port } => {
+                let stream = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
+                let _ = stream.set_nodelay(true);
+                Box::new(stream)
+            }
+            Dial::Unix(path) => Box::new(tokio::net::UnixStream::connect(path).await?),
         })
     }
 
@@ -117,18 +155,14 @@ pub async fn serve(target: LinkTarget, api: Router, shutdown: impl Future<Output
     }
 }
 
-/// One link: dial, upgrade, serve until it ends.
-async fn serve_one(target: &LinkTarget, api: Router) -> Result<(), LinkError> {
+/// Dials the gateway and upgrades a `GET path` to `protocol`, with the identity token as bearer.
+async fn upgrade(target: &LinkTarget, path: &str, protocol: &'static str) -> Result<Upgraded, LinkError> {
     let token = target.token()?;
     let unreachable = |e: &dyn std::fmt::Display| LinkError::Unreachable(target.authority.clone(), e.to_string());
-    let stream = tokio::time::timeout(
-        DIAL_DEADLINE,
-        tokio::net::TcpStream::connect((target.host.as_str(), target.port)),
-    )
-    .await
-    .map_err(|_| unreachable(&"no answer"))?
-    .map_err(|e| unreachable(&e))?;
-    let _ = stream.set_nodelay(true);
+    let stream = tokio::time::timeout(DIAL_DEADLINE, target.connect())
+        .await
+        .map_err(|_| unreachable(&"no answer"))?
+        .map_err(|e| unreachable(&e))?;
     let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(|e| unreachable(&e))?;
@@ -139,10 +173,10 @@ async fn serve_one(target: &LinkTarget, api: Router) -> Result<(), LinkError> {
             "the identity token is not a header value".into(),
         )
     })?;
-    let request = Request::get(LINK_PATH)
+    let request = Request::get(path)
         .header(header::HOST, &target.authority)
         .header(header::CONNECTION, "upgrade")
-        .header(header::UPGRADE, LINK_PROTOCOL)
+        .header(header::UPGRADE, protocol)
         .header(header::AUTHORIZATION, bearer)
         .body(Body::empty())
         .map_err(|e| unreachable(&e))?;
@@ -159,9 +193,19 @@ async fn serve_one(target: &LinkTarget, api: Router) -> Result<(), LinkError> {
             .unwrap_or_default();
         return Err(LinkError::Refused(status, String::from_utf8_lossy(&said).into_owned()));
     }
-    let upgraded = hyper::upgrade::on(response)
+    hyper::upgrade::on(response)
         .await
-        .map_err(|e| LinkError::Broken(e.to_string()))?;
+        .map_err(|e| LinkError::Broken(e.to_string()))
+}
+
+/// One connection out of the pod, to the egress proxy of the session the pod is bound to.
+pub async fn dial_egress(target: &LinkTarget) -> Result<TokioIo<Upgraded>, LinkError> {
+    upgrade(target, EGRESS_PATH, EGRESS_PROTOCOL).await.map(TokioIo::new)
+}
+
+/// One link: dial, upgrade, serve until it ends.
+async fn serve_one(target: &LinkTarget, api: Router) -> Result<(), LinkError> {
+    let upgraded = upgrade(target, LINK_PATH, LINK_PROTOCOL).await?;
     tracing::info!(gateway = %target.authority, "linked to the gateway");
     hyper::server::conn::http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
@@ -177,14 +221,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_link_dials_plain_http() {
+    fn a_link_dials_plain_http_or_a_socket_bound_in() {
         let target = LinkTarget::new("http://sortie-gateway.sortie:7700", Path::new("/t")).expect("url");
-        assert_eq!((target.host.as_str(), target.port), ("sortie-gateway.sortie", 7700));
-        assert_eq!(
-            LinkTarget::new("http://10.0.0.1", Path::new("/t")).expect("url").port,
-            80
+        assert!(
+            matches!(&target.dial, Dial::Tcp { host, port: 7700 } if host == "sortie-gateway.sortie"),
+            "{target:?}"
         );
-        for bad in ["https://g:7700", "g:7700", "", "http://"] {
+        let target = LinkTarget::new("http://10.0.0.1", Path::new("/t")).expect("url");
+        assert!(matches!(&target.dial, Dial::Tcp { port: 80, .. }), "{target:?}");
+        let target = LinkTarget::new("unix:/run/sortie-link/link.sock", Path::new("/t")).expect("url");
+        assert!(matches!(&target.dial, Dial::Unix(path) if path == Path::new("/run/sortie-link/link.sock")));
+        for bad in ["https://g:7700", "g:7700", "", "http://", "unix:link.sock"] {
             assert!(LinkTarget::new(bad, Path::new("/t")).is_err(), "{bad:?}");
         }
     }

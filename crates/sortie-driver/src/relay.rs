@@ -1,25 +1,48 @@
 //! The egress relay (DESIGN §6.2): `127.0.0.1:3128` inside the sandbox's network namespace, each
-//! connection forwarded to the host's `egress.sock`. The sandbox has no other way out.
+//! connection forwarded to the host's `egress.sock` — or, in a pod, carried to the gateway over an
+//! upgraded request with the pod's identity ([`crate::link::dial_egress`]). The sandbox has no other
+//! way out.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+use std::sync::Arc;
 
 use tokio::net::{TcpListener, UnixStream};
 
 pub use sortie_protocol::driver::RELAY_ADDRESS;
 
-/// Accepts connections forever and splices each onto a fresh connection to `socket`.
-pub async fn run(listener: TcpListener, socket: PathBuf) {
+use crate::link::LinkTarget;
+
+/// Where the relay carries each connection.
+#[derive(Clone, Debug)]
+pub enum Upstream {
+    /// The host's `egress.sock`, bound into the sandbox.
+    Socket(PathBuf),
+    /// The gateway the pod's driver links to.
+    Link(LinkTarget),
+}
+
+/// Accepts connections forever and splices each onto a fresh connection to `upstream`.
+pub async fn run(listener: TcpListener, upstream: Upstream) {
+    let upstream = Arc::new(upstream);
     loop {
         let Ok((mut tcp, _)) = listener.accept().await else {
             continue;
         };
-        let socket = socket.clone();
+        let upstream = upstream.clone();
         tokio::spawn(async move {
-            match UnixStream::connect(&socket).await {
-                Ok(mut unix) => {
-                    let _ = tokio::io::copy_bidirectional(&mut tcp, &mut unix).await;
-                }
-                Err(error) => tracing::warn!(%error, socket = %socket.display(), "egress socket unreachable"),
+            match &*upstream {
+                Upstream::Socket(socket) => match UnixStream::connect(socket).await {
+                    Ok(mut unix) => {
+                        let _ = tokio::io::copy_bidirectional(&mut tcp, &mut unix).await;
+                    }
+                    Err(error) => tracing::warn!(%error, socket = %socket.display(), "egress socket unreachable"),
+                },
+                Upstream::Link(target) => match crate::link::dial_egress(target).await {
+                    Ok(mut upgraded) => {
+                        let _ = tokio::io::copy_bidirectional(&mut tcp, &mut upgraded).await;
+                    }
+                    Err(error) => tracing::warn!(%error, "no way out through the gateway"),
+                },
             }
         });
     }
@@ -52,9 +75,9 @@ pub fn proxy_env(relay: &str) -> Vec<(String, String)> {
     env
 }
 
-/// Binds the relay's listener (inside the sandbox) and starts relaying to `socket`.
-pub async fn start(socket: &Path) -> std::io::Result<()> {
+/// Binds the relay's listener (inside the sandbox) and starts relaying to `upstream`.
+pub async fn start(upstream: Upstream) -> std::io::Result<()> {
     let listener = TcpListener::bind(RELAY_ADDRESS).await?;
-    tokio::spawn(run(listener, socket.to_owned()));
+    tokio::spawn(run(listener, upstream));
     Ok(())
 }

@@ -8,6 +8,12 @@
 //! The driver is as untrusted here as on a socket (DESIGN §9 invariant 9): a link only says which pod
 //! is at the other end, never which session it serves (the worker binds a claimed pod's uid to its
 //! session), and every answer is bounded by the client that reads it.
+//!
+//! A pod's only way out is the same kind of connection: each connection its driver's egress relay
+//! accepts is carried by an upgraded `GET `[`EGRESS_PATH`] with the same identity token, and reaches
+//! the egress proxy of the session the worker bound that pod to ([`EgressBindings`]) — a pod bound to
+//! no session reaches nothing. Reviews are cached and bounded ([`CachedIdentity`]): a pod opens many
+//! connections, and a flood of tokens must not become a flood of requests to the apiserver.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,8 +32,11 @@ use hyper::body::Incoming;
 use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use serde::{Deserialize, Serialize};
-use sortie_protocol::driver::{LINK_AUDIENCE, LINK_PATH, LINK_PROTOCOL};
-use tokio::sync::Notify;
+use sha2::{Digest, Sha256};
+use sortie_protocol::driver::{EGRESS_PATH, EGRESS_PROTOCOL, LINK_AUDIENCE, LINK_PATH, LINK_PROTOCOL};
+use tokio::sync::{Notify, Semaphore};
+
+use crate::egress::proxy::EgressProxy;
 
 /// The longest identity token the gateway passes on to the apiserver.
 const TOKEN_MAX_BYTES: usize = 16 * 1024;
@@ -37,6 +46,13 @@ const KEEP_ALIVE: Duration = Duration::from_secs(10);
 const REVIEW_DEADLINE: Duration = Duration::from_secs(5);
 /// The most of a review's answer the gateway reads.
 const REVIEW_MAX_BYTES: usize = 64 * 1024;
+/// How long an accepted token is taken without asking the apiserver again. A pod deleted meanwhile
+/// gains nothing by it: its binding goes with its claim, and a link or egress needs one.
+const REVIEW_CACHE_TTL: Duration = Duration::from_secs(60);
+/// The most accepted tokens remembered; past it the oldest are forgotten.
+const REVIEW_CACHE_MAX: usize = 1024;
+/// The most reviews in flight at once; more wait (up to [`REVIEW_DEADLINE`]) for a turn.
+const REVIEWS_AT_ONCE: usize = 4;
 
 /// Who dialed, as the cluster's apiserver says: the pod the identity token is bound to.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -206,6 +222,99 @@ fn identity_of(status: TokenReviewStatus, sandbox_account: &str) -> Result<Drive
     })
 }
 
+/// [`IdentityCheck`] in front of another that asks it about a token once per [`REVIEW_CACHE_TTL`] at
+/// most, and at most [`REVIEWS_AT_ONCE`] at a time. Only accepted tokens are remembered, by their
+/// SHA-256 (never the token itself); a refused token is asked about again, within the same bound.
+pub struct CachedIdentity {
+    inner: Arc<dyn IdentityCheck>,
+    accepted: std::sync::Mutex<HashMap<[u8; 32], (DriverIdentity, tokio::time::Instant)>>,
+    reviews: Semaphore,
+}
+
+impl CachedIdentity {
+    pub fn new(inner: Arc<dyn IdentityCheck>) -> Self {
+        Self {
+            inner,
+            accepted: std::sync::Mutex::new(HashMap::new()),
+            reviews: Semaphore::new(REVIEWS_AT_ONCE),
+        }
+    }
+
+    fn remembered(&self, key: &[u8; 32]) -> Option<DriverIdentity> {
+        let accepted = self.accepted.lock().unwrap_or_else(|p| p.into_inner());
+        accepted
+            .get(key)
+            .filter(|(_, at)| at.elapsed() < REVIEW_CACHE_TTL)
+            .map(|(identity, _)| identity.clone())
+    }
+
+    fn remember(&self, key: [u8; 32], identity: DriverIdentity) {
+        let mut accepted = self.accepted.lock().unwrap_or_else(|p| p.into_inner());
+        if accepted.len() >= REVIEW_CACHE_MAX {
+            accepted.retain(|_, (_, at)| at.elapsed() < REVIEW_CACHE_TTL);
+        }
+        if accepted.len() >= REVIEW_CACHE_MAX
+            && let Some(oldest) = accepted.iter().min_by_key(|(_, (_, at))| *at).map(|(key, _)| *key)
+        {
+            accepted.remove(&oldest);
+        }
+        accepted.insert(key, (identity, tokio::time::Instant::now()));
+    }
+}
+
+#[async_trait]
+impl IdentityCheck for CachedIdentity {
+    async fn identify(&self, token: &str) -> Result<DriverIdentity, IdentityRefused> {
+        let key: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        if let Some(identity) = self.remembered(&key) {
+            return Ok(identity);
+        }
+        let _turn = tokio::time::timeout(REVIEW_DEADLINE, self.reviews.acquire())
+            .await
+            .map_err(|_| IdentityRefused::Unavailable("too many identity reviews at once".into()))?
+            .map_err(|_| IdentityRefused::Unavailable("the gateway is stopping".into()))?;
+        // Another connection with the same token may have had it reviewed while this one waited.
+        if let Some(identity) = self.remembered(&key) {
+            return Ok(identity);
+        }
+        let identity = self.inner.identify(token).await?;
+        self.remember(key, identity.clone());
+        Ok(identity)
+    }
+}
+
+/// Which session's egress proxy each pod reaches, by pod uid: the worker binds a pod when it has
+/// claimed it for a session and unbinds it when it lets the claim go.
+#[derive(Default)]
+pub struct EgressBindings {
+    proxies: std::sync::Mutex<HashMap<String, Arc<EgressProxy>>>,
+}
+
+impl EgressBindings {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    pub fn bind(&self, pod_uid: &str, proxy: Arc<EgressProxy>) {
+        self.proxies
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(pod_uid.to_owned(), proxy);
+    }
+
+    pub fn unbind(&self, pod_uid: &str) {
+        self.proxies.lock().unwrap_or_else(|p| p.into_inner()).remove(pod_uid);
+    }
+
+    fn get(&self, pod_uid: &str) -> Option<Arc<EgressProxy>> {
+        self.proxies
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(pod_uid)
+            .cloned()
+    }
+}
+
 /// A driver's live link: send it requests of the driver API.
 #[derive(Clone)]
 pub struct DriverLink {
@@ -318,16 +427,22 @@ impl DriverLinks {
     }
 }
 
-/// What the link route needs.
+/// What the link and egress routes need.
 #[derive(Clone)]
 pub struct LinkState {
     pub links: Arc<DriverLinks>,
+    /// Wrap a reviewer in [`CachedIdentity`]: every egress connection is identified.
     pub identity: Arc<dyn IdentityCheck>,
+    pub egress: Arc<EgressBindings>,
 }
 
-/// `GET /v1/drivers/link` (outside bearer auth: the identity token is the credential).
+/// `GET /v1/drivers/link` and `GET /v1/drivers/egress` (outside bearer auth: the identity token is the
+/// credential).
 pub fn link_router(state: LinkState) -> Router {
-    Router::new().route(LINK_PATH, get(accept_link)).with_state(state)
+    Router::new()
+        .route(LINK_PATH, get(accept_link))
+        .route(EGRESS_PATH, get(accept_egress))
+        .with_state(state)
 }
 
 fn refuse(status: StatusCode, why: String) -> Response {
@@ -335,37 +450,89 @@ fn refuse(status: StatusCode, why: String) -> Response {
     (status, why).into_response()
 }
 
-async fn accept_link(State(state): State<LinkState>, mut request: Request) -> Response {
-    let upgrade = request.headers().get(header::UPGRADE).and_then(|v| v.to_str().ok());
-    if upgrade != Some(LINK_PROTOCOL) {
-        return refuse(
+/// Who sent a request with `headers`, which must upgrade to `protocol`: the pod its identity token is bound to, or
+/// the refusal to answer.
+async fn identify(
+    state: &LinkState,
+    headers: &axum::http::HeaderMap,
+    protocol: &str,
+) -> Result<DriverIdentity, Response> {
+    let upgrade = headers.get(header::UPGRADE).and_then(|v| v.to_str().ok());
+    if upgrade != Some(protocol) {
+        return Err(refuse(
             StatusCode::UPGRADE_REQUIRED,
-            format!("a driver link upgrades to {LINK_PROTOCOL}"),
-        );
+            format!("this route upgrades to {protocol}"),
+        ));
     }
-    let token = request
-        .headers()
+    let token = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .filter(|token| !token.is_empty() && token.len() <= TOKEN_MAX_BYTES)
-        .map(str::to_owned);
+        .filter(|token| !token.is_empty() && token.len() <= TOKEN_MAX_BYTES);
     let Some(token) = token else {
-        return refuse(
+        return Err(refuse(
             StatusCode::UNAUTHORIZED,
-            "a driver link needs its identity token".into(),
-        );
+            "a driver's connection needs its identity token".into(),
+        ));
     };
-    let identity = match state.identity.identify(&token).await {
-        Ok(identity) => identity,
+    match state.identity.identify(token).await {
+        Ok(identity) => Ok(identity),
         Err(error @ IdentityRefused::Unavailable(_)) => {
             tracing::warn!(%error, "a driver's identity could not be reviewed");
-            return refuse(StatusCode::SERVICE_UNAVAILABLE, error.to_string());
+            Err(refuse(StatusCode::SERVICE_UNAVAILABLE, error.to_string()))
         }
         Err(error) => {
-            tracing::info!(%error, "a driver link was refused");
-            return refuse(StatusCode::UNAUTHORIZED, error.to_string());
+            tracing::info!(%error, "a driver's connection was refused");
+            Err(refuse(StatusCode::UNAUTHORIZED, error.to_string()))
         }
+    }
+}
+
+fn switching(protocol: &'static str) -> Response {
+    let mut response = StatusCode::SWITCHING_PROTOCOLS.into_response();
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    response
+        .headers_mut()
+        .insert(header::UPGRADE, HeaderValue::from_static(protocol));
+    response
+}
+
+/// One connection of a pod to its session's egress proxy.
+async fn accept_egress(State(state): State<LinkState>, mut request: Request) -> Response {
+    let identity = match identify(&state, request.headers(), EGRESS_PROTOCOL).await {
+        Ok(identity) => identity,
+        Err(refusal) => return refusal,
+    };
+    let Some(proxy) = state.egress.get(&identity.pod_uid) else {
+        metrics::counter!("sortie_egress_decisions_total", "decision" => "unbound").increment(1);
+        return (
+            StatusCode::FORBIDDEN,
+            format!("pod {} serves no session: it has no way out", identity.pod_name),
+        )
+            .into_response();
+    };
+    let Some(admitted) = proxy.admit() else {
+        return (
+            StatusCode::TOO_MANY_REQUESTS,
+            "the sandbox holds its most egress connections",
+        )
+            .into_response();
+    };
+    let on_upgrade = hyper::upgrade::on(&mut request);
+    tokio::spawn(async move {
+        if let Ok(upgraded) = on_upgrade.await {
+            admitted.serve(upgraded).await;
+        }
+    });
+    switching(EGRESS_PROTOCOL)
+}
+
+async fn accept_link(State(state): State<LinkState>, mut request: Request) -> Response {
+    let identity = match identify(&state, request.headers(), LINK_PROTOCOL).await {
+        Ok(identity) => identity,
+        Err(refusal) => return refusal,
     };
     let on_upgrade = hyper::upgrade::on(&mut request);
     let links = state.links.clone();
@@ -393,14 +560,7 @@ async fn accept_link(State(state): State<LinkState>, mut request: Request) -> Re
         links.remove(&link);
         tracing::info!(pod = %link.identity.pod_name, "a driver link ended");
     });
-    let mut response = StatusCode::SWITCHING_PROTOCOLS.into_response();
-    response
-        .headers_mut()
-        .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-    response
-        .headers_mut()
-        .insert(header::UPGRADE, HeaderValue::from_static(LINK_PROTOCOL));
-    response
+    switching(LINK_PROTOCOL)
 }
 
 #[cfg(test)]

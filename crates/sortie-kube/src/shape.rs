@@ -85,6 +85,8 @@ fn pod_spec(shape: &SandboxShape) -> PodSpec {
                 "/home/agent",
                 // The session, its agent and its branch come over the link once the pod is claimed.
                 "--await-assignment",
+                // The pod's only way out: its session's egress proxy, at the gateway it links to.
+                "--egress-over-link",
             ]
             .map(str::to_owned)
             .to_vec(),
@@ -287,7 +289,9 @@ mod tests {
         assert_eq!(token["audience"], LINK_AUDIENCE);
         let command = container["command"].to_string();
         assert!(
-            command.contains("--identity-token-file") && command.contains("--await-assignment"),
+            command.contains("--identity-token-file")
+                && command.contains("--await-assignment")
+                && command.contains("--egress-over-link"),
             "{container:#}"
         );
         assert!(

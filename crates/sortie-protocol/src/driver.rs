@@ -27,6 +27,13 @@ pub const LINK_PATH: &str = "/v1/drivers/link";
 pub const LINK_PROTOCOL: &str = "sortie-driver-link.1";
 /// The audience a driver's identity token is for (a projected service-account token on Kubernetes).
 pub const LINK_AUDIENCE: &str = "sortie-gateway";
+/// A pod's way out (DESIGN §15): each connection its driver's egress relay accepts is carried by a
+/// `GET` here, with the same identity token as the link, upgraded to [`EGRESS_PROTOCOL`]; behind it
+/// is the egress proxy (with the git and model proxies) of the session the pod is bound to.
+pub const EGRESS_PATH: &str = "/v1/drivers/egress";
+/// What an egress connection upgrades to: the bytes of one connection to the egress proxy, as a
+/// sandbox's `egress.sock` carries them on the local runtime.
+pub const EGRESS_PROTOCOL: &str = "sortie-egress.1";
 
 /// The most the host reads of any JSON answer of the driver (a report, the status, a setup outcome).
 pub const ANSWER_MAX_BYTES: usize = 1024 * 1024;

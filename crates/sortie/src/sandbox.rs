@@ -182,7 +182,7 @@ async fn exec_in(scratch: &std::path::Path, args: SandboxExecArgs) -> anyhow::Re
 }
 
 pub async fn relay(args: RelayArgs) -> anyhow::Result<ExitCode> {
-    sortie_driver::relay::start(&args.socket)
+    sortie_driver::relay::start(sortie_driver::relay::Upstream::Socket(args.socket.clone()))
         .await
         .with_context(|| format!("cannot listen on {}", sortie_driver::relay::RELAY_ADDRESS))?;
     let (program, rest) = args.command.split_first().context("no command")?;

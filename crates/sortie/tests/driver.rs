@@ -1176,6 +1176,7 @@ async fn a_pods_driver_dials_the_gateway_and_the_host_runs_turns_over_its_link()
     let gateway = sortie_testkit::http::serve(link_router(LinkState {
         links: links.clone(),
         identity,
+        egress: sortie_gateway::links::EgressBindings::new(),
     }))
     .await;
 

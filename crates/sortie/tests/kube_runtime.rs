@@ -222,6 +222,7 @@ async fn world() -> World {
             sandbox_account: format!("system:serviceaccount:{NAMESPACE}:sandbox"),
             http: support::http_client(),
         }),
+        egress: sortie_gateway::links::EgressBindings::new(),
     }))
     .await;
     let controller = Arc::new(Controller {

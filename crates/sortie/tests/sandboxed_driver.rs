@@ -250,3 +250,163 @@ async fn a_turn_runs_inside_the_sandbox_and_reaches_out_only_through_the_relay()
     let usage = layout.stop(&name).await;
     assert!(usage.cpu_seconds > 0.0, "{usage:?}");
 }
+
+/// A pod's driver, as the Kubernetes runtime runs it, in a real sandbox: generic (`--await-assignment`),
+/// it dials the gateway with its identity token, is assigned its session over that link, and its
+/// agent's only way out is the session's egress proxy at the gateway (`--egress-over-link`) — nothing
+/// while the pod is bound to no session, the allowlist's hosts once it is.
+///
+/// A bwrap sandbox has no network to reach a gateway by, so the gateway serves its link routes on a
+/// socket bound into the sandbox (`--link unix:…`) where a pod dials the cluster's network; the token
+/// file is written by the test where the kubelet would project it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pods_driver_in_a_sandbox_links_is_assigned_and_reaches_out_only_through_its_session() {
+    use sortie_gateway::egress::policy::Cidr;
+    use sortie_gateway::egress::proxy::{EgressProxy, FixedAllowlist, StaticResolver};
+    use sortie_gateway::links::{CachedIdentity, DriverLinks, EgressBindings, KubeTokenReview, LinkState, link_router};
+    use sortie_protocol::driver::{Assignment, LINK_AUDIENCE, StartTurn, TurnState};
+    use sortie_worker::client::DriverClient;
+
+    let layout = Layout::new();
+    let apiserver = sortie_testkit::kube::FakeApiserver::start("gateway-account-token").await;
+    let links = DriverLinks::new();
+    let bindings = EgressBindings::new();
+    let review = KubeTokenReview {
+        apiserver: apiserver.url(),
+        bearer: "gateway-account-token".into(),
+        sandbox_account: "system:serviceaccount:sortie:sandbox".into(),
+        http: support::http_client(),
+    };
+    let router = link_router(LinkState {
+        links: links.clone(),
+        identity: Arc::new(CachedIdentity::new(Arc::new(review))),
+        egress: bindings.clone(),
+    });
+    let link_socket = layout.egress_dir.join("link.sock");
+    let listener = tokio::net::UnixListener::bind(&link_socket).expect("link socket");
+    layout.runtime.grant_socket(&link_socket).expect("grant");
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    // What the session's allowlist lets out: one name, served on the host's loopback.
+    let upstream = sortie_testkit::http::serve(
+        axum::Router::new().route("/check", axum::routing::get(|| async { "answered upstream" })),
+    )
+    .await;
+    let port = upstream.url().rsplit(':').next().expect("port").to_owned();
+
+    let token = apiserver.issue_token("sortie", "sandbox", "pool-a-1", "uid-a", &[LINK_AUDIENCE]);
+    let token_file = layout.home.join("identity-token");
+    std::fs::write(&token_file, &token).expect("token");
+    std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let sortie = layout.bin_dir.join("sortie").display().to_string();
+    let link = format!("unix:{}/link.sock", inside::EGRESS_DIR);
+    let token_inside = format!("{}/identity-token", inside::HOME);
+    let command = [
+        sortie.as_str(),
+        "driver",
+        "--link",
+        &link,
+        "--identity-token-file",
+        &token_inside,
+        "--workspace",
+        inside::WORKSPACE,
+        "--home",
+        inside::HOME,
+        "--await-assignment",
+        "--egress-over-link",
+        "--kill-grace",
+        "1",
+    ];
+    let name = format!("pod-{}", std::process::id());
+    let spec = SandboxSpec {
+        name: name.clone(),
+        workspace: layout.workspace.clone(),
+        home: layout.home.clone(),
+        egress_dir: Some(layout.egress_dir.clone()),
+        read_only: vec![layout.bin_dir.clone()],
+        env: Vec::new(),
+        command: command.iter().map(|s| (*s).to_owned()).collect(),
+        limits: Limits::default(),
+        stdio: SandboxStdio::Null,
+    };
+    layout.runtime.create(spec).await.expect("create");
+    layout.runtime.start(&name).await.expect("start");
+    let linked = links
+        .wait_for("uid-a", Duration::from_secs(30))
+        .await
+        .expect("the sandboxed driver linked");
+    let client = DriverClient::over_link(linked);
+    client
+        .assign(&Assignment {
+            session: "ses_pod".into(),
+            agent: "scripted".into(),
+            model: None,
+            model_proxy: None,
+            branch: None,
+            remote: None,
+            turn_timeout_secs: None,
+        })
+        .await
+        .expect("assigned");
+
+    let fetch = format!(
+        "#!scripted\nrun: python3 -c \"import urllib.request; print(urllib.request.urlopen('http://updates.example.org:{port}/check', timeout=10).read().decode())\"\nsay: done"
+    );
+    let run_turn = |n: u32| {
+        let client = client.clone();
+        let prompt = fetch.clone();
+        async move {
+            client
+                .start_turn(&StartTurn {
+                    n,
+                    nonce: format!("nonce-{n}"),
+                    prompt,
+                    baseline: None,
+                    priming_context: None,
+                })
+                .await
+                .expect("start");
+            let body = client.stream(n, None).await.expect("stream");
+            let bytes = tokio::time::timeout(Duration::from_secs(60), http_body_util::BodyExt::collect(body))
+                .await
+                .expect("the stream ends")
+                .expect("body")
+                .to_bytes();
+            let report = client.report(n).await.expect("report");
+            assert_eq!(report.state, TurnState::Completed, "{report:?}");
+            let stream = String::from_utf8_lossy(&bytes).into_owned();
+            chunks(&stream)
+                .into_iter()
+                .filter(|c| c["type"] == "tool-output-available" || c["type"] == "tool-output-error")
+                .map(|c| c.to_string())
+                .collect::<String>()
+        }
+    };
+
+    // Bound to no session yet: the gateway refuses the pod's connection, and the fetch fails.
+    let said = run_turn(1).await;
+    assert!(
+        !said.contains("answered upstream"),
+        "an unbound pod reached out: {said}"
+    );
+    assert!(said.contains("Error") || said.contains("error"), "{said}");
+
+    let names =
+        std::collections::HashMap::from([("updates.example.org".to_owned(), vec!["127.0.0.1".parse().expect("ip")])]);
+    let proxy = EgressProxy::new(
+        FixedAllowlist::new(vec!["updates.example.org".into()]),
+        vec![Cidr::parse("127.0.0.1/32").expect("cidr")],
+        Arc::new(StaticResolver(names)),
+        None,
+        None,
+    );
+    bindings.bind("uid-a", proxy);
+    let said = run_turn(2).await;
+    assert!(
+        said.contains("answered upstream"),
+        "the session's egress carried the agent's request: {said}"
+    );
+    layout.runtime.stop(&name, Duration::from_secs(2)).await.expect("stop");
+    layout.runtime.destroy(&name).await.expect("destroy");
+}

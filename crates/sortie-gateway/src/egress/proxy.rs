@@ -30,7 +30,7 @@ use axum::http::{HeaderValue, Method, Request, Response, StatusCode, Uri, header
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpStream, UnixListener, UnixStream};
+use tokio::net::{TcpStream, UnixListener};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower::ServiceExt;
 
@@ -336,11 +336,32 @@ impl EgressProxy {
                 _sandbox: sandbox,
                 _host: host,
             });
-            tokio::spawn(self.clone().serve_connection(stream, slot));
+            tokio::spawn(self.clone().serve_connection(TokioIo::new(stream), slot));
         }
     }
 
-    async fn serve_connection(self: Arc<Self>, stream: UnixStream, slot: Arc<ConnectionSlot>) {
+    /// A connection that reached the proxy another way than its socket (a pod's, carried over an
+    /// upgraded request): its slots now, or `None` at once when the sandbox holds its most
+    /// connections or the host its budget — nothing waits for a slot holding a connection open.
+    pub fn admit(self: &Arc<Self>) -> Option<Admitted> {
+        let sandbox = self.connections.clone().try_acquire_owned().ok()?;
+        let host = match &self.limits.host_connections {
+            Some(host) => Some(host.0.clone().try_acquire_owned().ok()?),
+            None => None,
+        };
+        Some(Admitted {
+            proxy: self.clone(),
+            slot: Arc::new(ConnectionSlot {
+                _sandbox: sandbox,
+                _host: host,
+            }),
+        })
+    }
+
+    async fn serve_connection<I>(self: Arc<Self>, io: I, slot: Arc<ConnectionSlot>)
+    where
+        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    {
         let header_read_timeout = self.limits.header_read_timeout;
         let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
             let proxy = self.clone();
@@ -351,7 +372,7 @@ impl EgressProxy {
         let _ = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(header_read_timeout)
-            .serve_connection(TokioIo::new(stream), service)
+            .serve_connection(io, service)
             .with_upgrades()
             .await;
     }
@@ -543,6 +564,22 @@ impl EgressProxy {
             Ok(response) => response.map(Body::new),
             Err(_) => text(StatusCode::BAD_GATEWAY, "sortie: the upstream closed the connection"),
         }
+    }
+}
+
+/// A connection admitted by [`EgressProxy::admit`], holding its slots until it ends.
+pub struct Admitted {
+    proxy: Arc<EgressProxy>,
+    slot: Arc<ConnectionSlot>,
+}
+
+impl Admitted {
+    /// Serves the connection as one from the proxy's socket.
+    pub async fn serve<I>(self, io: I)
+    where
+        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    {
+        self.proxy.serve_connection(io, self.slot).await;
     }
 }
 
