@@ -150,6 +150,16 @@ pub struct TemplateNetworkPolicy {
 pub struct SandboxWarmPoolSpec {
     pub replicas: i32,
     pub sandbox_template_ref: NameRef,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub update_strategy: Option<WarmPoolUpdateStrategy>,
+}
+
+/// How a pool's ready pods follow a change of their template: `Recreate` (replaced at once) or
+/// `OnReplenish` (the controller's default: only pods made later follow it).
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+pub struct WarmPoolUpdateStrategy {
+    #[serde(rename = "type")]
+    pub type_: String,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]

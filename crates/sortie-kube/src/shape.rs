@@ -19,6 +19,7 @@ use sortie_protocol::driver::LINK_AUDIENCE;
 
 use crate::crd::{
     NameRef, SandboxTemplate, SandboxTemplateSpec, SandboxWarmPool, SandboxWarmPoolSpec, TemplateNetworkPolicy,
+    WarmPoolUpdateStrategy,
 };
 
 /// Where the pod's identity token is mounted.
@@ -244,6 +245,11 @@ pub fn warm_pool(shape: &SandboxShape) -> SandboxWarmPool {
             sandbox_template_ref: NameRef {
                 name: shape.name.clone(),
             },
+            // A new image (a fixed agent, a security patch) reaches the next session, not after the
+            // pods made with the old one were all claimed first.
+            update_strategy: Some(WarmPoolUpdateStrategy {
+                type_: "Recreate".into(),
+            }),
         },
     );
     pool.metadata.labels = Some(labels(shape));
@@ -306,5 +312,6 @@ mod tests {
         let pool = serde_json::to_value(warm_pool(&shape())).expect("json");
         assert_eq!(pool["spec"]["replicas"], 3);
         assert_eq!(pool["spec"]["sandboxTemplateRef"]["name"], "claude-small");
+        assert_eq!(pool["spec"]["updateStrategy"]["type"], "Recreate");
     }
 }
