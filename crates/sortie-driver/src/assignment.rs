@@ -11,7 +11,7 @@ use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use sortie_protocol::driver::{Assignment, DriverErrorCode};
+use sortie_protocol::driver::{Assignment, Checkout, DriverErrorCode};
 use tower::ServiceExt;
 
 use crate::driver::Driver;
@@ -65,6 +65,15 @@ async fn assign(State(state): State<Awaiting>, body: Bytes) -> Response {
     }
     let mut settings = state.settings.clone();
     settings.apply(&assignment);
+    if let Some(checkout) = &assignment.checkout
+        && let Err(why) = check_out(&settings, checkout).await
+    {
+        return crate::api::refuse(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            DriverErrorCode::InvalidRequest,
+            format!("the workspace could not be cloned: {why}"),
+        );
+    }
     let config = match settings.resolve().await {
         Ok(config) => config,
         Err(error) => {
@@ -80,6 +89,34 @@ async fn assign(State(state): State<Awaiting>, body: Bytes) -> Response {
     tracing::info!(session = %assignment.session, agent = %assignment.agent, "assigned");
     *assigned = Some((assignment, crate::api::router(driver)));
     StatusCode::OK.into_response()
+}
+
+/// Makes the pod's workspace: the session's repository through its git proxy, its branch at the
+/// commit the host named. A workspace that has a repository already is left as it is.
+async fn check_out(settings: &DriverSettings, checkout: &Checkout) -> Result<(), String> {
+    if !sortie_protocol::driver::is_commit_id(&checkout.commit) {
+        return Err(format!("{:?} is not a full commit id", checkout.commit));
+    }
+    let Some(branch) = settings.branch.as_deref() else {
+        return Err("the assignment names no branch".into());
+    };
+    if settings.workspace.join(".git").exists() {
+        return Ok(());
+    }
+    let git = crate::delivery::Git {
+        workspace: settings.workspace.clone(),
+        env: vec![
+            ("HOME".into(), settings.home.display().to_string()),
+            (
+                "PATH".into(),
+                std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into()),
+            ),
+        ],
+        timeout: crate::delivery::GIT_TIMEOUT,
+    };
+    git.checkout(&checkout.url, &checkout.commit, branch)
+        .await
+        .map_err(|error| error.to_string())
 }
 
 async fn forward(State(state): State<Awaiting>, request: Request) -> Response {

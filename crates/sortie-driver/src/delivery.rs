@@ -395,6 +395,16 @@ impl Git {
         Ok(String::from_utf8_lossy(&ran.stdout).trim().to_owned())
     }
 
+    /// Clones `url` into the empty workspace and starts `branch` at `commit` there (a pod's workspace,
+    /// made at its assignment).
+    pub async fn checkout(&self, url: &str, commit: &str, branch: &str) -> Result<(), GitError> {
+        self.output("clone", &["clone", "--quiet", "--no-checkout", url, "."])
+            .await?;
+        self.output("checkout", &["checkout", "--quiet", "--no-track", "-B", branch, commit])
+            .await?;
+        Ok(())
+    }
+
     /// The commit HEAD points at, `None` on an unborn branch.
     pub async fn head(&self) -> Result<Option<String>, GitError> {
         let ran = self

@@ -144,6 +144,13 @@ impl DriverSettings {
             && self.await_assignment
         {
             let target = crate::link::LinkTarget::new(url, token_file).map_err(refused)?;
+            if self.egress_over_link {
+                // Up before the assignment: the workspace is cloned through it (a pod bound to no
+                // session yet reaches nothing).
+                crate::relay::start(crate::relay::Upstream::Link(target.clone()))
+                    .await
+                    .map_err(failed(format!("cannot listen on {}", crate::relay::RELAY_ADDRESS)))?;
+            }
             let (router, driver) = crate::assignment::router(self.clone());
             crate::link::serve(target, router, shutdown).await;
             let driver = driver.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -236,10 +243,14 @@ impl DriverSettings {
             )),
             _ => None,
         };
+        // An assigned pod's relay runs already (`serve` started it before the assignment).
+        let running = self.await_assignment && self.egress_over_link;
         if let Some(upstream) = upstream {
-            crate::relay::start(upstream)
-                .await
-                .map_err(failed(format!("cannot listen on {}", crate::relay::RELAY_ADDRESS)))?;
+            if !running {
+                crate::relay::start(upstream)
+                    .await
+                    .map_err(failed(format!("cannot listen on {}", crate::relay::RELAY_ADDRESS)))?;
+            }
             env.extend(crate::relay::proxy_env(crate::relay::RELAY_ADDRESS));
         }
         Ok(DriverConfig {

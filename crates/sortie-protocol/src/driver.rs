@@ -289,6 +289,21 @@ pub struct Assignment {
     pub remote: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub turn_timeout_secs: Option<u64>,
+    /// The workspace to make before the agent starts (a pod's is empty until it is assigned).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkout: Option<Checkout>,
+}
+
+/// A generic pod's workspace, cloned at its assignment through the session's git proxy, with the
+/// session's branch (the assignment's `branch`) started at a commit the host resolved itself.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Checkout {
+    /// The session's repository at its git proxy, e.g. `http://127.0.0.1:3128/_sortie/git/<session>.git`;
+    /// it stays the workspace's `origin`.
+    pub url: String,
+    /// The full commit id the branch starts at.
+    pub commit: String,
 }
 
 /// `POST /setup`: the setup script, run to its end between turns.

@@ -353,6 +353,7 @@ async fn a_session_gets_a_warm_pod_or_a_cold_one_and_its_own_pods_driver() {
         branch: None,
         remote: None,
         turn_timeout_secs: Some(60),
+        checkout: None,
     };
     client.assign(&assignment).await.expect("assigned");
     client

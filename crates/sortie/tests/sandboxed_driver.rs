@@ -346,6 +346,7 @@ async fn a_pods_driver_in_a_sandbox_links_is_assigned_and_reaches_out_only_throu
             branch: None,
             remote: None,
             turn_timeout_secs: None,
+            checkout: None,
         })
         .await
         .expect("assigned");
