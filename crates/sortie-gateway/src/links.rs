@@ -196,7 +196,7 @@ impl IdentityCheck for KubeTokenReview {
 }
 
 /// What a review says, checked: authenticated, for our audience, the sandboxes' account, bound to a pod.
-fn identity_of(status: TokenReviewStatus, sandbox_account: &str) -> Result<DriverIdentity, IdentityRefused> {
+pub fn identity_of(status: TokenReviewStatus, sandbox_account: &str) -> Result<DriverIdentity, IdentityRefused> {
     if !status.authenticated {
         return Err(IdentityRefused::NotAuthenticated(
             status.error.unwrap_or_else(|| "not authenticated".into()),

@@ -8,6 +8,8 @@
 //! session on the driver's word, and never wait on the cluster without a deadline.
 
 pub mod crd;
+pub mod identity;
 pub mod runtime;
+pub mod settings;
 pub mod shape;
 pub mod status;

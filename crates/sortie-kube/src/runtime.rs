@@ -347,6 +347,36 @@ impl KubeSandboxes {
     }
 }
 
+/// The worker's pods are claims: [`KubeSandboxes`] is where `sortie_worker::pods::Pods` gets them.
+#[async_trait::async_trait]
+impl sortie_worker::pods::PodSource for KubeSandboxes {
+    async fn claim(
+        &self,
+        session: &SessionId,
+    ) -> Result<sortie_worker::pods::ClaimedPod, sortie_worker::pods::PodFailure> {
+        let claimed = KubeSandboxes::claim(self, session)
+            .await
+            .map_err(|failure| (failure.code, failure.reason))?;
+        Ok(sortie_worker::pods::ClaimedPod {
+            pod_name: claimed.pod_name,
+            pod_uid: claimed.pod_uid,
+            ready_after: claimed.ready_after,
+            linked_after: claimed.linked_after,
+        })
+    }
+
+    async fn lost(&self, session: &SessionId) -> sortie_worker::pods::PodFailure {
+        let failure = KubeSandboxes::lost(self, session).await;
+        (failure.code, failure.reason)
+    }
+
+    async fn release(&self, session: &SessionId) -> Result<(), String> {
+        KubeSandboxes::release(self, session)
+            .await
+            .map_err(|error| error.to_string())
+    }
+}
+
 /// The uid of the object's controller (the owner reference marked `controller`), if it has one.
 fn controller_uid(metadata: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Option<&str> {
     metadata

@@ -55,7 +55,12 @@ enum Transport {
     Socket(PathBuf),
     /// The link the driver dialed to the gateway.
     Link(sortie_gateway::links::DriverLink),
+    /// Whichever link the pod with this uid holds now: a driver whose link broke dials again.
+    Pod(std::sync::Arc<sortie_gateway::links::DriverLinks>, String),
 }
+
+/// How long a request waits for a pod's driver to dial again after its link broke.
+const RELINK_DEADLINE: Duration = Duration::from_secs(5);
 
 #[derive(Clone)]
 pub struct DriverClient {
@@ -82,11 +87,19 @@ impl DriverClient {
         }
     }
 
+    /// A client of the driver of the pod with uid `pod_uid`, over whichever link it holds.
+    pub fn of_pod(links: std::sync::Arc<sortie_gateway::links::DriverLinks>, pod_uid: String) -> Self {
+        Self {
+            transport: Transport::Pod(links, pod_uid),
+        }
+    }
+
     /// Where the driver is, for messages.
     fn place(&self) -> String {
         match &self.transport {
             Transport::Socket(socket) => socket.display().to_string(),
             Transport::Link(link) => format!("the link of pod {}", link.identity.pod_name),
+            Transport::Pod(_, uid) => format!("the link of pod uid {uid}"),
         }
     }
 
@@ -107,6 +120,14 @@ impl DriverClient {
             }
             // HTTP/2 names its target in full.
             Transport::Link(link) => {
+                let request = Self::request(method, &format!("http://driver{path}"), body)?;
+                link.send(request).await.map_err(|e| unreachable(&e))?
+            }
+            Transport::Pod(links, uid) => {
+                let link = links
+                    .wait_for(uid, RELINK_DEADLINE)
+                    .await
+                    .ok_or_else(|| unreachable(&"the pod's driver has no link"))?;
                 let request = Self::request(method, &format!("http://driver{path}"), body)?;
                 link.send(request).await.map_err(|e| unreachable(&e))?
             }

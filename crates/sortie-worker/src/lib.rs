@@ -12,6 +12,7 @@ pub mod client;
 pub mod git_proxy;
 pub mod host;
 pub mod meter;
+pub mod pods;
 pub mod prepare;
 pub mod priming;
 pub mod pull_request;
@@ -146,6 +147,8 @@ pub(crate) struct Context {
     pub config: WorkerConfig,
     pub store: Arc<dyn Store>,
     pub runtime: Arc<dyn SandboxRuntime>,
+    /// The runtime again when it is pods (`--runtime kubernetes`): sandboxes are claimed, not made.
+    pub pods: Option<Arc<pods::Pods>>,
     /// The host's live copy of every running turn (what attach serves).
     pub feeds: Arc<Feeds>,
     /// One mirror fetch at a time per repository.
@@ -191,7 +194,21 @@ struct Adopted {
 }
 
 impl Worker {
-    pub fn new(mut config: WorkerConfig, store: Arc<dyn Store>, runtime: Arc<dyn SandboxRuntime>) -> Self {
+    pub fn new(config: WorkerConfig, store: Arc<dyn Store>, runtime: Arc<dyn SandboxRuntime>) -> Self {
+        Self::with_runtime(config, store, runtime, None)
+    }
+
+    /// A worker whose sandboxes are pods claimed from a cluster.
+    pub fn on_pods(config: WorkerConfig, store: Arc<dyn Store>, pods: Arc<pods::Pods>) -> Self {
+        Self::with_runtime(config, store, pods.clone(), Some(pods))
+    }
+
+    fn with_runtime(
+        mut config: WorkerConfig,
+        store: Arc<dyn Store>,
+        runtime: Arc<dyn SandboxRuntime>,
+        pods: Option<Arc<pods::Pods>>,
+    ) -> Self {
         if config.forge_http.is_none() {
             config.forge_http = sortie_gateway::git::http::forge_client(&Default::default())
                 .inspect_err(|error| tracing::error!(%error, "forges cannot be reached"))
@@ -202,6 +219,7 @@ impl Worker {
                 config,
                 store,
                 runtime,
+                pods,
                 feeds: Feeds::new(),
                 mirror_locks: tokio::sync::Mutex::new(HashMap::new()),
             }),

@@ -271,6 +271,29 @@ pub async fn ensure_mirror(
 /// Clones the session's workspace from the mirror unless it exists (a hibernated or retried session
 /// keeps it). A new workspace answers the commit it starts from, as the host's git read it from the
 /// mirror (the base the first delivery is counted against).
+/// The commit a session starts at, resolved in the host's own mirror: the tip of branch `base`, or of
+/// the repository's default branch. A pod's workspace is checked out at it (the pod is not asked).
+pub async fn start_commit(binary: &Path, mirror: &Path, base: Option<&str>) -> Result<String, PrepareError> {
+    let start = match base {
+        Some(base) => format!("refs/heads/{base}^{{commit}}"),
+        None => "HEAD^{commit}".to_owned(),
+    };
+    git(
+        binary,
+        Some(mirror),
+        &["rev-parse", "--verify", "--quiet", &start],
+        LOCAL_DEADLINE,
+    )
+    .await
+    .map(|commit| commit.trim().to_owned())
+    .map_err(|_| {
+        PrepareError(match base {
+            Some(base) => format!("the repository has no branch {base:?} to start from"),
+            None => "the repository has no default branch with a commit to start from".to_owned(),
+        })
+    })
+}
+
 pub async fn ensure_workspace(
     binary: &Path,
     mirror: &Path,

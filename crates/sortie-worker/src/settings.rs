@@ -208,6 +208,35 @@ impl WorkerSettings {
             exe = bin.join("sortie");
         }
 
+        let config = self.config(data_dir, work_dir, exe, keyring)?;
+        Ok(Worker::new(config, store, Arc::new(runtime)))
+    }
+
+    /// The worker these settings describe, its sandboxes pods claimed through `pods`
+    /// (`--runtime kubernetes`): no root, no bubblewrap; its work dir holds the mirrors and the git
+    /// proxies' state only.
+    pub fn resolve_on_pods(
+        &self,
+        data_dir: &Path,
+        store: Arc<dyn Store>,
+        keyring: Arc<KeyRing>,
+        pods: Arc<crate::pods::Pods>,
+    ) -> Result<Worker, SettingsError> {
+        let work_dir = self.work_dir(data_dir);
+        std::fs::create_dir_all(&work_dir).map_err(io(format!("cannot create {}", work_dir.display())))?;
+        // No sandbox binds anything of this host: the binary is the pods' image's.
+        let exe = PathBuf::from("sortie");
+        let config = self.config(data_dir, work_dir, exe, keyring)?;
+        Ok(Worker::on_pods(config, store, pods))
+    }
+
+    fn config(
+        &self,
+        data_dir: &Path,
+        work_dir: PathBuf,
+        exe: PathBuf,
+        keyring: Arc<KeyRing>,
+    ) -> Result<WorkerConfig, SettingsError> {
         let mut config = WorkerConfig::new(work_dir, exe);
         config.sandboxes_per_workspace = self.sandboxes_per_workspace.max(1);
         config.turn_timeout = Duration::from_secs(self.turn_timeout.max(1));
@@ -234,7 +263,7 @@ impl WorkerSettings {
         if let Some(table) = self.egress_table()? {
             config.resolver = Arc::new(TableFirst(table));
         }
-        Ok(Worker::new(config, store, Arc::new(runtime)))
+        Ok(config)
     }
 
     /// The local runtime: bwrap and setpriv as the operator's PATH names them, sandboxes kept by this

@@ -43,9 +43,9 @@ pub struct ClientArgs {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the server: api role with an embedded SQLite store by default.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Run the in-sandbox driver: an agent behind a local HTTP API on a Unix socket.
-    Driver(sortie_driver::launch::DriverSettings),
+    Driver(Box<sortie_driver::launch::DriverSettings>),
     /// Local sandboxes (bubblewrap).
     #[command(subcommand)]
     Sandbox(SandboxCommand),
@@ -202,6 +202,8 @@ pub struct ServeArgs {
     pub webhook_exempt: Vec<String>,
     #[command(flatten)]
     pub worker: sortie_worker::WorkerSettings,
+    #[command(flatten)]
+    pub kube: sortie_kube::settings::KubeSettings,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

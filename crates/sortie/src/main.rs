@@ -39,8 +39,8 @@ fn main() -> ExitCode {
     };
     let outcome = runtime.block_on(async move {
         match cli.command {
-            Command::Serve(args) => serve::serve(cli.client, args).await,
-            Command::Driver(args) => driver::run(args).await,
+            Command::Serve(args) => serve::serve(cli.client, *args).await,
+            Command::Driver(args) => driver::run(*args).await,
             Command::Sandbox(command) => sandbox::run(command).await,
             Command::Relay(args) => sandbox::relay(args).await,
             Command::ScriptedAgent => scripted_agent().await,

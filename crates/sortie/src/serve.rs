@@ -84,31 +84,57 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
     bootstrap::check_keyring(store.as_ref(), &keyring, env::KEYRING_KEY).await?;
     let keyring = Arc::new(keyring);
     let roles = args.roles.clone();
-    let mut worker = if roles.contains(&ServeRole::Worker) {
+    let runs_worker = roles.contains(&ServeRole::Worker);
+    if args.worker.feed_listen.is_some() && !runs_worker {
+        anyhow::bail!("--feed-listen is the worker's: serve it with --roles worker");
+    }
+    // The worker's feed listener, for gateways on other hosts (and, on Kubernetes, for its pods).
+    let feed_listener = match (runs_worker, args.worker.feed_listen) {
+        (true, Some(listen)) => {
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("cannot listen on --feed-listen {listen}"))?;
+            let bound = listener.local_addr().context("the feed listener has no address")?;
+            let url = args.worker.advertised_feed(bound)?;
+            Some((listener, bound, url))
+        }
+        _ => None,
+    };
+    let mut pod_links = None;
+    let mut worker = if !runs_worker {
+        None
+    } else if args.kube.is_kubernetes() {
+        let Some((_, bound, url)) = &feed_listener else {
+            anyhow::bail!(
+                "--runtime kubernetes needs --feed-listen and --feed-url: the sandbox pods dial the worker there"
+            );
+        };
+        let cluster = args.kube.connect(&url.to_string(), bound.port()).await?;
+        tracing::info!(namespace = %cluster.namespace, pool = %cluster.pool, "sandboxes are pods");
+        pod_links = Some(cluster.links);
+        Some(
+            args.worker
+                .resolve_on_pods(&data_dir, store.clone(), keyring.clone(), cluster.pods)?,
+        )
+    } else {
         if work_dir.starts_with(&data_dir) && nix::unistd::geteuid().is_root() {
             open_data_dir_to_sandboxes(&data_dir)?;
         }
         let exe = std::env::current_exe().context("cannot find the sortie binary")?;
         Some(args.worker.resolve(&data_dir, exe, store.clone(), keyring.clone())?)
-    } else {
-        None
     };
-    // The worker's feed for gateways on other hosts, with its /metrics and /healthz.
-    let feed = match (&mut worker, args.worker.feed_listen) {
-        (Some(worker), Some(listen)) => {
-            let listener = tokio::net::TcpListener::bind(listen)
-                .await
-                .with_context(|| format!("cannot listen on --feed-listen {listen}"))?;
-            let url = args
-                .worker
-                .advertised_feed(listener.local_addr().context("the feed listener has no address")?)?;
+    // The worker's feed, with its /metrics and /healthz, and its pods' links and egress.
+    let feed = match (&mut worker, feed_listener) {
+        (Some(worker), Some((listener, _, url))) => {
             worker.advertise_feed(&url);
-            let router = worker
+            let mut router = worker
                 .feed_router(Arc::from(ticket_secret.expose()))
                 .merge(sortie_server::operations_router());
+            if let Some(links) = pod_links {
+                router = router.merge(sortie_gateway::links::link_router(links));
+            }
             Some((listener, router, url))
         }
-        (None, Some(_)) => anyhow::bail!("--feed-listen is the worker's: serve it with --roles worker"),
         _ => None,
     };
     // Any gateway serves any live tail: this process's worker, a worker beside it on this host, or the

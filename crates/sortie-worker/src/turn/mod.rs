@@ -9,6 +9,7 @@
 
 mod deliver;
 mod lost;
+mod pod;
 mod provision;
 mod proxy;
 mod sandbox;
@@ -89,7 +90,7 @@ pub(crate) async fn run(
     let fresh = sandbox.is_none();
     let sandbox = match sandbox {
         Some(sandbox) => sandbox,
-        None => match provision::provision(context, &session, &mut timings).await {
+        None => match provisioned(context, &session, &mut timings).await {
             Ok(sandbox) => sandbox,
             Err(failure) => {
                 tracing::warn!(session = %session.id, reason = %failure.1, "provisioning failed");
@@ -134,6 +135,18 @@ pub(crate) async fn run(
         return None;
     }
     run_agent_turn(context, &session, &turn, sandbox, fresh, timings).await
+}
+
+/// A new sandbox for the session: a claimed pod, or a local one.
+async fn provisioned(
+    context: &Arc<Context>,
+    session: &SessionRow,
+    timings: &mut BTreeMap<String, u64>,
+) -> Result<SandboxHandle, Failure> {
+    match &context.pods {
+        Some(pods) => pod::provision(context, pods, session, timings).await,
+        None => provision::provision(context, session, timings).await,
+    }
 }
 
 /// Ends a resume without a prompt whose sandbox could not be made (no turn to end): the session fails.

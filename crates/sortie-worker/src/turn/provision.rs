@@ -64,16 +64,7 @@ pub(super) async fn provision(
     let (upstream, forge_auth) = session_upstream(context, session).await?;
 
     let clock = Instant::now();
-    let mirrors = config.work_dir.join("mirrors");
-    let mirror = {
-        let lock = context
-            .mirror_lock(&prepare::mirror_path(&mirrors, &session.repo))
-            .await;
-        let _held = lock.lock().await;
-        prepare::ensure_mirror(&config.git_binary, &mirrors, &session.repo, forge_auth.as_ref())
-            .await
-            .map_err(|e| (FailureCode::CloneFailed, e.0))?
-    };
+    let mirror = session_mirror(context, session, forge_auth.as_ref()).await?;
     std::fs::create_dir_all(&dirs.root)
         .map_err(|e| start_failed(format!("cannot create {}: {e}", dirs.root.display())))?;
     mount_disk(context, &dirs).await?;
@@ -230,6 +221,37 @@ pub(super) async fn provision(
     timings.insert("sandbox".into(), ms(clock));
 
     let clock = Instant::now();
+    run_setup(context, session, &handle).await?;
+    timings.insert("setup".into(), ms(clock));
+    Ok(handle)
+}
+
+/// The host's mirror of the session's repository, fetched now (one fetch at a time per repository).
+pub(super) async fn session_mirror(
+    context: &Arc<Context>,
+    session: &SessionRow,
+    forge_auth: Option<&prepare::ForgeAuth>,
+) -> Result<PathBuf, Failure> {
+    let config = &context.config;
+    let mirrors = config.work_dir.join("mirrors");
+    let lock = context
+        .mirror_lock(&prepare::mirror_path(&mirrors, &session.repo))
+        .await;
+    let _held = lock.lock().await;
+    prepare::ensure_mirror(&config.git_binary, &mirrors, &session.repo, forge_auth)
+        .await
+        .map_err(|e| (FailureCode::CloneFailed, e.0))
+}
+
+/// Runs the session's setup script in its new sandbox, then closes the setup phase's allowlist; a
+/// setup that fails destroys the sandbox.
+pub(super) async fn run_setup(
+    context: &Arc<Context>,
+    session: &SessionRow,
+    handle: &SandboxHandle,
+) -> Result<(), Failure> {
+    let config = &context.config;
+    let driver = handle.driver();
     let script = session.setup.as_deref().unwrap_or(DEFAULT_SETUP);
     let setup = driver.setup(script, config.setup_timeout).await;
     let setup = setup.map(|mut outcome| {
@@ -257,12 +279,11 @@ pub(super) async fn provision(
         Err(error) => Some(format!("the setup script could not run: {error}")),
     };
     if let Some(reason) = failure {
-        destroy(context, &session.id, &handle).await;
+        destroy(context, &session.id, handle).await;
         return Err((FailureCode::SetupFailed, reason));
     }
     handle.0.proxy.allowlist.end_setup();
-    timings.insert("setup".into(), ms(clock));
-    Ok(handle)
+    Ok(())
 }
 
 /// Binds the driver's listening socket at its host path (a stale one of an earlier sandbox is

@@ -119,18 +119,41 @@ pub(super) struct SandboxProxy {
     pub pushes: Arc<PushRecords>,
     /// Object stores the host trusts for the session's delivered history (for its diff stat).
     pub trusted_objects: Vec<PathBuf>,
-    pub task: tokio::task::JoinHandle<()>,
+    /// The proxy itself: served on `egress.sock`, or bound to a pod's uid.
+    pub egress: Arc<EgressProxy>,
+    /// What serves `egress.sock` (a local sandbox's).
+    pub task: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// The proxy stops with the last holder of its sandbox (or with a provisioning that gave up on it).
 impl Drop for SandboxProxy {
     fn drop(&mut self) {
-        self.task.abort();
+        if let Some(task) = &self.task {
+            task.abort();
+        }
     }
 }
 
 /// Serves the session's egress proxy (with its git and model proxies) on its `egress.sock`.
 pub(super) fn serve_proxy(
+    context: &Arc<Context>,
+    session: &SessionRow,
+    dirs: &SessionDirs,
+    upstream: Upstream,
+    current: &Arc<CurrentTurn>,
+) -> Result<SandboxProxy, Failure> {
+    let mut proxy = build_proxy(context, session, dirs, upstream, current)?;
+    let egress_socket = dirs.egress_socket();
+    let _ = std::fs::remove_file(&egress_socket);
+    let listener = tokio::net::UnixListener::bind(&egress_socket)
+        .map_err(|e| start_failed(format!("cannot listen on {}: {e}", egress_socket.display())))?;
+    context.runtime.grant_socket(&egress_socket).map_err(start_failed)?;
+    proxy.task = Some(tokio::spawn(proxy.egress.clone().serve(listener)));
+    Ok(proxy)
+}
+
+/// The session's egress proxy with its git and model proxies, not yet served anywhere.
+pub(super) fn build_proxy(
     context: &Arc<Context>,
     session: &SessionRow,
     dirs: &SessionDirs,
@@ -182,19 +205,14 @@ pub(super) fn serve_proxy(
         Some(git_routes.merge(model_routes)),
         Some(report_denials(current.clone())),
     );
-    let egress_socket = dirs.egress_socket();
-    let _ = std::fs::remove_file(&egress_socket);
-    let listener = tokio::net::UnixListener::bind(&egress_socket)
-        .map_err(|e| start_failed(format!("cannot listen on {}: {e}", egress_socket.display())))?;
-    context.runtime.grant_socket(&egress_socket).map_err(start_failed)?;
-    let proxy_task = tokio::spawn(proxy.serve(listener));
     Ok(SandboxProxy {
         allowlist,
         meter,
         upstream,
         pushes,
         trusted_objects,
-        task: proxy_task,
+        egress: proxy,
+        task: None,
     })
 }
 

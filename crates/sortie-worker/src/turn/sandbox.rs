@@ -24,17 +24,33 @@ pub(super) struct HandleInner {
     pub(super) dirs: SessionDirs,
     /// The running turn's transcript, for the parts of sortie's own its proxies report.
     pub(super) current: Arc<CurrentTurn>,
-    /// What serves its `egress.sock`: allowlist, model meter, git upstream and push record.
+    /// What serves its `egress.sock` (or a pod's egress): allowlist, model meter, git upstream and push
+    /// record.
     pub(super) proxy: SandboxProxy,
+    /// Its driver, on the socket the host made or over the pod's link.
+    pub(super) driver: DriverClient,
 }
 
 impl SandboxHandle {
+    /// A local sandbox, its driver on the host's socket in `dirs`.
     pub(super) fn new(name: String, dirs: SessionDirs, current: Arc<CurrentTurn>, proxy: SandboxProxy) -> Self {
+        let driver = DriverClient::new(dirs.driver_socket());
+        Self::with_driver(name, dirs, current, proxy, driver)
+    }
+
+    pub(super) fn with_driver(
+        name: String,
+        dirs: SessionDirs,
+        current: Arc<CurrentTurn>,
+        proxy: SandboxProxy,
+        driver: DriverClient,
+    ) -> Self {
         Self(Arc::new(HandleInner {
             name,
             dirs,
             current,
             proxy,
+            driver,
         }))
     }
 
@@ -43,14 +59,16 @@ impl SandboxHandle {
     }
 
     pub(super) fn driver(&self) -> DriverClient {
-        DriverClient::new(self.0.dirs.driver_socket())
+        self.0.driver.clone()
     }
 }
 
 /// Kills every process of the sandbox, stops its proxy and forgets it; the session's directories stay.
 pub(crate) async fn destroy(context: &Arc<Context>, session_id: &SessionId, sandbox: &SandboxHandle) {
     sandbox.0.current.set(None);
-    sandbox.0.proxy.task.abort();
+    if let Some(task) = &sandbox.0.proxy.task {
+        task.abort();
+    }
     match context.runtime.destroy(sandbox.name()).await {
         Ok(usage) => {
             let turn = context

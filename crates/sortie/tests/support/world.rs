@@ -69,6 +69,8 @@ pub struct World {
     pub data_dir: PathBuf,
     pub server: Option<Server>,
     pub extra: Vec<String>,
+    /// Environment of the server, besides the test's own.
+    pub environment: Vec<(String, String)>,
     pub database_url: Option<String>,
     pub token: String,
     pub http: reqwest::Client,
@@ -80,6 +82,14 @@ impl World {
     }
 
     pub fn start_on(extra: &[&str], database: Option<&sortie_store::testing::TestDatabase>) -> World {
+        Self::start_with_env(extra, &[], database)
+    }
+
+    pub fn start_with_env(
+        extra: &[&str],
+        environment: &[(&str, &str)],
+        database: Option<&sortie_store::testing::TestDatabase>,
+    ) -> World {
         let temp = tempfile::tempdir().expect("temp");
         std::fs::set_permissions(temp.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
         let root = temp.path().to_owned();
@@ -88,7 +98,14 @@ impl World {
         let database_url = database.map(|d| d.url.clone());
         let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
         let args: Vec<&str> = extra.iter().map(String::as_str).collect();
-        let server = Server::start_with(&root, &data_dir, database_url.as_deref(), &args);
+        let server = Server::start_announcing(
+            &root,
+            &data_dir,
+            database_url.as_deref(),
+            &args,
+            environment,
+            super::LISTENING,
+        );
         let token = match &database_url {
             None => std::fs::read_to_string(data_dir.join("admin-token"))
                 .expect("admin token")
@@ -103,6 +120,10 @@ impl World {
             data_dir,
             server: Some(server),
             extra,
+            environment: environment
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
             database_url,
             token,
             http: http_client(),
@@ -121,11 +142,14 @@ impl World {
 
     pub fn restart_server(&mut self) {
         let args: Vec<&str> = self.extra.iter().map(String::as_str).collect();
-        self.server = Some(Server::start_with(
+        let environment: Vec<(&str, &str)> = self.environment.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        self.server = Some(Server::start_announcing(
             &self.root,
             &self.data_dir,
             self.database_url.as_deref(),
             &args,
+            &environment,
+            super::LISTENING,
         ));
     }
 

@@ -1,0 +1,114 @@
+//! Provisioning a session's pod (DESIGN §15): the host's mirror resolves the commit the session starts
+//! at, a pod is claimed and its driver linked, the session's egress proxy (with its git and model
+//! proxies) is bound to that pod's uid, and the driver is assigned the session: it clones the
+//! repository through the git proxy at that commit, then the setup script runs as on a local sandbox.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use sortie_protocol::FailureCode;
+use sortie_protocol::driver::{Assignment, Checkout, RELAY_ADDRESS};
+use sortie_store::SessionRow;
+
+use super::provision::{run_setup, session_mirror};
+use super::proxy::{build_proxy, session_upstream};
+use super::sandbox::destroy;
+use super::{Failure, SandboxHandle, ms, start_failed};
+use crate::Context;
+use crate::client::DriverClient;
+use crate::meter::CurrentTurn;
+use crate::pods::Pods;
+use crate::prepare::{self, SessionDirs};
+
+pub(super) async fn provision(
+    context: &Arc<Context>,
+    pods: &Arc<Pods>,
+    session: &SessionRow,
+    timings: &mut BTreeMap<String, u64>,
+) -> Result<SandboxHandle, Failure> {
+    let config = &context.config;
+    let dirs = SessionDirs::new(&config.work_dir, &session.id);
+    let (upstream, forge_auth) = session_upstream(context, session).await?;
+
+    let clock = Instant::now();
+    let mirror = session_mirror(context, session, forge_auth.as_ref()).await?;
+    let base = prepare::start_commit(&config.git_binary, &mirror, session.base.as_deref())
+        .await
+        .map_err(|e| (FailureCode::CloneFailed, e.0))?;
+    std::fs::create_dir_all(&dirs.root)
+        .map_err(|e| start_failed(format!("cannot create {}: {e}", dirs.root.display())))?;
+    // What the branch is diffed against stays the first pod's start.
+    if !dirs.start_commit().exists() {
+        std::fs::write(dirs.start_commit(), &base)
+            .map_err(|e| start_failed(format!("cannot record the workspace's start: {e}")))?;
+    }
+    // A session that delivered before (its pod was let go at hibernation) goes on from what the git
+    // proxy saw the repository take, not from its base: a pod keeps nothing between claims.
+    let commit = session
+        .head_sha
+        .clone()
+        .filter(|head| sortie_protocol::driver::is_commit_id(head))
+        .unwrap_or(base);
+    let mirrored = clock.elapsed();
+
+    let clock = Instant::now();
+    let name = session.id.to_string();
+    let claimed = pods.claim(&name, &session.id).await?;
+    let current = Arc::new(CurrentTurn::default());
+    let proxy = match build_proxy(context, session, &dirs, upstream, &current) {
+        Ok(proxy) => proxy,
+        Err(failure) => {
+            let _ = sortie_sandbox::SandboxRuntime::destroy(pods.as_ref(), &name).await;
+            return Err(failure);
+        }
+    };
+    pods.egress.bind(&claimed.pod_uid, proxy.egress.clone());
+    let driver = DriverClient::of_pod(pods.links.clone(), claimed.pod_uid.clone());
+    let handle = SandboxHandle::with_driver(name.clone(), dirs, current, proxy, driver);
+    if let Err(error) = context
+        .store
+        .put_sandbox(&session.id, "kubernetes", &name, &config.worker_id)
+        .await
+    {
+        tracing::warn!(%error, session = %session.id, "cannot record the pod; a restart will not let its claim go");
+    }
+    timings.insert("sandbox".into(), ms(clock));
+    tracing::info!(
+        session = %session.id,
+        pod = %claimed.pod_name,
+        ready_ms = claimed.ready_after.as_millis() as u64,
+        linked_ms = claimed.linked_after.as_millis() as u64,
+        "claimed a pod"
+    );
+
+    let clock = Instant::now();
+    let assignment = Assignment {
+        session: session.id.to_string(),
+        agent: session.agent.clone(),
+        model: session.model.clone(),
+        model_proxy: None,
+        branch: Some(session.id.branch()),
+        remote: Some("origin".into()),
+        turn_timeout_secs: Some(config.turn_timeout.as_secs().max(1)),
+        checkout: Some(Checkout {
+            url: format!("http://{RELAY_ADDRESS}/_sortie/git/{}.git", session.id),
+            commit,
+        }),
+    };
+    if let Err(error) = handle.driver().assign(&assignment).await {
+        destroy(context, &session.id, &handle).await;
+        let code = if error.to_string().contains("could not be cloned") {
+            FailureCode::CloneFailed
+        } else {
+            FailureCode::SandboxStartFailed
+        };
+        return Err((code, format!("the pod's driver did not take the session: {error}")));
+    }
+    timings.insert("clone".into(), ms(clock) + mirrored.as_millis() as u64);
+
+    let clock = Instant::now();
+    run_setup(context, session, &handle).await?;
+    timings.insert("setup".into(), ms(clock));
+    Ok(handle)
+}

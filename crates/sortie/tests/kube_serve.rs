@@ -1,0 +1,411 @@
+//! `sortie serve --runtime kubernetes` end to end (DESIGN §15): a real `serve` process reaches a fake
+//! apiserver through a kubeconfig (real Kubernetes JSON; `sortie-testkit`), applies its sandbox
+//! template and warm pool, claims a pod per session from the pool, identifies the pod's driver by the
+//! cluster's `TokenReview`, assigns it the session over its link, and the pod clones the repository
+//! through the session's git proxy and delivers its branch through it — the pod's only way out.
+//!
+//! This test plays agent-sandbox's controller and the kubelet: for each claim it makes the Sandbox and
+//! Pod objects (controlled by the claim and the sandbox) and runs the pod as a real bubblewrap sandbox
+//! (this process is root) with exactly the command of the template the worker applied. Where this is
+//! easier than a cluster: a bwrap sandbox has no network to reach the worker by, so the pod's `--link`
+//! names a socket bound into the sandbox, which this test splices to the worker's feed listener where a
+//! cluster's network would carry it; the identity token is written where the kubelet would project it.
+
+mod support;
+
+use std::collections::HashMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use sortie_sandbox::local::{LocalConfig, LocalRuntime};
+use sortie_sandbox::{Limits, SandboxRuntime, SandboxSpec, SandboxStdio, inside};
+use sortie_testkit::kube::{ChangeKind, FakeApiserver, ObjectKey};
+use support::world::World;
+
+const NAMESPACE: &str = "sortie";
+const POOL: &str = "pool-e2e";
+const WORKER_TOKEN: &str = "worker-service-account-token";
+const CLAIMS: &str = "apis/extensions.agents.x-k8s.io/v1beta1/sandboxclaims";
+const TEMPLATES: &str = "apis/extensions.agents.x-k8s.io/v1beta1/sandboxtemplates";
+const POOLS: &str = "apis/extensions.agents.x-k8s.io/v1beta1/sandboxwarmpools";
+const SANDBOXES: &str = "apis/agents.x-k8s.io/v1beta1/sandboxes";
+const PODS: &str = "api/v1/pods";
+
+fn key(collection: &str, name: &str) -> ObjectKey {
+    ObjectKey {
+        collection: collection.into(),
+        namespace: NAMESPACE.into(),
+        name: name.into(),
+    }
+}
+
+/// A kubeconfig naming the fake apiserver, with the worker's service-account token.
+fn kubeconfig(dir: &Path, server: &str) -> PathBuf {
+    let path = dir.join("kubeconfig");
+    let text = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {server}\nusers:\n- name: worker\n  user:\n    token: {WORKER_TOKEN}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: worker\n    namespace: {NAMESPACE}\ncurrent-context: fake\n"
+    );
+    std::fs::write(&path, text).expect("kubeconfig");
+    path
+}
+
+/// agent-sandbox's controller and the kubelet, as far as sortie meets them.
+struct Cluster {
+    apiserver: Arc<FakeApiserver>,
+    runtime: LocalRuntime,
+    root: PathBuf,
+    /// `sortie` and the scripted agent, where the sandbox uid can read them (the pod image's binaries).
+    bin_dir: PathBuf,
+    /// The worker's feed listener, where a pod's link and egress go.
+    worker: Mutex<Option<String>>,
+    /// The sandbox running each claim's pod.
+    pods: Mutex<HashMap<String, String>>,
+    claims_seen: Mutex<Vec<Value>>,
+    serial: std::sync::atomic::AtomicUsize,
+}
+
+impl Cluster {
+    fn new(apiserver: Arc<FakeApiserver>, root: &Path) -> Arc<Cluster> {
+        let dir = |name: &str| {
+            let path = root.join(name);
+            std::fs::create_dir_all(&path).expect("dir");
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+            path
+        };
+        let bin_dir = dir("image-bin");
+        let from = Path::new(support::BINARY).parent().expect("bin dir");
+        for binary in ["sortie", "sortie-scripted-agent"] {
+            std::fs::copy(from.join(binary), bin_dir.join(binary)).expect("copy binary");
+        }
+        let runtime = LocalRuntime::new(LocalConfig::new(dir("kubelet-state"))).expect("runtime");
+        Arc::new(Cluster {
+            apiserver,
+            runtime,
+            root: root.to_owned(),
+            bin_dir,
+            worker: Mutex::new(None),
+            pods: Mutex::new(HashMap::new()),
+            claims_seen: Mutex::new(Vec::new()),
+            serial: std::sync::atomic::AtomicUsize::new(0),
+        })
+    }
+
+    fn set_claim_status(&self, name: &str, status: Value) {
+        let Some(mut claim) = self.apiserver.get(&key(CLAIMS, name)) else {
+            return;
+        };
+        claim["status"] = status;
+        self.apiserver.put(key(CLAIMS, name), claim);
+    }
+
+    /// The command the template's driver container runs, as the kubelet would run it here: the image's
+    /// `sortie`, the link through the socket bound in, the token where this test writes it.
+    fn pod_command(&self) -> Vec<String> {
+        let template = self
+            .apiserver
+            .get(&key(TEMPLATES, POOL))
+            .expect("the worker applied its template");
+        let command: Vec<String> = template["spec"]["podTemplate"]["spec"]["containers"][0]["command"]
+            .as_array()
+            .expect("command")
+            .iter()
+            .map(|arg| arg.as_str().unwrap_or_default().to_owned())
+            .collect();
+        let mut out = Vec::new();
+        let mut args = command.into_iter();
+        let program = args.next().expect("program");
+        assert_eq!(program, "sortie");
+        out.push(self.bin_dir.join("sortie").display().to_string());
+        while let Some(arg) = args.next() {
+            match arg.as_str() {
+                "--link" => {
+                    let _cluster_url = args.next();
+                    out.push(arg);
+                    out.push(format!("unix:{}/link.sock", inside::EGRESS_DIR));
+                }
+                "--identity-token-file" => {
+                    let _projected = args.next();
+                    out.push(arg);
+                    out.push(format!("{}/.identity-token", inside::HOME));
+                }
+                _ => out.push(arg),
+            }
+        }
+        out
+    }
+
+    /// Hands a claim a warm pod as agent-sandbox does, and starts it.
+    async fn hand_out(self: &Arc<Self>, claim: &Value) {
+        let name = claim["metadata"]["name"].as_str().unwrap_or_default().to_owned();
+        let claim_uid = claim["metadata"]["uid"].as_str().unwrap_or_default().to_owned();
+        // A warm pool's pods have generated names: a claim made again gets another pod.
+        let serial = self.serial.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let sandbox = format!("{POOL}-warm-{serial}");
+        let owner = |kind: &str, name: &str, uid: &str, api: &str| json!([{"apiVersion": api, "kind": kind, "name": name, "uid": uid, "controller": true}]);
+        let made = self.apiserver.put(
+            key(SANDBOXES, &sandbox),
+            json!({"apiVersion": "agents.x-k8s.io/v1beta1", "kind": "Sandbox",
+                   "metadata": {"ownerReferences": owner("SandboxClaim", &name, &claim_uid, "extensions.agents.x-k8s.io/v1beta1")},
+                   "spec": {"podTemplate": {"spec": {"containers": []}}}}),
+        );
+        let sandbox_uid = made["metadata"]["uid"].as_str().unwrap_or_default().to_owned();
+        let pod = self.apiserver.put(
+            key(PODS, &sandbox),
+            json!({"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"ownerReferences": owner("Sandbox", &sandbox, &sandbox_uid, "agents.x-k8s.io/v1beta1")},
+                   "spec": {"containers": [{"name": "driver", "image": "sortie-sandbox:test"}]},
+                   "status": {"phase": "Running", "podIP": "10.0.0.9"}}),
+        );
+        let pod_uid = pod["metadata"]["uid"].as_str().unwrap_or_default().to_owned();
+        let token = self.apiserver.issue_token(
+            NAMESPACE,
+            "sortie-sandbox",
+            &sandbox,
+            &pod_uid,
+            &[sortie_protocol::driver::LINK_AUDIENCE],
+        );
+        self.start_pod(&sandbox, &token).await;
+        self.pods
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(name.clone(), sandbox.clone());
+        self.set_claim_status(
+            &name,
+            json!({"sandbox": {"name": sandbox, "podIPs": ["10.0.0.9"]},
+                   "conditions": [{"type": "Ready", "status": "True", "reason": "DependenciesReady", "message": "",
+                                   "lastTransitionTime": "2026-12-06T00:00:00Z"}]}),
+        );
+    }
+
+    /// Runs the pod: a bubblewrap sandbox with an empty workspace and home, the link socket bound in.
+    async fn start_pod(self: &Arc<Self>, name: &str, token: &str) {
+        let dir = |sub: &str| {
+            let path = self.root.join("pods").join(name).join(sub);
+            std::fs::create_dir_all(&path).expect("dir");
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+            path
+        };
+        let (workspace, home, link_dir) = (dir("workspace"), dir("home"), dir("link"));
+        let token_file = home.join(".identity-token");
+        std::fs::write(&token_file, token).expect("token");
+        std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        let socket = link_dir.join("link.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).expect("link socket");
+        self.runtime.grant_socket(&socket).expect("grant");
+        let worker = self
+            .worker
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .expect("the worker's feed address");
+        // The cluster's network between the pod and the worker.
+        tokio::spawn(async move {
+            while let Ok((mut pod_side, _)) = listener.accept().await {
+                let worker = worker.clone();
+                tokio::spawn(async move {
+                    if let Ok(mut worker_side) = tokio::net::TcpStream::connect(worker.as_str()).await {
+                        let _ = tokio::io::copy_bidirectional(&mut pod_side, &mut worker_side).await;
+                    }
+                });
+            }
+        });
+        let spec = SandboxSpec {
+            name: name.to_owned(),
+            workspace,
+            home,
+            egress_dir: Some(link_dir),
+            read_only: vec![self.bin_dir.clone()],
+            env: Vec::new(),
+            command: self.pod_command(),
+            limits: Limits::default(),
+            stdio: SandboxStdio::Null,
+        };
+        self.runtime.create(spec).await.expect("create the pod");
+        self.runtime.start(name).await.expect("start the pod");
+    }
+
+    async fn delete_pod(&self, claim: &str) {
+        let pod = self.pods.lock().unwrap_or_else(|p| p.into_inner()).remove(claim);
+        if let Some(pod) = pod {
+            let _ = self.runtime.stop(&pod, Duration::from_secs(1)).await;
+            let _ = self.runtime.destroy(&pod).await;
+            self.apiserver.delete(&key(PODS, &pod));
+            self.apiserver.delete(&key(SANDBOXES, &pod));
+        }
+    }
+
+    async fn run(self: Arc<Self>) {
+        let mut changes = self.apiserver.changes();
+        while let Ok(change) = changes.recv().await {
+            if change.key.collection != CLAIMS {
+                continue;
+            }
+            match change.kind {
+                ChangeKind::Added => {
+                    self.claims_seen
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(change.object.clone());
+                    let pool = change.object["spec"]["warmPoolRef"]["name"]
+                        .as_str()
+                        .unwrap_or_default();
+                    if self.apiserver.get(&key(POOLS, pool)).is_none() {
+                        self.set_claim_status(
+                            &change.key.name,
+                            json!({"conditions": [{"type": "Ready", "status": "False", "reason": "WarmPoolNotFound",
+                                                   "message": format!("warm pool {pool} not found"),
+                                                   "lastTransitionTime": "2026-12-06T00:00:00Z"}]}),
+                        );
+                        continue;
+                    }
+                    self.hand_out(&change.object).await;
+                }
+                ChangeKind::Deleted => self.delete_pod(&change.key.name).await,
+                ChangeKind::Modified => {}
+            }
+        }
+    }
+
+    async fn stop_all(&self) {
+        let pods: Vec<String> = self
+            .pods
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+            .map(|(_, pod)| pod)
+            .collect();
+        for pod in pods {
+            let _ = self.runtime.stop(&pod, Duration::from_secs(1)).await;
+            let _ = self.runtime.destroy(&pod).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_runs_in_a_claimed_pod_that_clones_and_delivers_through_the_git_proxy() {
+    let apiserver = Arc::new(FakeApiserver::start(WORKER_TOKEN).await);
+    let scratch = tempfile::tempdir().expect("temp");
+    std::fs::set_permissions(scratch.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let cluster = Cluster::new(apiserver.clone(), scratch.path());
+    tokio::spawn(cluster.clone().run());
+    let kubeconfig = kubeconfig(scratch.path(), &apiserver.url());
+    let kubeconfig = kubeconfig.display().to_string();
+    let world = World::start_with_env(
+        &[
+            "--runtime",
+            "kubernetes",
+            "--kube-namespace",
+            NAMESPACE,
+            "--sandbox-image",
+            "sortie-sandbox:test",
+            "--sandbox-pool",
+            POOL,
+            "--warm-pool",
+            "2",
+            "--feed-listen",
+            "127.0.0.1:0",
+            // A session hibernates as soon as its turn ends, so its next turn takes a new pod.
+            "--idle-grace",
+            "0",
+        ],
+        &[("KUBECONFIG", kubeconfig.as_str())],
+        None,
+    );
+    let server = world.server.as_ref().expect("server");
+    let feed = server
+        .banner
+        .iter()
+        .find_map(|line| line.strip_prefix(support::WORKER_FEED))
+        .expect("the worker announced its feed")
+        .trim_start_matches("http://")
+        .to_owned();
+    *cluster.worker.lock().unwrap_or_else(|p| p.into_inner()) = Some(feed.clone());
+
+    // At start the worker applied its shape: pods that dial it back, with no credential but the
+    // gateway-audience token, reaching nothing but it and DNS.
+    let template = apiserver.get(&key(TEMPLATES, POOL)).expect("template");
+    let command = template["spec"]["podTemplate"]["spec"]["containers"][0]["command"].to_string();
+    assert!(
+        command.contains(&format!("http://{feed}")) && command.contains("--egress-over-link"),
+        "{command}"
+    );
+    let pool = apiserver.get(&key(POOLS, POOL)).expect("pool");
+    assert_eq!(pool["spec"]["replicas"], 2);
+
+    let id = world
+        .create(
+            "#!scripted\nsay: hello from a pod\nwrite: POD.md\nwritten in a pod\n>>>\nrun: git -C /workspace log --oneline -1",
+            json!({}),
+        )
+        .await;
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(session["phase"], "idle", "{session:#}\n{turns:#?}\n{}", server.log());
+    assert_eq!(turns[0]["status"], "completed", "{turns:#?}");
+    assert!(world.assistant_said(&id, "hello from a pod").await);
+    // Delivered through the git proxy, from the pod's own clone, onto the session's branch only.
+    assert_eq!(world.files_on_branch(&id), vec!["POD.md".to_owned()]);
+    assert_eq!(world.commits_on_branch(&id), 1);
+
+    // The claim sortie posted: from the pool, labelled with the session, with a shutdown time, and
+    // nothing that would force a cold pod (env, volumes, pod metadata).
+    let claims = cluster.claims_seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    assert_eq!(claims.len(), 1, "{claims:#?}");
+    let claim = &claims[0];
+    assert_eq!(claim["spec"]["warmPoolRef"]["name"], POOL);
+    assert_eq!(claim["metadata"]["labels"]["sortie.dev/session"], id.as_str());
+    assert!(claim["spec"]["lifecycle"]["shutdownTime"].is_string(), "{claim:#}");
+    for forbidden in ["env", "volumeClaimTemplates", "additionalPodMetadata"] {
+        assert!(claim["spec"].get(forbidden).is_none(), "{forbidden}: {claim:#}");
+    }
+
+    // Hibernation lets the claim go, and the pod with it.
+    let claim_key = key(CLAIMS, claim["metadata"]["name"].as_str().expect("name"));
+    world.wait(&id, 30, |session, _| session["phase"] == "hibernated").await;
+    sortie_testkit::wait::eventually("the claim is let go", Duration::from_secs(30), || {
+        let gone = apiserver.get(&claim_key).is_none();
+        async move { if gone { Ok(()) } else { Err("the claim is still there") } }
+    })
+    .await;
+
+    // The next turn claims a new pod, which starts from what the session delivered (a pod keeps
+    // nothing between claims: its workspace is cloned again at the delivered head, and its agent, which
+    // has no state to load, is primed with the conversation so far).
+    let delivered = session["head_sha"].as_str().expect("delivered head").to_owned();
+    world.steer(&id, "what did you do before?", "queue").await;
+    let (session, turns) = world.settled(&id, 2).await;
+    assert_eq!(
+        turns[1]["status"],
+        "completed",
+        "{session:#}\n{turns:#?}\n{}",
+        server.log()
+    );
+    assert_eq!(turns[1]["priming"], "transcript", "{turns:#?}");
+    assert!(
+        world.assistant_said(&id, "hello from a pod").await,
+        "the fresh pod's agent got the conversation so far"
+    );
+    let claims = cluster.claims_seen.lock().unwrap_or_else(|p| p.into_inner()).len();
+    assert_eq!(claims, 2, "the second turn had a pod of its own");
+    // As the kubelet, this test looks into the second pod's volume.
+    let second = scratch
+        .path()
+        .join("pods")
+        .join(format!("{POOL}-warm-1"))
+        .join("workspace");
+    assert_eq!(
+        std::fs::read_to_string(second.join("POD.md")).expect("the delivered work is in the new pod"),
+        "written in a pod\n"
+    );
+    let head = std::process::Command::new("git")
+        .args(["-c", "safe.directory=*", "-C"])
+        .arg(&second)
+        .args(["rev-parse", "HEAD"])
+        .output()
+        .expect("git");
+    assert_eq!(String::from_utf8_lossy(&head.stdout).trim(), delivered);
+    assert_eq!(world.commits_on_branch(&id), 1, "nothing new to deliver");
+    cluster.stop_all().await;
+}
