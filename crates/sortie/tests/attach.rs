@@ -70,6 +70,11 @@ impl Drop for World {
 
 impl World {
     async fn start() -> World {
+        Self::start_with_slow_limit(sortie_gateway::attach::SLOW_CLIENT_LIMIT).await
+    }
+
+    /// With how long the gateway lets a client leave its buffer full before it is disconnected.
+    async fn start_with_slow_limit(slow_client_limit: Duration) -> World {
         build_scripted_agent();
         let temp = tempfile::tempdir().expect("temp");
         let database = TestDatabase::sqlite(temp.path());
@@ -129,7 +134,7 @@ impl World {
             tails: feeds.clone(),
             allowed_origins: Arc::new(vec!["http://dashboard.local".into()]),
             heartbeat: Duration::from_secs(15),
-            slow_client_limit: sortie_gateway::attach::SLOW_CLIENT_LIMIT,
+            slow_client_limit,
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let base = format!("http://{}", listener.local_addr().expect("addr"));
@@ -151,7 +156,13 @@ impl World {
             workspace_dir,
             session,
             base,
-            client: support::http_client(),
+            // A connection per attach, as the many clients of these tests would have: a pooled idle
+            // connection the gateway is closing at that moment fails the next request sent on it,
+            // which a browser retries and a single `send` here does not.
+            client: support::http_builder()
+                .pool_max_idle_per_host(0)
+                .build()
+                .expect("client"),
         }
     }
 
@@ -585,7 +596,9 @@ async fn a_chat_submit_becomes_a_steer_answered_with_its_stream() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_never_reads_slows_no_one() {
-    let world = Arc::new(World::start().await);
+    // The stalled client is never cut off while the test runs: a reader that waited for it would wait
+    // out the test's deadline, however slow or loaded the machine is.
+    let world = Arc::new(World::start_with_slow_limit(Duration::from_secs(3600)).await);
     world.run_turn(1, "sleep: 300\nflood: 100000").await;
     // Attached, then never reads a byte of the body.
     let stalled = world
@@ -596,17 +609,11 @@ async fn a_client_that_never_reads_slows_no_one() {
         .await
         .expect("get");
     assert_eq!(stalled.status().as_u16(), 200);
-    let started = Instant::now();
-    let (status, body) = tokio::time::timeout(Duration::from_secs(60), world.attach("reader"))
+    let (status, body) = tokio::time::timeout(Duration::from_secs(180), world.attach("reader"))
         .await
         .expect("the reader was not held up");
     assert_eq!(status, 200);
     let total = world.host_parts(1).await;
     assert_eq!(ids(&body).len() as u64, total);
-    assert!(
-        started.elapsed() < Duration::from_secs(30),
-        "read in {:?}",
-        started.elapsed()
-    );
     drop(stalled);
 }
