@@ -304,9 +304,30 @@ impl KubeSandboxes {
                 }
                 Ok(watcher::Event::Apply(claim) | watcher::Event::InitApply(claim)) => {
                     if let ClaimState::Failed { reason, .. } = claim_state(claim.status.as_ref()) {
+                        // The claim says the pod failed; the pod says whether the kernel killed it for
+                        // its memory, which a user must know to fix it.
+                        let pod = claim
+                            .status
+                            .as_ref()
+                            .and_then(|s| s.sandbox.as_ref())
+                            .map(|s| s.name.clone());
+                        let oom = match pod {
+                            Some(pod) => self
+                                .pods
+                                .get_opt(&pod)
+                                .await
+                                .ok()
+                                .flatten()
+                                .is_some_and(|p| oom_killed(&p)),
+                            None => false,
+                        };
                         return SandboxFailure {
                             code: FailureCode::SandboxLost,
-                            reason,
+                            reason: if oom {
+                                format!("{reason}; its container was OOMKilled (past its memory limit)")
+                            } else {
+                                reason
+                            },
                         };
                     }
                 }
@@ -377,6 +398,25 @@ impl sortie_worker::pods::PodSource for KubeSandboxes {
     }
 }
 
+/// Whether a container of `pod` was last ended by the kernel for its memory.
+fn oom_killed(pod: &Pod) -> bool {
+    let statuses = pod.status.iter().flat_map(|status| {
+        status
+            .container_statuses
+            .iter()
+            .flatten()
+            .chain(status.init_container_statuses.iter().flatten())
+    });
+    statuses
+        .flat_map(|container| {
+            [container.state.as_ref(), container.last_state.as_ref()]
+                .into_iter()
+                .flatten()
+                .filter_map(|state| state.terminated.as_ref())
+        })
+        .any(|terminated| terminated.reason.as_deref() == Some("OOMKilled"))
+}
+
 /// The uid of the object's controller (the owner reference marked `controller`), if it has one.
 fn controller_uid(metadata: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Option<&str> {
     metadata
@@ -399,6 +439,29 @@ fn rfc3339(at: std::time::SystemTime) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pod_is_oom_killed_only_by_its_containers_word() {
+        let pod = |status: serde_json::Value| -> Pod {
+            serde_json::from_value(serde_json::json!({"metadata": {"name": "p"}, "status": status})).expect("pod")
+        };
+        let terminated = |reason: &str| serde_json::json!({"terminated": {"exitCode": 137, "reason": reason}});
+        assert!(oom_killed(&pod(serde_json::json!({
+            "phase": "Failed",
+            "containerStatuses": [{"name": "driver", "image": "i", "imageID": "", "ready": false,
+                                   "restartCount": 0, "state": terminated("OOMKilled")}]
+        }))));
+        assert!(oom_killed(&pod(serde_json::json!({
+            "containerStatuses": [{"name": "driver", "image": "i", "imageID": "", "ready": false, "restartCount": 1,
+                                   "state": {"running": {}}, "lastState": terminated("OOMKilled")}]
+        }))));
+        assert!(!oom_killed(&pod(serde_json::json!({
+            "phase": "Failed",
+            "containerStatuses": [{"name": "driver", "image": "i", "imageID": "", "ready": false,
+                                   "restartCount": 0, "state": terminated("Error")}]
+        }))));
+        assert!(!oom_killed(&pod(serde_json::json!({"phase": "Failed"}))));
+    }
 
     #[test]
     fn times_are_rfc3339_utc() {

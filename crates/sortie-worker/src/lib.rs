@@ -523,9 +523,19 @@ async fn retire_idle(context: &Arc<Context>, slots: &mut HashMap<SessionId, Slot
             continue;
         };
         let ended = matches!(session.phase, SessionPhase::Canceling | SessionPhase::Canceled) || session.archived;
-        let expired = slots
+        let mut expired = slots
             .get(&session_id)
             .is_some_and(|slot| slot.idle_since.elapsed() >= context.config.idle_grace);
+        // A warm pod the cluster took back (its claim expired, its node went) is given up now, not
+        // found dead by the next turn.
+        if !expired
+            && context.pods.is_some()
+            && let Some(sandbox) = slots.get(&session_id).and_then(|slot| slot.warm.as_ref())
+            && let Ok(sortie_sandbox::SandboxStatus::Exited(exit)) = context.runtime.status(sandbox.name()).await
+        {
+            tracing::info!(session = %session_id, reason = %exit.describe(), "a warm pod was lost; the session hibernates");
+            expired = true;
+        }
         if ended {
             if let Some(slot) = slots.remove(&session_id)
                 && let Some(sandbox) = slot.warm

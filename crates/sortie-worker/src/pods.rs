@@ -74,7 +74,16 @@ impl Pods {
     /// Claims the pod of `session`, known from then on as sandbox `name`; the cluster's word that it
     /// was lost is watched for from now on.
     pub(crate) async fn claim(&self, name: &str, session: &SessionId) -> Result<ClaimedPod, PodFailure> {
-        let claimed = self.source.claim(session).await?;
+        let claimed = match self.source.claim(session).await {
+            Ok(claimed) => claimed,
+            Err(failure) => {
+                // A claim the cluster could not meet (or whose pod never linked) is not left to it.
+                if let Err(error) = self.source.release(session).await {
+                    tracing::warn!(%error, session = %session, "cannot let the failed claim go; its shutdown time will");
+                }
+                return Err(failure);
+            }
+        };
         let lost = Arc::new(Mutex::new(None));
         let watch = {
             let source = self.source.clone();

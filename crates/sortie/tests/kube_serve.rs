@@ -65,6 +65,8 @@ struct Cluster {
     pods: Mutex<HashMap<String, String>>,
     claims_seen: Mutex<Vec<Value>>,
     serial: std::sync::atomic::AtomicUsize,
+    /// Warm pods left in the pool; past them a claim gets a cold pod, pending a while first.
+    warm: std::sync::atomic::AtomicUsize,
 }
 
 impl Cluster {
@@ -90,6 +92,7 @@ impl Cluster {
             pods: Mutex::new(HashMap::new()),
             claims_seen: Mutex::new(Vec::new()),
             serial: std::sync::atomic::AtomicUsize::new(0),
+            warm: std::sync::atomic::AtomicUsize::new(usize::MAX),
         })
     }
 
@@ -227,6 +230,41 @@ impl Cluster {
         self.runtime.start(name).await.expect("start the pod");
     }
 
+    /// The controller ends the claim's sandbox: its shutdown time passed.
+    async fn expire(&self, claim: &str) {
+        let pod = self.pods.lock().unwrap_or_else(|p| p.into_inner()).get(claim).cloned();
+        self.set_claim_status(
+            claim,
+            json!({"sandbox": {"name": pod},
+                   "conditions": [{"type": "Ready", "status": "False", "reason": "ClaimExpired",
+                                   "message": "the claim's shutdown time passed", "lastTransitionTime": "2026-12-06T00:00:00Z"}]}),
+        );
+    }
+
+    /// The kernel kills the pod's container for its memory: the pod fails with `OOMKilled`, and the
+    /// controller marks the claim's sandbox failed.
+    async fn oom_kill(&self, claim: &str) {
+        let pod = self
+            .pods
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(claim)
+            .cloned()
+            .expect("the claim's pod");
+        let _ = self.runtime.destroy(&pod).await;
+        let mut object = self.apiserver.get(&key(PODS, &pod)).expect("pod");
+        object["status"] = json!({"phase": "Failed", "containerStatuses": [{
+            "name": "driver", "image": "sortie-sandbox:test", "imageID": "", "ready": false, "restartCount": 0,
+            "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]});
+        self.apiserver.put(key(PODS, &pod), object);
+        self.set_claim_status(
+            claim,
+            json!({"sandbox": {"name": pod},
+                   "conditions": [{"type": "Ready", "status": "False", "reason": "PodFailed",
+                                   "message": "the sandbox's pod failed", "lastTransitionTime": "2026-12-06T00:00:00Z"}]}),
+        );
+    }
+
     async fn delete_pod(&self, claim: &str) {
         let pod = self.pods.lock().unwrap_or_else(|p| p.into_inner()).remove(claim);
         if let Some(pod) = pod {
@@ -261,7 +299,34 @@ impl Cluster {
                         );
                         continue;
                     }
-                    self.hand_out(&change.object).await;
+                    let warm = self
+                        .warm
+                        .fetch_update(
+                            std::sync::atomic::Ordering::Relaxed,
+                            std::sync::atomic::Ordering::Relaxed,
+                            |left| left.checked_sub(1),
+                        )
+                        .is_ok();
+                    if warm {
+                        self.hand_out(&change.object).await;
+                        continue;
+                    }
+                    // An empty pool: a cold pod from the template. While it is pending, the apiserver
+                    // compacts its history, so the worker's watch of the claim gets 410 and lists again.
+                    self.set_claim_status(
+                        &change.key.name,
+                        json!({"conditions": [{"type": "Ready", "status": "False", "reason": "SandboxCreatePending",
+                                               "message": "creating a sandbox from the template",
+                                               "lastTransitionTime": "2026-12-06T00:00:00Z"}]}),
+                    );
+                    self.apiserver.compact();
+                    let cluster = self.clone();
+                    let claim = change.object.clone();
+                    tokio::spawn(async move {
+                        // What a cold pod takes to schedule and start, much shortened.
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        cluster.hand_out(&claim).await;
+                    });
                 }
                 ChangeKind::Deleted => self.delete_pod(&change.key.name).await,
                 ChangeKind::Modified => {}
@@ -284,8 +349,23 @@ impl Cluster {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_session_runs_in_a_claimed_pod_that_clones_and_delivers_through_the_git_proxy() {
+/// A `serve --runtime kubernetes` (every role) on the fake apiserver, with this test's cluster.
+struct Fixture {
+    apiserver: Arc<FakeApiserver>,
+    cluster: Arc<Cluster>,
+    world: World,
+    /// The worker's feed address, which its pods dial.
+    feed: String,
+    scratch: tempfile::TempDir,
+}
+
+impl Fixture {
+    fn server(&self) -> &support::Server {
+        self.world.server.as_ref().expect("server")
+    }
+}
+
+async fn start(extra: &[&str]) -> Fixture {
     let apiserver = Arc::new(FakeApiserver::start(WORKER_TOKEN).await);
     let scratch = tempfile::tempdir().expect("temp");
     std::fs::set_permissions(scratch.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
@@ -293,29 +373,26 @@ async fn a_session_runs_in_a_claimed_pod_that_clones_and_delivers_through_the_gi
     tokio::spawn(cluster.clone().run());
     let kubeconfig = kubeconfig(scratch.path(), &apiserver.url());
     let kubeconfig = kubeconfig.display().to_string();
-    let world = World::start_with_env(
-        &[
-            "--runtime",
-            "kubernetes",
-            "--kube-namespace",
-            NAMESPACE,
-            "--sandbox-image",
-            "sortie-sandbox:test",
-            "--sandbox-pool",
-            POOL,
-            "--warm-pool",
-            "2",
-            "--feed-listen",
-            "127.0.0.1:0",
-            // A session hibernates as soon as its turn ends, so its next turn takes a new pod.
-            "--idle-grace",
-            "0",
-        ],
-        &[("KUBECONFIG", kubeconfig.as_str())],
-        None,
-    );
-    let server = world.server.as_ref().expect("server");
-    let feed = server
+    let mut args = vec![
+        "--runtime",
+        "kubernetes",
+        "--kube-namespace",
+        NAMESPACE,
+        "--sandbox-image",
+        "sortie-sandbox:test",
+        "--sandbox-pool",
+        POOL,
+        "--warm-pool",
+        "2",
+        "--feed-listen",
+        "127.0.0.1:0",
+    ];
+    args.extend_from_slice(extra);
+    let world = World::start_with_env(&args, &[("KUBECONFIG", kubeconfig.as_str())], None);
+    let feed = world
+        .server
+        .as_ref()
+        .expect("server")
         .banner
         .iter()
         .find_map(|line| line.strip_prefix(support::WORKER_FEED))
@@ -323,6 +400,33 @@ async fn a_session_runs_in_a_claimed_pod_that_clones_and_delivers_through_the_gi
         .trim_start_matches("http://")
         .to_owned();
     *cluster.worker.lock().unwrap_or_else(|p| p.into_inner()) = Some(feed.clone());
+    Fixture {
+        apiserver,
+        cluster,
+        world,
+        feed,
+        scratch,
+    }
+}
+
+fn failure_code(value: &Value) -> &str {
+    value["failure"]["code"].as_str().unwrap_or("")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_runs_in_a_claimed_pod_that_clones_and_delivers_through_the_git_proxy() {
+    // A session hibernates as soon as its turn ends, so its next turn takes a new pod.
+    let fixture = start(&["--idle-grace", "0"]).await;
+    let Fixture {
+        apiserver,
+        cluster,
+        world,
+        feed,
+        scratch,
+    } = &fixture;
+    // One warm pod: the second claim gets a cold one.
+    cluster.warm.store(1, std::sync::atomic::Ordering::Relaxed);
+    let server = fixture.server();
 
     // At start the worker applied its shape: pods that dial it back, with no credential but the
     // gateway-audience token, reaching nothing but it and DNS.
@@ -342,7 +446,11 @@ async fn a_session_runs_in_a_claimed_pod_that_clones_and_delivers_through_the_gi
         )
         .await;
     let (session, turns) = world.settled(&id, 1).await;
-    assert_eq!(session["phase"], "idle", "{session:#}\n{turns:#?}\n{}", server.log());
+    assert!(
+        ["idle", "hibernated"].contains(&session["phase"].as_str().unwrap_or_default()),
+        "{session:#}\n{turns:#?}\n{}",
+        server.log()
+    );
     assert_eq!(turns[0]["status"], "completed", "{turns:#?}");
     assert!(world.assistant_said(&id, "hello from a pod").await);
     // Delivered through the git proxy, from the pod's own clone, onto the session's branch only.
@@ -408,4 +516,88 @@ async fn a_session_runs_in_a_claimed_pod_that_clones_and_delivers_through_the_gi
     assert_eq!(String::from_utf8_lossy(&head.stdout).trim(), delivered);
     assert_eq!(world.commits_on_branch(&id), 1, "nothing new to deliver");
     cluster.stop_all().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_killed_for_its_memory_ends_its_turn_saying_so() {
+    let fixture = start(&[]).await;
+    let world = &fixture.world;
+    let id = world
+        .create(
+            "#!scripted
+say: working
+sleep: 60000
+say: never",
+            json!({}),
+        )
+        .await;
+    world.wait_said(&id, "working").await;
+    let claim = sortie_kube::runtime::claim_name(&sortie_protocol::SessionId::parse(&id).expect("id"));
+    fixture.cluster.oom_kill(&claim).await;
+    let (session, turns) = world.settled(&id, 1).await;
+    // Lost, as a turn whose sandbox died under it is: its transcript up to then is kept.
+    assert_eq!(turns[0]["status"], "lost", "{turns:#?}");
+    assert_eq!(failure_code(&turns[0]), "SANDBOX_LOST", "{turns:#?}");
+    let reason = turns[0]["failure"]["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("ran out of memory"),
+        "{reason}\n{}",
+        fixture.server().log()
+    );
+    assert_eq!(session["phase"], "failed", "{session:#}");
+    assert!(!world.assistant_said(&id, "never").await);
+    fixture.cluster.stop_all().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_the_cluster_cannot_meet_fails_the_turn_with_the_controllers_reason() {
+    let fixture = start(&[]).await;
+    // An operator deleted the worker's warm pool after it started.
+    fixture.apiserver.delete(&key(POOLS, POOL));
+    let id = fixture
+        .world
+        .create(
+            "#!scripted
+say: never",
+            json!({}),
+        )
+        .await;
+    let (session, turns) = fixture.world.settled(&id, 1).await;
+    assert_eq!(turns[0]["status"], "failed", "{turns:#?}");
+    assert_eq!(failure_code(&turns[0]), "SANDBOX_START_FAILED", "{turns:#?}");
+    let reason = turns[0]["failure"]["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("WarmPoolNotFound"), "{reason}");
+    assert_eq!(session["phase"], "failed", "{session:#}");
+    // Nothing of it is left to the cluster: the claim that could not be met was let go.
+    sortie_testkit::wait::eventually("the claim is let go", Duration::from_secs(30), || {
+        let left = fixture.apiserver.list(CLAIMS, NAMESPACE).len();
+        async move { if left == 0 { Ok(()) } else { Err(left) } }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_pod_whose_claim_expired_is_given_up_and_the_next_turn_gets_another() {
+    let fixture = start(&[]).await;
+    let world = &fixture.world;
+    let id = world.create("#!scripted\nsay: first", json!({})).await;
+    let (session, _) = world.settled(&id, 1).await;
+    assert_eq!(session["phase"], "idle", "{session:#}");
+    let claim = sortie_kube::runtime::claim_name(&sortie_protocol::SessionId::parse(&id).expect("id"));
+    fixture.cluster.expire(&claim).await;
+    world.wait(&id, 30, |session, _| session["phase"] == "hibernated").await;
+    world.steer(&id, "#!scripted\nsay: second", "queue").await;
+    let (session, turns) = world.settled(&id, 2).await;
+    assert_eq!(turns[1]["status"], "completed", "{session:#}\n{turns:#?}");
+    assert_eq!(
+        fixture
+            .cluster
+            .claims_seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len(),
+        2,
+        "the second turn claimed a new pod"
+    );
+    fixture.cluster.stop_all().await;
 }
