@@ -10,8 +10,8 @@ use axum::body::Bytes;
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
-use sortie_protocol::driver::{Assignment, Checkout, DriverErrorCode};
+use axum::routing::{get, post};
+use sortie_protocol::driver::{Assignment, Checkout, DriverErrorCode, HOME_PATH, HOME_SNAPSHOT_MAX_BYTES};
 use tower::ServiceExt;
 
 use crate::driver::Driver;
@@ -35,6 +35,12 @@ pub fn router(settings: DriverSettings) -> (Router, Arc<Mutex<Option<Driver>>>) 
     };
     let router = Router::new()
         .route("/assignment", post(assign))
+        .route(
+            HOME_PATH,
+            get(give_home)
+                .put(take_home)
+                .layer(axum::extract::DefaultBodyLimit::max(HOME_SNAPSHOT_MAX_BYTES + 4096)),
+        )
         .fallback(forward)
         .with_state(state);
     (router, driver)
@@ -117,6 +123,61 @@ async fn check_out(settings: &DriverSettings, checkout: &Checkout) -> Result<(),
     git.checkout(&checkout.url, &checkout.commit, branch)
         .await
         .map_err(|error| error.to_string())
+}
+
+/// `GET /home`: the agent's home as a tar, for the session's next pod.
+async fn give_home(State(state): State<Awaiting>) -> Response {
+    let home = state.settings.home.clone();
+    match tokio::task::spawn_blocking(move || crate::home::snapshot(&home)).await {
+        Ok(Ok(tar)) => ([(axum::http::header::CONTENT_TYPE, "application/x-tar")], tar).into_response(),
+        Ok(Err(crate::home::HomeError::TooLarge)) => crate::api::refuse(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            DriverErrorCode::HomeTooLarge,
+            format!("the agent's home is larger than {HOME_SNAPSHOT_MAX_BYTES} bytes"),
+        ),
+        Ok(Err(error)) => crate::api::refuse(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            DriverErrorCode::InvalidRequest,
+            format!("cannot read the agent's home: {error}"),
+        ),
+        Err(error) => crate::api::refuse(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            DriverErrorCode::InvalidRequest,
+            format!("cannot read the agent's home: {error}"),
+        ),
+    }
+}
+
+/// `PUT /home`: the home an earlier pod of the session gave up, before this one is assigned (the driver
+/// reads the agent's persisted session when it is made).
+async fn take_home(State(state): State<Awaiting>, body: Bytes) -> Response {
+    let assigned = state.assigned.lock().await;
+    if let Some((held, _)) = assigned.as_ref() {
+        return crate::api::refuse(
+            StatusCode::CONFLICT,
+            DriverErrorCode::AlreadyAssigned,
+            format!(
+                "this driver serves session {} already; a home is restored before",
+                held.session
+            ),
+        );
+    }
+    let home = state.settings.home.clone();
+    let restored = tokio::task::spawn_blocking(move || crate::home::restore(&home, &body)).await;
+    drop(assigned);
+    match restored {
+        Ok(Ok(())) => StatusCode::NO_CONTENT.into_response(),
+        Ok(Err(error)) => crate::api::refuse(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            DriverErrorCode::InvalidRequest,
+            format!("the home could not be restored: {error}"),
+        ),
+        Err(error) => crate::api::refuse(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            DriverErrorCode::InvalidRequest,
+            format!("the home could not be restored: {error}"),
+        ),
+    }
 }
 
 async fn forward(State(state): State<Awaiting>, request: Request) -> Response {

@@ -14,6 +14,7 @@ pub mod api;
 pub mod assignment;
 pub mod delivery;
 pub mod driver;
+pub mod home;
 pub mod launch;
 pub mod link;
 pub mod mapping;

@@ -35,6 +35,13 @@ pub const EGRESS_PATH: &str = "/v1/drivers/egress";
 /// sandbox's `egress.sock` carries them on the local runtime.
 pub const EGRESS_PROTOCOL: &str = "sortie-egress.1";
 
+/// `GET /home` (a tar of the agent's home, without the driver's turn logs) and `PUT /home` (the same,
+/// unpacked into an unassigned pod's empty home): what a session's agent keeps (its own sessions, which
+/// `session/load` reads) goes from the pod given up at hibernation to the session's next pod.
+pub const HOME_PATH: &str = "/home";
+/// The largest home snapshot a driver gives or the host keeps.
+pub const HOME_SNAPSHOT_MAX_BYTES: usize = 16 << 20;
+
 /// The most the host reads of any JSON answer of the driver (a report, the status, a setup outcome).
 pub const ANSWER_MAX_BYTES: usize = 1024 * 1024;
 /// The longest line the host reads of a turn's SSE stream: the driver's own bound on one ACP message
@@ -350,6 +357,8 @@ pub enum DriverErrorCode {
     NotAssigned,
     /// The driver serves another session already.
     AlreadyAssigned,
+    /// The agent's home is larger than [`HOME_SNAPSHOT_MAX_BYTES`].
+    HomeTooLarge,
 }
 
 /// The body of every refusal of the driver API.

@@ -210,6 +210,10 @@ pub trait Ledger: Send + Sync + 'static {
     async fn pushed_head(&self, session_id: &SessionId) -> StoreResult<Option<String>>;
     /// Records the nonce the worker starts turn `n` with at the driver.
     async fn set_driver_nonce(&self, session_id: &SessionId, n: u32, nonce: &str) -> StoreResult<()>;
+    /// Replaces what the session's agent kept in its home (a tar, taken at hibernation).
+    async fn set_home_snapshot(&self, session_id: &SessionId, tar: &[u8]) -> StoreResult<()>;
+    /// The session's last home snapshot, if any.
+    async fn home_snapshot(&self, session_id: &SessionId) -> StoreResult<Option<Vec<u8>>>;
     /// Replaces the session's stored branch diff (at each delivery).
     async fn set_branch_diff(&self, session_id: &SessionId, diff: &sortie_protocol::api::StoredDiff)
     -> StoreResult<()>;

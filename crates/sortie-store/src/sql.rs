@@ -1788,6 +1788,37 @@ impl Ledger for SqlStore {
         Ok(())
     }
 
+    async fn set_home_snapshot(&self, session_id: &SessionId, tar: &[u8]) -> StoreResult<()> {
+        use base64::Engine as _;
+        let body = base64::engine::general_purpose::STANDARD.encode(tar);
+        sqlx::query(
+            "INSERT INTO home_snapshots (session_id, body, bytes, updated_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (session_id) DO UPDATE SET body = excluded.body, bytes = excluded.bytes, \
+             updated_at = excluded.updated_at",
+        )
+        .bind(session_id.as_str())
+        .bind(body)
+        .bind(i64::try_from(tar.len()).map_err(internal)?)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn home_snapshot(&self, session_id: &SessionId) -> StoreResult<Option<Vec<u8>>> {
+        use base64::Engine as _;
+        let row = sqlx::query("SELECT body FROM home_snapshots WHERE session_id = $1")
+            .bind(session_id.as_str())
+            .fetch_optional(&self.pool)
+            .await?;
+        let Some(row) = row else { return Ok(None) };
+        let body: String = row.try_get("body")?;
+        base64::engine::general_purpose::STANDARD
+            .decode(body)
+            .map(Some)
+            .map_err(internal)
+    }
+
     async fn set_branch_diff(
         &self,
         session_id: &SessionId,

@@ -1349,6 +1349,17 @@ async fn parts_are_stored_once_in_order(backend: TestBackend) {
         f.store.set_pushed_head(&SessionId::generate(), "b").await,
         Err(StoreError::NotFound)
     );
+
+    // What the agent kept in its home, given up by a pod at hibernation: bytes back as they went in,
+    // the last one kept.
+    assert_eq!(f.store.home_snapshot(&session.id).await, Ok(None));
+    let tar: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
+    f.store.set_home_snapshot(&session.id, &tar).await.expect("snapshot");
+    f.store
+        .set_home_snapshot(&session.id, &tar[..1000])
+        .await
+        .expect("replaced");
+    assert_eq!(f.store.home_snapshot(&session.id).await, Ok(Some(tar[..1000].to_vec())));
 }
 
 async fn parts_are_read_one_turn_at_a_time(backend: TestBackend) {

@@ -13,12 +13,17 @@ use hyper::body::Incoming;
 use hyper::{Method, Request, StatusCode, header};
 use hyper_util::rt::TokioIo;
 use sortie_protocol::driver::{
-    ANSWER_MAX_BYTES, DriverErrorBody, DriverErrorCode, DriverStatus, RunSetup, SetupOutcome, StartTurn, TurnReport,
-    VERSION,
+    ANSWER_MAX_BYTES, DriverErrorBody, DriverErrorCode, DriverStatus, HOME_PATH, HOME_SNAPSHOT_MAX_BYTES, RunSetup,
+    SetupOutcome, StartTurn, TurnReport, VERSION,
 };
 
 /// How long a plain request to the driver may take.
 const REQUEST_DEADLINE: Duration = Duration::from_secs(10);
+/// How long an assignment may take: a pod clones the session's repository before it answers (the
+/// driver bounds each git command to two minutes).
+const ASSIGN_DEADLINE: Duration = Duration::from_secs(300);
+/// How long a home snapshot may take to come or go.
+const HOME_DEADLINE: Duration = Duration::from_secs(60);
 /// How much of a refusal's body is read for its reason.
 const REFUSAL_MAX_BYTES: usize = 16 * 1024;
 
@@ -199,13 +204,41 @@ impl DriverClient {
 
     /// `POST /assignment`: the session a generic pod's driver serves (the same one again is a no-op).
     pub async fn assign(&self, assignment: &sortie_protocol::driver::Assignment) -> Result<(), DriverError> {
-        // The driver resolves the agent's profile and files before it answers.
+        // The driver resolves the agent's profile and files, and clones the workspace, before it answers.
         let answer = tokio::time::timeout(
-            REQUEST_DEADLINE,
+            ASSIGN_DEADLINE,
             self.send(Method::POST, "/assignment", Some(Self::encode(assignment)?)),
         )
         .await
-        .map_err(|_| DriverError::Timeout(REQUEST_DEADLINE))??;
+        .map_err(|_| DriverError::Timeout(ASSIGN_DEADLINE))??;
+        drop(answer);
+        Ok(())
+    }
+
+    /// `GET /home`: the agent's home as a tar, at most [`HOME_SNAPSHOT_MAX_BYTES`].
+    pub async fn home_snapshot(&self) -> Result<Vec<u8>, DriverError> {
+        let exchange = async {
+            let answer = self.send(Method::GET, HOME_PATH, None).await?;
+            Limited::new(answer, HOME_SNAPSHOT_MAX_BYTES)
+                .collect()
+                .await
+                .map(|body| body.to_bytes().to_vec())
+                .map_err(|e| {
+                    DriverError::Malformed(format!(
+                        "the home broke off or passed {HOME_SNAPSHOT_MAX_BYTES} bytes: {e}"
+                    ))
+                })
+        };
+        tokio::time::timeout(HOME_DEADLINE, exchange)
+            .await
+            .map_err(|_| DriverError::Timeout(HOME_DEADLINE))?
+    }
+
+    /// `PUT /home`: an unassigned pod's home, from the session's earlier pod.
+    pub async fn restore_home(&self, tar: Vec<u8>) -> Result<(), DriverError> {
+        let answer = tokio::time::timeout(HOME_DEADLINE, self.send(Method::PUT, HOME_PATH, Some(tar)))
+            .await
+            .map_err(|_| DriverError::Timeout(HOME_DEADLINE))??;
         drop(answer);
         Ok(())
     }

@@ -574,6 +574,15 @@ async fn hibernate(context: &Arc<Context>, slots: &mut HashMap<SessionId, Slot>,
     if let Some(slot) = slots.remove(session_id)
         && let Some(sandbox) = slot.warm
     {
+        // A pod keeps nothing once let go: what its agent keeps goes to the store first (unless the
+        // cluster took the pod already).
+        let alive = !matches!(
+            context.runtime.status(sandbox.name()).await,
+            Ok(sortie_sandbox::SandboxStatus::Exited(_))
+        );
+        if context.pods.is_some() && alive {
+            turn::keep_home(context, session_id, &sandbox).await;
+        }
         turn::destroy(context, session_id, &sandbox).await;
     }
     true

@@ -9,7 +9,8 @@
 //! (this process is root) with exactly the command of the template the worker applied. Where this is
 //! easier than a cluster: a bwrap sandbox has no network to reach the worker by, so the pod's `--link`
 //! names a socket bound into the sandbox, which this test splices to the worker's feed listener where a
-//! cluster's network would carry it; the identity token is written where the kubelet would project it.
+//! cluster's network would carry it; the identity token is written read-only beside it, where the kubelet would
+//! project a volume.
 
 mod support;
 
@@ -33,6 +34,8 @@ const TEMPLATES: &str = "apis/extensions.agents.x-k8s.io/v1beta1/sandboxtemplate
 const POOLS: &str = "apis/extensions.agents.x-k8s.io/v1beta1/sandboxwarmpools";
 const SANDBOXES: &str = "apis/agents.x-k8s.io/v1beta1/sandboxes";
 const PODS: &str = "api/v1/pods";
+
+static POD_SERIAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 fn key(collection: &str, name: &str) -> ObjectKey {
     ObjectKey {
@@ -64,7 +67,8 @@ struct Cluster {
     /// The sandbox running each claim's pod.
     pods: Mutex<HashMap<String, String>>,
     claims_seen: Mutex<Vec<Value>>,
-    serial: std::sync::atomic::AtomicUsize,
+    /// Every pod this cluster made, in order.
+    pod_names: Mutex<Vec<String>>,
     /// Warm pods left in the pool; past them a claim gets a cold pod, pending a while first.
     warm: std::sync::atomic::AtomicUsize,
 }
@@ -91,7 +95,7 @@ impl Cluster {
             worker: Mutex::new(None),
             pods: Mutex::new(HashMap::new()),
             claims_seen: Mutex::new(Vec::new()),
-            serial: std::sync::atomic::AtomicUsize::new(0),
+            pod_names: Mutex::new(Vec::new()),
             warm: std::sync::atomic::AtomicUsize::new(usize::MAX),
         })
     }
@@ -132,7 +136,7 @@ impl Cluster {
                 "--identity-token-file" => {
                     let _projected = args.next();
                     out.push(arg);
-                    out.push(format!("{}/.identity-token", inside::HOME));
+                    out.push(format!("{}/identity-token", inside::EGRESS_DIR));
                 }
                 _ => out.push(arg),
             }
@@ -144,9 +148,15 @@ impl Cluster {
     async fn hand_out(self: &Arc<Self>, claim: &Value) {
         let name = claim["metadata"]["name"].as_str().unwrap_or_default().to_owned();
         let claim_uid = claim["metadata"]["uid"].as_str().unwrap_or_default().to_owned();
-        // A warm pool's pods have generated names: a claim made again gets another pod.
-        let serial = self.serial.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let sandbox = format!("{POOL}-warm-{serial}");
+        // A warm pool's pods have generated names: a claim made again gets another pod. They also name
+        // the bwrap sandboxes (and their cgroups) on this host, which the tests running beside this one
+        // must not share.
+        let serial = POD_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let sandbox = format!("{POOL}-{}-{serial}", std::process::id());
+        self.pod_names
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(sandbox.clone());
         let owner = |kind: &str, name: &str, uid: &str, api: &str| json!([{"apiVersion": api, "kind": kind, "name": name, "uid": uid, "controller": true}]);
         let made = self.apiserver.put(
             key(SANDBOXES, &sandbox),
@@ -192,7 +202,8 @@ impl Cluster {
             path
         };
         let (workspace, home, link_dir) = (dir("workspace"), dir("home"), dir("link"));
-        let token_file = home.join(".identity-token");
+        // Read-only inside, beside the link socket, as a projected volume would be.
+        let token_file = link_dir.join("identity-token");
         std::fs::write(&token_file, token).expect("token");
         std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o644)).expect("chmod");
         let socket = link_dir.join("link.sock");
@@ -478,11 +489,18 @@ async fn a_session_runs_in_a_claimed_pod_that_clones_and_delivers_through_the_gi
     })
     .await;
 
-    // The next turn claims a new pod, which starts from what the session delivered (a pod keeps
-    // nothing between claims: its workspace is cloned again at the delivered head, and its agent, which
-    // has no state to load, is primed with the conversation so far).
+    // The pod gave up its agent's home before it was let go.
+    // The next turn claims a new pod (a cold one: the pool had one warm pod), which starts from what the
+    // session delivered and gets the agent's home back: the agent loads its own session, so the prompt
+    // reaches it as the user wrote it.
     let delivered = session["head_sha"].as_str().expect("delivered head").to_owned();
-    world.steer(&id, "what did you do before?", "queue").await;
+    world
+        .steer(
+            &id,
+            "#!scripted\nrun: cat /workspace/POD.md\nwrite: SECOND.md\nfrom the second pod\n>>>\nsay: second",
+            "queue",
+        )
+        .await;
     let (session, turns) = world.settled(&id, 2).await;
     assert_eq!(
         turns[1]["status"],
@@ -490,31 +508,24 @@ async fn a_session_runs_in_a_claimed_pod_that_clones_and_delivers_through_the_gi
         "{session:#}\n{turns:#?}\n{}",
         server.log()
     );
-    assert_eq!(turns[1]["priming"], "transcript", "{turns:#?}");
-    assert!(
-        world.assistant_said(&id, "hello from a pod").await,
-        "the fresh pod's agent got the conversation so far"
-    );
+    assert_eq!(turns[1]["priming"], "session_load", "{turns:#?}");
+    assert!(world.assistant_said(&id, "second").await);
     let claims = cluster.claims_seen.lock().unwrap_or_else(|p| p.into_inner()).len();
     assert_eq!(claims, 2, "the second turn had a pod of its own");
-    // As the kubelet, this test looks into the second pod's volume.
-    let second = scratch
-        .path()
-        .join("pods")
-        .join(format!("{POOL}-warm-1"))
-        .join("workspace");
-    assert_eq!(
-        std::fs::read_to_string(second.join("POD.md")).expect("the delivered work is in the new pod"),
-        "written in a pod\n"
-    );
-    let head = std::process::Command::new("git")
+    // As the kubelet, this test looks into the second pod's volume: it was cloned at the delivered head.
+    let second_pod = cluster.pod_names.lock().unwrap_or_else(|p| p.into_inner())[1].clone();
+    let second = scratch.path().join("pods").join(second_pod).join("workspace");
+    let first_commit = std::process::Command::new("git")
         .args(["-c", "safe.directory=*", "-C"])
         .arg(&second)
-        .args(["rev-parse", "HEAD"])
+        .args(["rev-parse", "HEAD~1"])
         .output()
         .expect("git");
-    assert_eq!(String::from_utf8_lossy(&head.stdout).trim(), delivered);
-    assert_eq!(world.commits_on_branch(&id), 1, "nothing new to deliver");
+    assert_eq!(String::from_utf8_lossy(&first_commit.stdout).trim(), delivered);
+    let mut files = world.files_on_branch(&id);
+    files.sort();
+    assert_eq!(files, vec!["POD.md".to_owned(), "SECOND.md".to_owned()]);
+    assert_eq!(world.commits_on_branch(&id), 2);
     cluster.stop_all().await;
 }
 

@@ -28,6 +28,7 @@ use sortie_store::{SessionRow, TurnOutcome, TurnRow};
 
 pub(crate) use self::lost::end_lost_turn;
 use self::lost::{foreign_turn, lose};
+pub(crate) use self::pod::keep_home;
 pub use self::sandbox::SandboxHandle;
 pub(crate) use self::sandbox::{adopt, destroy};
 use self::watch::{TurnWatch, Watched, Watching};
@@ -332,10 +333,29 @@ async fn run_agent_turn(
     deliver::settle_turn(context, session, n, sandbox, transcript, report, seen, timings, started).await
 }
 
+/// How long a lost turn in a pod waits for the cluster to say why (its link breaks a moment before the
+/// controller marks the claim).
+const POD_VERDICT_WAIT: Duration = Duration::from_secs(5);
+
 async fn sandbox_gone_reason(context: &Arc<Context>, sandbox: &SandboxHandle) -> String {
-    match context.runtime.status(sandbox.name()).await {
-        Ok(SandboxStatus::Exited(exit)) => format!("the sandbox's driver {}", exit.describe()),
-        _ => "the driver stopped answering".to_owned(),
+    let wait = if context.pods.is_some() {
+        POD_VERDICT_WAIT
+    } else {
+        Duration::ZERO
+    };
+    let deadline = Instant::now() + wait;
+    loop {
+        if let Ok(SandboxStatus::Exited(exit)) = context.runtime.status(sandbox.name()).await {
+            return if exit.out_of_memory {
+                exit.describe()
+            } else {
+                format!("the sandbox's driver {}", exit.describe())
+            };
+        }
+        if Instant::now() >= deadline {
+            return "the driver stopped answering".to_owned();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

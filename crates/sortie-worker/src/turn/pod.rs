@@ -83,6 +83,18 @@ pub(super) async fn provision(
     );
 
     let clock = Instant::now();
+    // What the session's agent kept, from its last pod: its own sessions, which `session/load` reads.
+    match context.store.home_snapshot(&session.id).await {
+        Ok(Some(tar)) => {
+            if let Err(error) = handle.driver().restore_home(tar).await {
+                tracing::warn!(%error, session = %session.id, "the agent's home was not restored; it is primed from the transcript");
+            }
+        }
+        Ok(None) => {}
+        Err(error) => {
+            tracing::warn!(%error, session = %session.id, "cannot read the agent's home; it is primed from the transcript");
+        }
+    }
     let assignment = Assignment {
         session: session.id.to_string(),
         agent: session.agent.clone(),
@@ -111,4 +123,22 @@ pub(super) async fn provision(
     run_setup(context, session, &handle).await?;
     timings.insert("setup".into(), ms(clock));
     Ok(handle)
+}
+
+/// Keeps what the pod's agent has in its home for the session's next pod, before the pod is let go at
+/// hibernation. A home too large or a driver that does not answer loses only that: the next pod's agent
+/// is primed from the transcript.
+pub(crate) async fn keep_home(
+    context: &Arc<Context>,
+    session_id: &sortie_protocol::SessionId,
+    sandbox: &SandboxHandle,
+) {
+    match sandbox.driver().home_snapshot().await {
+        Ok(tar) => {
+            if let Err(error) = context.store.set_home_snapshot(session_id, &tar).await {
+                tracing::warn!(%error, session = %session_id, "cannot keep the agent's home");
+            }
+        }
+        Err(error) => tracing::warn!(%error, session = %session_id, "the pod did not give up its agent's home"),
+    }
 }
