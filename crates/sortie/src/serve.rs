@@ -49,7 +49,8 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
         profiles: &profiles,
     });
     for check in checks.iter().filter(|c| !c.ok) {
-        if check.required && args.roles.contains(&ServeRole::Worker) {
+        // The host's checks are about local sandboxes; on Kubernetes the sandboxes are pods.
+        if check.required && args.roles.contains(&ServeRole::Worker) && !args.kube.is_kubernetes() {
             tracing::warn!(check = check.name, "{}", check.says);
         } else {
             tracing::info!(check = check.name, "{}", check.says);
@@ -172,10 +173,8 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
             let _ = stop_rx.wait_for(|stop| *stop).await;
         }
     };
-    if let Some(worker) = &worker {
-        worker.reconcile().await;
-    }
-    let worker_task = worker.map(|worker| tokio::spawn(worker.run(stopped())));
+    // Served before the reconciliation: a pod that outlived the last process dials its worker here to be
+    // taken up.
     if let Some((listener, router, url)) = feed {
         announce(&format!("sortie worker feed on {url}"));
         let stopped = stopped();
@@ -185,6 +184,10 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
             }
         });
     }
+    if let Some(worker) = &worker {
+        worker.reconcile().await;
+    }
+    let worker_task = worker.map(|worker| tokio::spawn(worker.run(stopped())));
 
     if roles.contains(&ServeRole::Api) || roles.contains(&ServeRole::Gateway) {
         let listener = tokio::net::TcpListener::bind(args.listen)

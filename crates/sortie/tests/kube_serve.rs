@@ -209,16 +209,17 @@ impl Cluster {
         let socket = link_dir.join("link.sock");
         let listener = tokio::net::UnixListener::bind(&socket).expect("link socket");
         self.runtime.grant_socket(&socket).expect("grant");
-        let worker = self
-            .worker
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-            .expect("the worker's feed address");
-        // The cluster's network between the pod and the worker.
+        // The cluster's network between the pod and the worker: the worker's Service name, which
+        // leads to whichever process serves it now.
+        let cluster = self.clone();
         tokio::spawn(async move {
             while let Ok((mut pod_side, _)) = listener.accept().await {
-                let worker = worker.clone();
+                let worker = cluster
+                    .worker
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone()
+                    .expect("the worker's feed address");
                 tokio::spawn(async move {
                     if let Ok(mut worker_side) = tokio::net::TcpStream::connect(worker.as_str()).await {
                         let _ = tokio::io::copy_bidirectional(&mut pod_side, &mut worker_side).await;
@@ -377,6 +378,11 @@ impl Fixture {
 }
 
 async fn start(extra: &[&str]) -> Fixture {
+    start_with_feed(extra, "127.0.0.1:0").await
+}
+
+/// With the worker's feed on `feed_listen`.
+async fn start_with_feed(extra: &[&str], feed_listen: &str) -> Fixture {
     let apiserver = Arc::new(FakeApiserver::start(WORKER_TOKEN).await);
     let scratch = tempfile::tempdir().expect("temp");
     std::fs::set_permissions(scratch.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
@@ -396,20 +402,11 @@ async fn start(extra: &[&str]) -> Fixture {
         "--warm-pool",
         "2",
         "--feed-listen",
-        "127.0.0.1:0",
+        feed_listen,
     ];
     args.extend_from_slice(extra);
     let world = World::start_with_env(&args, &[("KUBECONFIG", kubeconfig.as_str())], None);
-    let feed = world
-        .server
-        .as_ref()
-        .expect("server")
-        .banner
-        .iter()
-        .find_map(|line| line.strip_prefix(support::WORKER_FEED))
-        .expect("the worker announced its feed")
-        .trim_start_matches("http://")
-        .to_owned();
+    let feed = announced_feed(&world);
     *cluster.worker.lock().unwrap_or_else(|p| p.into_inner()) = Some(feed.clone());
     Fixture {
         apiserver,
@@ -418,6 +415,20 @@ async fn start(extra: &[&str]) -> Fixture {
         feed,
         scratch,
     }
+}
+
+/// Where the running server's worker serves its feed (and its pods' links).
+fn announced_feed(world: &World) -> String {
+    world
+        .server
+        .as_ref()
+        .expect("server")
+        .banner
+        .iter()
+        .find_map(|line| line.strip_prefix(support::WORKER_FEED))
+        .expect("the worker announced its feed")
+        .trim_start_matches("http://")
+        .to_owned()
 }
 
 fn failure_code(value: &Value) -> &str {
@@ -609,6 +620,49 @@ async fn a_warm_pod_whose_claim_expired_is_given_up_and_the_next_turn_gets_anoth
             .len(),
         2,
         "the second turn claimed a new pod"
+    );
+    fixture.cluster.stop_all().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_worker_takes_up_its_pods_and_the_turn_running_in_one_goes_on() {
+    // The worker's address stays what it was across the restart, as a StatefulSet pod's DNS name does
+    // (its pods dial that name again): a port that was free a moment ago.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port();
+    let feed_listen = format!("127.0.0.1:{port}");
+    let mut fixture = start_with_feed(&[], &feed_listen).await;
+    let id = fixture
+        .world
+        .create(
+            "#!scripted\nsay: before\nsleep: 3000\nsay: after the restart",
+            json!({}),
+        )
+        .await;
+    fixture.world.wait_said(&id, "before").await;
+    // The worker dies mid-turn; the claim and its pod live on, and the pod's driver dials again.
+    fixture.world.kill_server();
+    fixture.world.restart_server();
+    assert_eq!(announced_feed(&fixture.world), feed_listen);
+    let (session, turns) = fixture.world.settled(&id, 1).await;
+    assert_eq!(
+        turns[0]["status"],
+        "completed",
+        "{session:#}\n{turns:#?}\n{}",
+        fixture.server().log()
+    );
+    assert!(fixture.world.assistant_said(&id, "after the restart").await);
+    assert_eq!(
+        fixture
+            .cluster
+            .claims_seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len(),
+        1,
+        "the same pod went on"
     );
     fixture.cluster.stop_all().await;
 }

@@ -142,3 +142,44 @@ pub(crate) async fn keep_home(
         Err(error) => tracing::warn!(%error, session = %session_id, "the pod did not give up its agent's home"),
     }
 }
+
+/// Takes over the pod an earlier process of this worker held for `session` (a restart: the claim and
+/// its pod outlive the worker, and the pod's driver dials again): the claim is taken up as it is, the
+/// session's egress is bound to the pod again and its driver must answer over the link. Anything short
+/// of that lets the claim go.
+pub(super) async fn adopt(
+    context: &Arc<Context>,
+    pods: &Arc<Pods>,
+    session: &SessionRow,
+    name: &str,
+) -> Result<SandboxHandle, String> {
+    let claimed = pods.claim(name, &session.id).await.map_err(|(_, reason)| reason)?;
+    let gone = |reason: String| async move {
+        let _ = sortie_sandbox::SandboxRuntime::destroy(pods.as_ref(), name).await;
+        reason
+    };
+    let upstream = match session_upstream(context, session).await {
+        Ok((upstream, _)) => upstream,
+        Err((_, reason)) => return Err(gone(reason).await),
+    };
+    let dirs = SessionDirs::new(&context.config.work_dir, &session.id);
+    let current = Arc::new(CurrentTurn::default());
+    let proxy = match build_proxy(context, session, &dirs, upstream, &current) {
+        Ok(proxy) => proxy,
+        Err((_, reason)) => return Err(gone(reason).await),
+    };
+    // Only a pod past its setup is adopted: the agent phase's allowlist.
+    proxy.allowlist.end_setup();
+    pods.egress.bind(&claimed.pod_uid, proxy.egress.clone());
+    let driver = DriverClient::of_pod(pods.links.clone(), claimed.pod_uid.clone());
+    if let Err(error) = driver.status().await {
+        return Err(gone(format!("its driver does not answer: {error}")).await);
+    }
+    Ok(SandboxHandle::with_driver(
+        name.to_owned(),
+        dirs,
+        current,
+        proxy,
+        driver,
+    ))
+}

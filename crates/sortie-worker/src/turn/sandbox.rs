@@ -102,6 +102,9 @@ pub(crate) async fn destroy(context: &Arc<Context>, session_id: &SessionId, sand
 /// driver answers on the host's socket): the runtime adopts it, and its egress, git and model proxies
 /// are served again on its socket. Anything short of that destroys it.
 pub(crate) async fn adopt(context: &Arc<Context>, session: &SessionRow, name: &str) -> Result<SandboxHandle, String> {
+    if let Some(pods) = &context.pods {
+        return super::pod::adopt(context, pods, session, name).await;
+    }
     context.runtime.adopt(name).await.map_err(|e| e.to_string())?;
     let dirs = SessionDirs::new(&context.config.work_dir, &session.id);
     let driver = DriverClient::new(dirs.driver_socket());
