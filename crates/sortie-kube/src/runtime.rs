@@ -354,12 +354,13 @@ impl KubeSandboxes {
         }
     }
 
-    /// The sessions that hold a claim (after a restart: what to adopt or release).
+    /// The sessions that hold a claim on this worker's pool (after a restart: what to adopt or release).
     pub async fn claimed_sessions(&self) -> Result<Vec<(SessionId, String)>, kube::Error> {
         let claims = self.claims.list(&ListParams::default().labels(SESSION_LABEL)).await?;
         Ok(claims
             .items
             .into_iter()
+            .filter(|claim| claim.spec.warm_pool_ref.name == self.pool)
             .filter_map(|claim| {
                 let session = claim.metadata.labels.as_ref()?.get(SESSION_LABEL)?;
                 Some((SessionId::parse(session).ok()?, claim.metadata.name?))
@@ -394,6 +395,13 @@ impl sortie_worker::pods::PodSource for KubeSandboxes {
     async fn release(&self, session: &SessionId) -> Result<(), String> {
         KubeSandboxes::release(self, session)
             .await
+            .map_err(|error| error.to_string())
+    }
+
+    async fn held(&self) -> Result<Vec<SessionId>, String> {
+        self.claimed_sessions()
+            .await
+            .map(|held| held.into_iter().map(|(session, _)| session).collect())
             .map_err(|error| error.to_string())
     }
 }

@@ -678,6 +678,9 @@ async fn reconcile(context: &Arc<Context>) -> Vec<Adopted> {
             tracing::warn!(session = %session.id, "reconciled a session this worker held before it stopped: its turn is lost");
         }
     }
+    if let Some(pods) = &context.pods {
+        pods.release_unheld(&taken).await;
+    }
     for session_id in &had_sandbox {
         // Only an idle session changes: any other phase is right as it is.
         let _ = context

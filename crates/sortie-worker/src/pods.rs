@@ -41,6 +41,8 @@ pub trait PodSource: Send + Sync + 'static {
     async fn lost(&self, session: &SessionId) -> PodFailure;
     /// Lets the session's pod go.
     async fn release(&self, session: &SessionId) -> Result<(), String>;
+    /// The sessions holding a pod of this worker's (after a restart: what it did not record).
+    async fn held(&self) -> Result<Vec<SessionId>, String>;
 }
 
 /// One pod the worker holds, by the sandbox name (the session id).
@@ -109,6 +111,24 @@ impl Pods {
             older.watch.abort();
         }
         Ok(claimed)
+    }
+
+    /// Lets go every pod of this worker's that no session of `kept` holds: a claim made just before
+    /// an earlier process died, before it was recorded, is not left to its shutdown time.
+    pub(crate) async fn release_unheld(&self, kept: &std::collections::HashSet<SessionId>) {
+        let held = match self.source.held().await {
+            Ok(held) => held,
+            Err(error) => {
+                tracing::warn!(%error, "cannot list this worker's pods; unrecorded ones wait for their shutdown time");
+                return;
+            }
+        };
+        for session in held.into_iter().filter(|session| !kept.contains(session)) {
+            match self.source.release(&session).await {
+                Ok(()) => tracing::info!(session = %session, "let go a pod no session of this worker holds"),
+                Err(error) => tracing::warn!(%error, session = %session, "cannot let an unrecorded pod go"),
+            }
+        }
     }
 
     fn take(&self, name: &str) -> Option<Held> {

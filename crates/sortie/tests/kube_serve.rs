@@ -642,10 +642,32 @@ async fn a_restarted_worker_takes_up_its_pods_and_the_turn_running_in_one_goes_o
         )
         .await;
     fixture.world.wait_said(&id, "before").await;
-    // The worker dies mid-turn; the claim and its pod live on, and the pod's driver dials again.
+    // The worker dies mid-turn; the claim and its pod live on, and the pod's driver dials again. It
+    // had also just claimed a pod it never recorded; another worker's pool holds a claim too.
     fixture.world.kill_server();
+    let stray = |pool: &str| {
+        let session = sortie_protocol::SessionId::generate();
+        let name = sortie_kube::runtime::claim_name(&session);
+        fixture.apiserver.put(
+            key(CLAIMS, &name),
+            json!({"apiVersion": "extensions.agents.x-k8s.io/v1beta1", "kind": "SandboxClaim",
+                   "metadata": {"labels": {"sortie.dev/session": session.as_str()}},
+                   "spec": {"warmPoolRef": {"name": pool}}}),
+        );
+        key(CLAIMS, &name)
+    };
+    let unrecorded = stray(POOL);
+    let others = stray("another-workers-pool");
     fixture.world.restart_server();
     assert_eq!(announced_feed(&fixture.world), feed_listen);
+    assert!(
+        fixture.apiserver.get(&unrecorded).is_none(),
+        "a claim of this worker's pool that no session holds is let go at start"
+    );
+    assert!(
+        fixture.apiserver.get(&others).is_some(),
+        "another worker's claim is its own"
+    );
     let (session, turns) = fixture.world.settled(&id, 1).await;
     assert_eq!(
         turns[0]["status"],
@@ -654,15 +676,14 @@ async fn a_restarted_worker_takes_up_its_pods_and_the_turn_running_in_one_goes_o
         fixture.server().log()
     );
     assert!(fixture.world.assistant_said(&id, "after the restart").await);
-    assert_eq!(
-        fixture
-            .cluster
-            .claims_seen
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .len(),
-        1,
-        "the same pod went on"
-    );
+    let claims_of_the_session = fixture
+        .cluster
+        .claims_seen
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter(|claim| claim["metadata"]["labels"]["sortie.dev/session"] == id.as_str())
+        .count();
+    assert_eq!(claims_of_the_session, 1, "the same pod went on");
     fixture.cluster.stop_all().await;
 }
