@@ -134,6 +134,32 @@ impl AgentCatalog {
         catalog.probe = Arc::new(HostAgents { profiles, agents_dir });
         Ok(catalog)
     }
+
+    /// The catalog whose installed agents are `installed`, as the operator declared them for sandboxes
+    /// that run elsewhere (pods of an image that holds them), instead of this host's.
+    pub fn declared(mut self, installed: &[String]) -> Result<Self, String> {
+        let installed: Vec<&String> = installed.iter().filter(|id| !id.is_empty()).collect();
+        if let Some(unknown) = installed.iter().find(|id| !self.known.contains(id)) {
+            return Err(format!(
+                "--agents-installed names {unknown:?}, which is not a known agent ({})",
+                self.known.join(", ")
+            ));
+        }
+        let listed = installed.iter().map(|id| id.as_str()).collect::<Vec<_>>().join(",");
+        let missing: std::collections::BTreeMap<String, String> = self
+            .known
+            .iter()
+            .filter(|id| !installed.contains(id))
+            .map(|id| {
+                (
+                    id.clone(),
+                    format!("this deployment's sandboxes do not hold it (SORTIE_AGENTS_INSTALLED={listed})"),
+                )
+            })
+            .collect();
+        self.probe = Arc::new(missing);
+        Ok(self)
+    }
 }
 
 /// The agents this host can run: installed under the agents dir, next to sortie or on PATH.

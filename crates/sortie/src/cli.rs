@@ -190,6 +190,10 @@ pub struct ServeArgs {
     /// The agent used when a request names none.
     #[arg(long, env = env::DEFAULT_AGENT)]
     pub default_agent: Option<String>,
+    /// The agents the sandboxes can run, comma-separated, instead of what this host has installed (an
+    /// api replica on Kubernetes: the sandbox image holds the agents).
+    #[arg(long, env = env::AGENTS_INSTALLED, value_delimiter = ',')]
+    pub agents_installed: Option<Vec<String>>,
     /// The roles to run, comma-separated: `api` (REST), `gateway` (streams), `worker` (sandboxes).
     #[arg(long, env = env::ROLES, value_delimiter = ',', default_value = "api,gateway,worker")]
     pub roles: Vec<ServeRole>,

@@ -14,6 +14,9 @@ pub mod env {
     pub const DATABASE_URL: &str = "SORTIE_DATABASE_URL";
     /// The agent used when a request names none (`--default-agent`).
     pub const DEFAULT_AGENT: &str = "SORTIE_DEFAULT_AGENT";
+    /// The agents the sandboxes hold, comma-separated (`--agents-installed`), instead of probing this
+    /// host: an api replica on Kubernetes, whose sandboxes are pods of another image.
+    pub const AGENTS_INSTALLED: &str = "SORTIE_AGENTS_INSTALLED";
     /// Secret for attach tickets, shared by every replica; generated and kept in the store if unset.
     pub const TICKET_SECRET: &str = "SORTIE_TICKET_SECRET";
     /// The server the client commands talk to (`--server`).

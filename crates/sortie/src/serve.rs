@@ -36,8 +36,11 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
     // Agents an operator's manifest adds are as good as the built-in ones.
     let profiles = sortie_driver::profile::load(args.worker.agent_profiles.as_deref())?;
     let agents_dir = args.worker.agents_dir(&data_dir);
-    let agents =
+    let mut agents =
         AgentCatalog::for_host(profiles.clone(), agents_dir.clone(), args.default_agent).map_err(anyhow::Error::msg)?;
+    if let Some(installed) = &args.agents_installed {
+        agents = agents.declared(installed).map_err(anyhow::Error::msg)?;
+    }
 
     // The same host checks as `sortie doctor`: what is missing is said once, at start.
     let work_dir = args.worker.work_dir(&data_dir);

@@ -437,8 +437,9 @@ fn failure_code(value: &Value) -> &str {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_runs_in_a_claimed_pod_that_clones_and_delivers_through_the_git_proxy() {
-    // A session hibernates as soon as its turn ends, so its next turn takes a new pod.
-    let fixture = start(&["--idle-grace", "0"]).await;
+    // A session hibernates as soon as its turn ends, so its next turn takes a new pod. The agents are
+    // the sandbox image's, as an operator declares them (this host's are not the pods').
+    let fixture = start(&["--idle-grace", "0", "--agents-installed", "scripted,claude-code"]).await;
     let Fixture {
         apiserver,
         cluster,
@@ -460,6 +461,28 @@ async fn a_session_runs_in_a_claimed_pod_that_clones_and_delivers_through_the_gi
     );
     let pool = apiserver.get(&key(POOLS, POOL)).expect("pool");
     assert_eq!(pool["spec"]["replicas"], 2);
+    let (status, agents) = world.call(reqwest::Method::GET, "/v1/agents", None).await;
+    assert_eq!(status, 200, "{agents}");
+    let installed: Vec<&str> = agents["agents"]
+        .as_array()
+        .expect("agents")
+        .iter()
+        .filter(|agent| agent["installed"] == true)
+        .filter_map(|agent| agent["id"].as_str())
+        .collect();
+    assert_eq!(installed, vec!["claude-code", "scripted"], "{agents:#}");
+    let (status, refused) = world
+        .call(
+            reqwest::Method::POST,
+            "/v1/sessions",
+            Some(json!({"repo": world.upstream, "task": "t", "agent": "codex"})),
+        )
+        .await;
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (409, Some("AGENT_NOT_INSTALLED")),
+        "{refused}"
+    );
 
     let id = world
         .create(
