@@ -331,6 +331,20 @@ where
     listener::serve(listener, routes, limits, shutdown).await
 }
 
+/// Serves any `router` (a worker's feed, which its pods reach too) within `limits`: the same bounds
+/// as the api listener, a head deadline and connection caps, and upgrades.
+pub async fn serve_bounded<L>(
+    listener: L,
+    router: Router,
+    limits: ListenerLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()>
+where
+    L: axum::serve::Listener<Addr = SocketAddr>,
+{
+    listener::serve(listener, router, limits, shutdown).await
+}
+
 /// `router` with an app behind it: every path the API does not route goes to `app` (the dashboard),
 /// except under `/v1/`, which stays the API's own JSON 404.
 pub fn with_app<S>(router: Router, app: S) -> Router

@@ -181,8 +181,10 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
     if let Some((listener, router, url)) = feed {
         announce(&format!("sortie worker feed on {url}"));
         let stopped = stopped();
+        // Bounded as the api's: on Kubernetes every sandbox pod reaches this listener.
+        let limits = descriptors.listener_limits();
         tokio::spawn(async move {
-            if let Err(error) = axum::serve(listener, router).with_graceful_shutdown(stopped).await {
+            if let Err(error) = sortie_server::serve_bounded(listener, router, limits, stopped).await {
                 tracing::error!(%error, "the worker's feed listener stopped");
             }
         });
