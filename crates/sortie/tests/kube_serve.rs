@@ -497,6 +497,8 @@ async fn a_session_runs_in_a_claimed_pod_that_clones_and_delivers_through_the_gi
         server.log()
     );
     assert_eq!(turns[0]["status"], "completed", "{turns:#?}");
+    // For the record (no target here): what a warm claim, the pod's clone and its first part took.
+    eprintln!("kube_serve turn 1 timings (ms): {}", turns[0]["timings"]);
     assert!(world.assistant_said(&id, "hello from a pod").await);
     // Delivered through the git proxy, from the pod's own clone, onto the session's branch only.
     assert_eq!(world.files_on_branch(&id), vec!["POD.md".to_owned()]);
@@ -543,6 +545,7 @@ async fn a_session_runs_in_a_claimed_pod_that_clones_and_delivers_through_the_gi
         server.log()
     );
     assert_eq!(turns[1]["priming"], "session_load", "{turns:#?}");
+    eprintln!("kube_serve turn 2 (cold pod) timings (ms): {}", turns[1]["timings"]);
     assert!(world.assistant_said(&id, "second").await);
     let claims = cluster.claims_seen.lock().unwrap_or_else(|p| p.into_inner()).len();
     assert_eq!(claims, 2, "the second turn had a pod of its own");
