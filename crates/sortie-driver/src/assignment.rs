@@ -76,7 +76,7 @@ async fn assign(State(state): State<Awaiting>, body: Bytes) -> Response {
     {
         return crate::api::refuse(
             StatusCode::UNPROCESSABLE_ENTITY,
-            DriverErrorCode::InvalidRequest,
+            DriverErrorCode::CheckoutFailed,
             format!("the workspace could not be cloned: {why}"),
         );
     }
@@ -113,6 +113,9 @@ async fn check_out(settings: &DriverSettings, checkout: &Checkout) -> Result<(),
         workspace: settings.workspace.clone(),
         env: vec![
             ("HOME".into(), settings.home.display().to_string()),
+            // A home restored from the session's last pod is the agent's: its git config is not read.
+            ("GIT_CONFIG_GLOBAL".into(), "/dev/null".into()),
+            ("GIT_CONFIG_NOSYSTEM".into(), "1".into()),
             (
                 "PATH".into(),
                 std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into()),

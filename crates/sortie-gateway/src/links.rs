@@ -49,7 +49,9 @@ const REVIEW_MAX_BYTES: usize = 64 * 1024;
 /// How long an accepted token is taken without asking the apiserver again. A pod deleted meanwhile
 /// gains nothing by it: its binding goes with its claim, and a link or egress needs one.
 const REVIEW_CACHE_TTL: Duration = Duration::from_secs(60);
-/// The most accepted tokens remembered; past it the oldest are forgotten.
+/// How long a refused token is refused again without asking the apiserver.
+const REFUSAL_CACHE_TTL: Duration = Duration::from_secs(10);
+/// The most accepted (or refused) tokens remembered; past it the oldest are forgotten.
 const REVIEW_CACHE_MAX: usize = 1024;
 /// The most reviews in flight at once; more wait (up to [`REVIEW_DEADLINE`]) for a turn.
 const REVIEWS_AT_ONCE: usize = 4;
@@ -223,11 +225,13 @@ pub fn identity_of(status: TokenReviewStatus, sandbox_account: &str) -> Result<D
 }
 
 /// [`IdentityCheck`] in front of another that asks it about a token once per [`REVIEW_CACHE_TTL`] at
-/// most, and at most [`REVIEWS_AT_ONCE`] at a time. Only accepted tokens are remembered, by their
-/// SHA-256 (never the token itself); a refused token is asked about again, within the same bound.
+/// most (a refused one once per [`REFUSAL_CACHE_TTL`]), and at most [`REVIEWS_AT_ONCE`] at a time.
+/// Tokens are remembered by their SHA-256, never themselves.
 pub struct CachedIdentity {
     inner: Arc<dyn IdentityCheck>,
     accepted: std::sync::Mutex<HashMap<[u8; 32], (DriverIdentity, tokio::time::Instant)>>,
+    /// Tokens the apiserver refused, for [`REFUSAL_CACHE_TTL`]: the same garbage again costs no review.
+    refused: std::sync::Mutex<HashMap<[u8; 32], tokio::time::Instant>>,
     reviews: Semaphore,
 }
 
@@ -236,6 +240,7 @@ impl CachedIdentity {
         Self {
             inner,
             accepted: std::sync::Mutex::new(HashMap::new()),
+            refused: std::sync::Mutex::new(HashMap::new()),
             reviews: Semaphore::new(REVIEWS_AT_ONCE),
         }
     }
@@ -246,6 +251,25 @@ impl CachedIdentity {
             .get(key)
             .filter(|(_, at)| at.elapsed() < REVIEW_CACHE_TTL)
             .map(|(identity, _)| identity.clone())
+    }
+
+    fn refused_lately(&self, key: &[u8; 32]) -> bool {
+        self.refused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)
+            .is_some_and(|at| at.elapsed() < REFUSAL_CACHE_TTL)
+    }
+
+    fn remember_refusal(&self, key: [u8; 32]) {
+        let mut refused = self.refused.lock().unwrap_or_else(|p| p.into_inner());
+        if refused.len() >= REVIEW_CACHE_MAX {
+            refused.retain(|_, at| at.elapsed() < REFUSAL_CACHE_TTL);
+        }
+        if refused.len() >= REVIEW_CACHE_MAX {
+            refused.clear();
+        }
+        refused.insert(key, tokio::time::Instant::now());
     }
 
     fn remember(&self, key: [u8; 32], identity: DriverIdentity) {
@@ -269,6 +293,9 @@ impl IdentityCheck for CachedIdentity {
         if let Some(identity) = self.remembered(&key) {
             return Ok(identity);
         }
+        if self.refused_lately(&key) {
+            return Err(IdentityRefused::NotAuthenticated("refused moments ago".into()));
+        }
         let _turn = tokio::time::timeout(REVIEW_DEADLINE, self.reviews.acquire())
             .await
             .map_err(|_| IdentityRefused::Unavailable("too many identity reviews at once".into()))?
@@ -277,17 +304,29 @@ impl IdentityCheck for CachedIdentity {
         if let Some(identity) = self.remembered(&key) {
             return Ok(identity);
         }
-        let identity = self.inner.identify(token).await?;
-        self.remember(key, identity.clone());
-        Ok(identity)
+        if self.refused_lately(&key) {
+            return Err(IdentityRefused::NotAuthenticated("refused moments ago".into()));
+        }
+        match self.inner.identify(token).await {
+            Ok(identity) => {
+                self.remember(key, identity.clone());
+                Ok(identity)
+            }
+            Err(error @ IdentityRefused::Unavailable(_)) => Err(error),
+            Err(error) => {
+                self.remember_refusal(key);
+                Err(error)
+            }
+        }
     }
 }
 
 /// Which session's egress proxy each pod reaches, by pod uid: the worker binds a pod when it has
-/// claimed it for a session and unbinds it when it lets the claim go.
+/// claimed it for a session and unbinds it when it lets the claim go — which also ends every connection
+/// the pod still holds through it (a pod let go keeps no way out while it terminates).
 #[derive(Default)]
 pub struct EgressBindings {
-    proxies: std::sync::Mutex<HashMap<String, Arc<EgressProxy>>>,
+    proxies: std::sync::Mutex<HashMap<String, (Arc<EgressProxy>, tokio_util::sync::CancellationToken)>>,
 }
 
 impl EgressBindings {
@@ -296,17 +335,24 @@ impl EgressBindings {
     }
 
     pub fn bind(&self, pod_uid: &str, proxy: Arc<EgressProxy>) {
-        self.proxies
+        let older = self
+            .proxies
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(pod_uid.to_owned(), proxy);
+            .insert(pod_uid.to_owned(), (proxy, tokio_util::sync::CancellationToken::new()));
+        if let Some((_, ended)) = older {
+            ended.cancel();
+        }
     }
 
     pub fn unbind(&self, pod_uid: &str) {
-        self.proxies.lock().unwrap_or_else(|p| p.into_inner()).remove(pod_uid);
+        let bound = self.proxies.lock().unwrap_or_else(|p| p.into_inner()).remove(pod_uid);
+        if let Some((_, ended)) = bound {
+            ended.cancel();
+        }
     }
 
-    fn get(&self, pod_uid: &str) -> Option<Arc<EgressProxy>> {
+    fn get(&self, pod_uid: &str) -> Option<(Arc<EgressProxy>, tokio_util::sync::CancellationToken)> {
         self.proxies
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -505,7 +551,7 @@ async fn accept_egress(State(state): State<LinkState>, mut request: Request) -> 
         Ok(identity) => identity,
         Err(refusal) => return refusal,
     };
-    let Some(proxy) = state.egress.get(&identity.pod_uid) else {
+    let Some((proxy, unbound)) = state.egress.get(&identity.pod_uid) else {
         metrics::counter!("sortie_egress_decisions_total", "decision" => "unbound").increment(1);
         return (
             StatusCode::FORBIDDEN,
@@ -523,7 +569,10 @@ async fn accept_egress(State(state): State<LinkState>, mut request: Request) -> 
     let on_upgrade = hyper::upgrade::on(&mut request);
     tokio::spawn(async move {
         if let Ok(upgraded) = on_upgrade.await {
-            admitted.serve(upgraded).await;
+            tokio::select! {
+                () = admitted.serve(upgraded) => {}
+                () = unbound.cancelled() => {}
+            }
         }
     });
     switching(EGRESS_PROTOCOL)

@@ -162,7 +162,29 @@ async fn a_pod_reaches_only_its_sessions_egress_and_its_token_is_reviewed_once()
         "an accepted token is not reviewed again for each connection"
     );
 
+    // A token the apiserver refused is refused again for a while without asking it.
+    let reviews = apiserver.reviews();
+    for _ in 0..3 {
+        assert_eq!(
+            dial(&gateway, "eyJhbGciOiJSUzI1NiJ9.forged-again.sig").await.err(),
+            Some(StatusCode::UNAUTHORIZED)
+        );
+    }
+    assert_eq!(
+        apiserver.reviews(),
+        reviews + 1,
+        "one review for the same refused token"
+    );
+
+    // Letting the pod go ends the connections it still holds, and it opens none again.
+    let mut open = dial(&gateway, &pod_a).await.expect("upgraded");
     bindings.unbind("uid-a");
+    let mut rest = Vec::new();
+    tokio::time::timeout(DEADLINE, open.read_to_end(&mut rest))
+        .await
+        .expect("the held connection is closed when the pod is unbound")
+        .expect("read");
+    assert!(rest.is_empty(), "{rest:?}");
     assert_eq!(
         dial(&gateway, &pod_a).await.err(),
         Some(StatusCode::FORBIDDEN),

@@ -359,6 +359,8 @@ pub enum DriverErrorCode {
     AlreadyAssigned,
     /// The agent's home is larger than [`HOME_SNAPSHOT_MAX_BYTES`].
     HomeTooLarge,
+    /// The assignment's checkout could not be cloned.
+    CheckoutFailed,
 }
 
 /// The body of every refusal of the driver API.

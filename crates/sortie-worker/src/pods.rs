@@ -109,6 +109,9 @@ impl Pods {
             .insert(name.to_owned(), held)
         {
             older.watch.abort();
+            if older.pod_uid != claimed.pod_uid {
+                self.egress.unbind(&older.pod_uid);
+            }
         }
         Ok(claimed)
     }

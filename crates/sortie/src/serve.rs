@@ -14,6 +14,11 @@ use sortie_store::SqlStore;
 use crate::cli::{ClientArgs, ServeArgs, ServeRole};
 use crate::config::{self, DATABASE_FILE, env};
 
+/// Connections one address may hold to a worker's feed listener: a pod's link and its agent's egress
+/// connections (each sandbox's own cap is `MAX_CONNECTIONS_PER_SANDBOX`, 128), or a gateway replica's
+/// live tails.
+const FEED_CONNECTIONS_PER_IP: usize = 192;
+
 pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCode> {
     // Before any role records a metric: a process without the api role serves them on its feed listener.
     sortie_server::install_metrics_recorder();
@@ -181,8 +186,15 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
     if let Some((listener, router, url)) = feed {
         announce(&format!("sortie worker feed on {url}"));
         let stopped = stopped();
-        // Bounded as the api's: on Kubernetes every sandbox pod reaches this listener.
-        let limits = descriptors.listener_limits();
+        // Bounded as the api's, and closer per address: on Kubernetes every sandbox pod (an address each)
+        // reaches this listener, and one must not hold the slots of the others.
+        let limits = sortie_server::ListenerLimits {
+            max_connections_per_ip: descriptors
+                .listener_limits()
+                .max_connections_per_ip
+                .min(FEED_CONNECTIONS_PER_IP),
+            ..descriptors.listener_limits()
+        };
         tokio::spawn(async move {
             if let Err(error) = sortie_server::serve_bounded(listener, router, limits, stopped).await {
                 tracing::error!(%error, "the worker's feed listener stopped");

@@ -21,6 +21,9 @@ use crate::meter::CurrentTurn;
 use crate::pods::Pods;
 use crate::prepare::{self, SessionDirs};
 
+/// How long a hibernating pod has to give up its agent's home.
+const KEEP_HOME_DEADLINE: std::time::Duration = std::time::Duration::from_secs(15);
+
 pub(super) async fn provision(
     context: &Arc<Context>,
     pods: &Arc<Pods>,
@@ -110,7 +113,7 @@ pub(super) async fn provision(
     };
     if let Err(error) = handle.driver().assign(&assignment).await {
         destroy(context, &session.id, &handle).await;
-        let code = if error.to_string().contains("could not be cloned") {
+        let code = if error.code() == Some(sortie_protocol::driver::DriverErrorCode::CheckoutFailed) {
             FailureCode::CloneFailed
         } else {
             FailureCode::SandboxStartFailed
@@ -133,7 +136,11 @@ pub(crate) async fn keep_home(
     session_id: &sortie_protocol::SessionId,
     sandbox: &SandboxHandle,
 ) {
-    match sandbox.driver().home_snapshot().await {
+    // The worker's loop waits for this: a pod that sends its home slowly costs at most this long.
+    let given = tokio::time::timeout(KEEP_HOME_DEADLINE, sandbox.driver().home_snapshot())
+        .await
+        .unwrap_or(Err(crate::client::DriverError::Timeout(KEEP_HOME_DEADLINE)));
+    match given {
         Ok(tar) => {
             if let Err(error) = context.store.set_home_snapshot(session_id, &tar).await {
                 tracing::warn!(%error, session = %session_id, "cannot keep the agent's home");
