@@ -326,7 +326,15 @@ impl IdentityCheck for CachedIdentity {
 /// the pod still holds through it (a pod let go keeps no way out while it terminates).
 #[derive(Default)]
 pub struct EgressBindings {
-    proxies: std::sync::Mutex<HashMap<String, (Arc<EgressProxy>, tokio_util::sync::CancellationToken)>>,
+    proxies: std::sync::Mutex<HashMap<String, Binding>>,
+}
+
+struct Binding {
+    proxy: Arc<EgressProxy>,
+    /// Cancelled when the binding ends or closes: every connection through it ends.
+    ended: tokio_util::sync::CancellationToken,
+    /// Between turns a pod has no way out: nothing a turn left running may act for the session.
+    open: bool,
 }
 
 impl EgressBindings {
@@ -335,29 +343,53 @@ impl EgressBindings {
     }
 
     pub fn bind(&self, pod_uid: &str, proxy: Arc<EgressProxy>) {
+        let binding = Binding {
+            proxy,
+            ended: tokio_util::sync::CancellationToken::new(),
+            open: true,
+        };
         let older = self
             .proxies
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(pod_uid.to_owned(), (proxy, tokio_util::sync::CancellationToken::new()));
-        if let Some((_, ended)) = older {
-            ended.cancel();
+            .insert(pod_uid.to_owned(), binding);
+        if let Some(older) = older {
+            older.ended.cancel();
         }
     }
 
     pub fn unbind(&self, pod_uid: &str) {
         let bound = self.proxies.lock().unwrap_or_else(|p| p.into_inner()).remove(pod_uid);
-        if let Some((_, ended)) = bound {
-            ended.cancel();
+        if let Some(bound) = bound {
+            bound.ended.cancel();
         }
     }
 
-    fn get(&self, pod_uid: &str) -> Option<(Arc<EgressProxy>, tokio_util::sync::CancellationToken)> {
-        self.proxies
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(pod_uid)
-            .cloned()
+    /// Opens the pod's way out (a turn starts), or closes it (a turn ended): closing ends every
+    /// connection it holds and refuses new ones until it opens again.
+    pub fn set_open(&self, pod_uid: &str, open: bool) {
+        let mut proxies = self.proxies.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(binding) = proxies.get_mut(pod_uid) else {
+            return;
+        };
+        if binding.open == open {
+            return;
+        }
+        binding.open = open;
+        if open {
+            binding.ended = tokio_util::sync::CancellationToken::new();
+        } else {
+            binding.ended.cancel();
+        }
+    }
+
+    fn get(&self, pod_uid: &str) -> Result<(Arc<EgressProxy>, tokio_util::sync::CancellationToken), &'static str> {
+        let proxies = self.proxies.lock().unwrap_or_else(|p| p.into_inner());
+        match proxies.get(pod_uid) {
+            None => Err("serves no session"),
+            Some(binding) if !binding.open => Err("runs no turn"),
+            Some(binding) => Ok((binding.proxy.clone(), binding.ended.clone())),
+        }
     }
 }
 
@@ -551,13 +583,16 @@ async fn accept_egress(State(state): State<LinkState>, mut request: Request) -> 
         Ok(identity) => identity,
         Err(refusal) => return refusal,
     };
-    let Some((proxy, unbound)) = state.egress.get(&identity.pod_uid) else {
-        metrics::counter!("sortie_egress_decisions_total", "decision" => "unbound").increment(1);
-        return (
-            StatusCode::FORBIDDEN,
-            format!("pod {} serves no session: it has no way out", identity.pod_name),
-        )
-            .into_response();
+    let (proxy, unbound) = match state.egress.get(&identity.pod_uid) {
+        Ok(bound) => bound,
+        Err(why) => {
+            metrics::counter!("sortie_egress_decisions_total", "decision" => "unbound").increment(1);
+            return (
+                StatusCode::FORBIDDEN,
+                format!("pod {} {why}: it has no way out", identity.pod_name),
+            )
+                .into_response();
+        }
     };
     let Some(admitted) = proxy.admit() else {
         return (

@@ -134,6 +134,19 @@ impl Pods {
         }
     }
 
+    /// Opens or closes the way out of the pod held as sandbox `name` ([`EgressBindings::set_open`]).
+    pub(crate) fn set_egress(&self, name: &str, open: bool) {
+        let uid = self
+            .held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .map(|held| held.pod_uid.clone());
+        if let Some(uid) = uid {
+            self.egress.set_open(&uid, open);
+        }
+    }
+
     fn take(&self, name: &str) -> Option<Held> {
         self.held.lock().unwrap_or_else(|p| p.into_inner()).remove(name)
     }

@@ -713,3 +713,61 @@ async fn a_restarted_worker_takes_up_its_pods_and_the_turn_running_in_one_goes_o
     assert_eq!(claims_of_the_session, 1, "the same pod went on");
     fixture.cluster.stop_all().await;
 }
+
+/// A pod's processes cannot be told apart from outside it, so what a turn leaves running there is not
+/// killed as in a local sandbox (S12): instead the pod has no way out between turns. A process the turn
+/// started in the background reaches the egress proxy while the turn runs and nothing once it ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_turn_leaves_running_in_a_pod_has_no_way_out_after_it() {
+    let fixture = start(&[]).await;
+    let world = &fixture.world;
+    let probe = "import time, urllib.request, urllib.error\n\
+                 while True:\n\
+                 \x20   try:\n\
+                 \x20       urllib.request.urlopen('http://127.0.0.1:3128/_sortie/nothing', timeout=2)\n\
+                 \x20       said = 'out'\n\
+                 \x20   except urllib.error.HTTPError:\n\
+                 \x20       said = 'out'\n\
+                 \x20   except Exception:\n\
+                 \x20       said = 'shut'\n\
+                 \x20   open('/home/agent/probe.log', 'a').write(said + '\\n')\n\
+                 \x20   time.sleep(0.1)\n";
+    std::fs::write(fixture.scratch.path().join("image-bin").join("probe.py"), probe).expect("probe");
+    let bin = fixture.scratch.path().join("image-bin").display().to_string();
+    let id = world
+        .create(
+            &format!(
+                "#!scripted\nrun: setsid python3 {bin}/probe.py > /dev/null 2>&1 < /dev/null &\nsleep: 1500\nsay: done"
+            ),
+            json!({}),
+        )
+        .await;
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(turns[0]["status"], "completed", "{session:#}\n{turns:#?}");
+    let pod = fixture.cluster.pod_names.lock().unwrap_or_else(|p| p.into_inner())[0].clone();
+    let log = fixture
+        .scratch
+        .path()
+        .join("pods")
+        .join(pod)
+        .join("home")
+        .join("probe.log");
+    let lines =
+        sortie_testkit::wait::eventually("the probe is shut out after the turn", Duration::from_secs(30), || {
+            let lines: Vec<String> = std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .lines()
+                .map(str::to_owned)
+                .collect();
+            async move {
+                let ends_shut = lines.len() >= 3 && lines[lines.len() - 3..].iter().all(|l| l == "shut");
+                if ends_shut { Ok(lines) } else { Err(lines.len()) }
+            }
+        })
+        .await;
+    assert!(
+        lines.iter().any(|l| l == "out"),
+        "it reached the proxy while the turn ran: {lines:?}"
+    );
+    fixture.cluster.stop_all().await;
+}

@@ -264,6 +264,10 @@ async fn run_agent_turn(
     // What runs in the sandbox before the turn may go on after it (the driver, a setup script's
     // service); whatever the turn starts may not (DESIGN §9, S12).
     let before = context.runtime.processes(sandbox.name()).await.unwrap_or_default();
+    // A pod's processes cannot be told apart from outside it: its way out is open only while a turn runs.
+    if let Some(pods) = &context.pods {
+        pods.set_egress(sandbox.name(), true);
+    }
     let started = Instant::now();
     let priming_context = if n > 1 {
         Some(priming::context_for(context.store.as_ref(), session, n).await)
@@ -317,7 +321,11 @@ async fn run_agent_turn(
         timings.insert("first_part".into(), millis(first.saturating_duration_since(started)));
     }
     timings.insert("agent_turn".into(), ms(started));
-    // Nothing the turn started in the sandbox outlives it: the agent, a `setsid` child of it.
+    // Nothing the turn started in the sandbox outlives it: the agent, a `setsid` child of it (in a
+    // pod: nothing it left running has a way out).
+    if let Some(pods) = &context.pods {
+        pods.set_egress(sandbox.name(), false);
+    }
     match context.runtime.kill_newer(sandbox.name(), &before).await {
         Ok(0) => {}
         Ok(killed) => tracing::info!(session = %session.id, turn = n, killed, "killed what the turn left running"),
