@@ -205,6 +205,59 @@ async fn clone_fetch_and_the_sessions_own_pushes_go_through() {
     );
 }
 
+/// The session's WIP ref (where a pod keeps what a failed delivery could not push) may be pushed,
+/// forced and deleted by that session; another session's may not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sessions_own_wip_ref_may_be_kept_rewritten_and_deleted() {
+    let setup = setup().await;
+    let work = clone(&setup);
+    let wip = setup.session.wip_ref();
+    commit(&work, &setup.root, "w.txt", b"kept\n");
+    ok(git(
+        &work,
+        &setup.root,
+        &["push", "-q", "origin", &format!("HEAD:{wip}")],
+    ));
+    assert_eq!(rev(&setup.upstream, &setup.root, &wip), rev(&work, &setup.root, "HEAD"));
+    ok(git(&work, &setup.root, &["commit", "-q", "--amend", "-m", "rewritten"]));
+    ok(git(
+        &work,
+        &setup.root,
+        &["push", "-q", "origin", &format!("+HEAD:{wip}")],
+    ));
+    assert_eq!(rev(&setup.upstream, &setup.root, &wip), rev(&work, &setup.root, "HEAD"));
+    // A fresh clone fetches it by name.
+    let other = setup.root.join("other");
+    ok(git(
+        &setup.root,
+        &setup.root,
+        &["clone", "-q", &setup.url, other.to_str().expect("utf-8")],
+    ));
+    ok(git(&other, &setup.root, &["fetch", "-q", "origin", &wip]));
+    assert_eq!(rev(&other, &setup.root, "FETCH_HEAD"), rev(&work, &setup.root, "HEAD"));
+
+    let foreign = sortie_protocol::ids::wip_ref("ses_01jd8x3k4m5n6p7q8r9s0t1v2w");
+    let refused = git(&work, &setup.root, &["push", "origin", &format!("HEAD:{foreign}")]);
+    assert!(!refused.status.success() && String::from_utf8_lossy(&refused.stderr).contains("may not be pushed"));
+    assert_eq!(rev(&setup.upstream, &setup.root, &foreign), None);
+
+    ok(git(&work, &setup.root, &["push", "-q", "origin", &format!(":{wip}")]));
+    assert_eq!(rev(&setup.upstream, &setup.root, &wip), None);
+    let outcomes: Vec<(String, &str)> = setup
+        .ledger
+        .records()
+        .iter()
+        .filter_map(|r| r.update.as_ref().map(|u| (u.new.clone(), r.outcome.as_str())))
+        .collect();
+    assert_eq!(outcomes.len(), 4, "{outcomes:?}");
+    assert_eq!(outcomes[2].1, "refused");
+    assert_eq!(
+        outcomes[3],
+        ("0".repeat(40), "accepted"),
+        "the delete is recorded as taken"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_other_push_is_refused_whole_and_git_says_why() {
     let setup = setup().await;

@@ -69,6 +69,12 @@ impl SessionId {
         format!("sortie/{}", self.0)
     }
 
+    /// Where a session's pod keeps what a failed delivery could not push (a pod keeps nothing once let
+    /// go): outside `refs/heads`, so no branch list shows it, and pushable by that session only.
+    pub fn wip_ref(&self) -> String {
+        wip_ref(&self.0)
+    }
+
     /// The stable AI SDK message id of turn `n`'s assistant message.
     pub fn assistant_message_id(&self, n: u32) -> String {
         format!("{}-t{n}", self.0)
@@ -104,6 +110,11 @@ impl From<SessionId> for String {
     fn from(id: SessionId) -> Self {
         id.0
     }
+}
+
+/// [`SessionId::wip_ref`] of the session named `session` (as the driver and the git proxy have it).
+pub fn wip_ref(session: &str) -> String {
+    format!("refs/sortie/wip/{session}")
 }
 
 #[cfg(test)]

@@ -1,8 +1,10 @@
 //! The push confinement rule (DESIGN §7.3, `ref/git-proxy.md` §2–§4): a `receive-pack` request may
-//! reach the upstream only if every command updates exactly `refs/heads/sortie/<session-id>` and
-//! nothing in the command section is something this parser does not recognise. Fail closed: a
-//! `push-cert` block (applied by receive-pack even when never advertised), a delete, a second ref,
-//! push options, an unknown line, malformed or oversized input — each refuses the whole push.
+//! reach the upstream only if every command updates exactly `refs/heads/sortie/<session-id>` or the
+//! session's own `refs/sortie/wip/<session-id>` (where a pod keeps what a failed delivery could not
+//! push; it alone may also be deleted) and nothing in the command section is something this parser
+//! does not recognise. Fail closed: a `push-cert` block (applied by receive-pack even when never
+//! advertised), a delete of the branch, any other ref, push options, an unknown line, malformed or
+//! oversized input — each refuses the whole push.
 
 use crate::git::pktline::{self, Packet, PacketError};
 
@@ -53,6 +55,7 @@ fn is_zero_oid(text: &str) -> bool {
 /// says whether that is the whole body).
 pub fn decide(body: &[u8], session_id: &str, complete: bool) -> Decision {
     let allowed_ref = format!("refs/heads/sortie/{session_id}");
+    let wip_ref = sortie_protocol::ids::wip_ref(session_id);
     let mut offset = 0;
     let mut updates: Vec<RefUpdate> = Vec::new();
     let mut side_band = false;
@@ -162,7 +165,10 @@ pub fn decide(body: &[u8], session_id: &str, complete: bool) -> Decision {
             (false, _) => refuse("a push without commands".into(), &updates, side_band),
         };
     }
-    if let Some(foreign) = updates.iter().find(|u| u.refname != allowed_ref) {
+    if let Some(foreign) = updates
+        .iter()
+        .find(|u| u.refname != allowed_ref && u.refname != wip_ref)
+    {
         return refuse(
             format!(
                 "{} may not be pushed; this session may only push {allowed_ref}",
@@ -172,7 +178,7 @@ pub fn decide(body: &[u8], session_id: &str, complete: bool) -> Decision {
             side_band,
         );
     }
-    if updates.iter().any(|u| is_zero_oid(&u.new)) {
+    if updates.iter().any(|u| u.refname == allowed_ref && is_zero_oid(&u.new)) {
         return refuse(format!("{allowed_ref} may not be deleted"), &updates, side_band);
     }
     let rest = &body[offset..];
@@ -331,6 +337,32 @@ mod tests {
             decide(&body(&[(A, B, &own)], b"PA"), SESSION, false),
             Decision::Allow { .. }
         ));
+    }
+
+    #[test]
+    fn the_sessions_own_wip_ref_may_be_pushed_forced_and_deleted() {
+        let wip = sortie_protocol::ids::wip_ref(SESSION);
+        for commands in [
+            [(ZERO, A, wip.as_str())],
+            [(B, A, wip.as_str())],
+            [(A, ZERO, wip.as_str())],
+        ] {
+            let decision = decide(&body(&commands, PACK), SESSION, true);
+            assert!(matches!(decision, Decision::Allow { .. }), "{commands:?}: {decision:?}");
+        }
+        // A delete sends no pack at all.
+        assert!(matches!(
+            decide(&body(&[(A, ZERO, &wip)], b""), SESSION, true),
+            Decision::Allow { .. }
+        ));
+        let other = sortie_protocol::ids::wip_ref("ses_01jd8x3k4m5n6p7q8r9s0t1v2x");
+        for refname in [other, format!("{wip}x"), format!("{wip}/x"), "refs/sortie/wip".into()] {
+            let decision = decide(&body(&[(ZERO, A, &refname)], PACK), SESSION, true);
+            assert!(
+                refused(&decision).is_some_and(|r| r.contains("may not be pushed")),
+                "{refname}: {decision:?}"
+            );
+        }
     }
 
     #[test]
