@@ -71,14 +71,17 @@ async fn assign(State(state): State<Awaiting>, body: Bytes) -> Response {
     }
     let mut settings = state.settings.clone();
     settings.apply(&assignment);
-    if let Some(checkout) = &assignment.checkout
-        && let Err(why) = check_out(&settings, checkout).await
-    {
-        return crate::api::refuse(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            DriverErrorCode::CheckoutFailed,
-            format!("the workspace could not be cloned: {why}"),
-        );
+    if let Some(checkout) = &assignment.checkout {
+        match check_out(&settings, checkout).await {
+            Ok(restored) => settings.kept_work = Some(restored),
+            Err(why) => {
+                return crate::api::refuse(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    DriverErrorCode::CheckoutFailed,
+                    format!("the workspace could not be cloned: {why}"),
+                );
+            }
+        }
     }
     let config = match settings.resolve().await {
         Ok(config) => config,
@@ -98,16 +101,23 @@ async fn assign(State(state): State<Awaiting>, body: Bytes) -> Response {
 }
 
 /// Makes the pod's workspace: the session's repository through its git proxy, its branch at the
-/// commit the host named. A workspace that has a repository already is left as it is.
-async fn check_out(settings: &DriverSettings, checkout: &Checkout) -> Result<(), String> {
+/// commit the host named, and the files the session's last pod kept on top. A workspace that has a
+/// repository already is left as it is. `true` when kept work was restored; work that cannot be is
+/// left at its ref (said in the log), and the workspace is the branch's.
+async fn check_out(settings: &DriverSettings, checkout: &Checkout) -> Result<bool, String> {
     if !sortie_protocol::driver::is_commit_id(&checkout.commit) {
         return Err(format!("{:?} is not a full commit id", checkout.commit));
     }
     let Some(branch) = settings.branch.as_deref() else {
         return Err("the assignment names no branch".into());
     };
+    if let Some(wip) = &checkout.wip
+        && !sortie_protocol::driver::is_commit_id(wip)
+    {
+        return Err(format!("{wip:?} is not a full commit id"));
+    }
     if settings.workspace.join(".git").exists() {
-        return Ok(());
+        return Ok(false);
     }
     let git = crate::delivery::Git {
         workspace: settings.workspace.clone(),
@@ -125,7 +135,18 @@ async fn check_out(settings: &DriverSettings, checkout: &Checkout) -> Result<(),
     };
     git.checkout(&checkout.url, &checkout.commit, branch)
         .await
-        .map_err(|error| error.to_string())
+        .map_err(|error| error.to_string())?;
+    let Some(wip) = &checkout.wip else {
+        return Ok(false);
+    };
+    let refname = sortie_protocol::ids::wip_ref(&settings.session);
+    match git.restore_kept(&refname, wip).await {
+        Ok(()) => Ok(true),
+        Err(error) => {
+            tracing::warn!(%error, "the session's kept work was not restored; it stays at {refname}");
+            Ok(false)
+        }
+    }
 }
 
 /// `GET /home`: the agent's home as a tar, for the session's next pod.

@@ -43,6 +43,17 @@ pub struct DeliveryConfig {
     /// How long a push keeps being tried while the gateway cannot be reached (the server may be
     /// restarting: its sandboxes outlive it).
     pub unreachable_wait: Duration,
+    /// A pod's: where what a failed delivery could not push is kept (a pod keeps nothing once let go).
+    pub keep: Option<KeptWork>,
+}
+
+/// A pod's kept work: a failed delivery pushes HEAD to `refname` (the session's WIP ref, which only
+/// that session's git proxy lets through), and the next delivery that lands deletes it again.
+#[derive(Clone, Debug)]
+pub struct KeptWork {
+    pub refname: String,
+    /// Whether the ref holds work this workspace has (kept here, or restored into it at the checkout).
+    pub outstanding: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The default of [`DeliveryConfig::unreachable_wait`]: the server's default grace for sandboxes
@@ -110,6 +121,12 @@ pub enum GitError {
         status: ExitStatus,
         stderr: String,
     },
+    #[error("{refname} points at {found}, not at {expected} as the host recorded it")]
+    Moved {
+        refname: String,
+        expected: String,
+        found: String,
+    },
 }
 
 impl GitError {
@@ -133,7 +150,7 @@ impl GitError {
             Self::Failed { stderr, .. } => {
                 !stderr.contains("[remote rejected]") && SIGNS.iter().any(|sign| stderr.contains(sign))
             }
-            Self::Spawn { .. } | Self::TimedOut { .. } => false,
+            Self::Spawn { .. } | Self::TimedOut { .. } | Self::Moved { .. } => false,
         }
     }
 }
@@ -405,6 +422,34 @@ impl Git {
         Ok(())
     }
 
+    /// Makes the working tree hold the files of `commit`, kept at `refname` by the session's last pod,
+    /// on top of HEAD (whose index stays): the next delivery commits them. The ref must still point
+    /// at `commit`: a ref someone moved since is not taken.
+    pub async fn restore_kept(&self, refname: &str, commit: &str) -> Result<(), GitError> {
+        self.output(
+            "fetch the kept work",
+            &["fetch", "--quiet", "--no-tags", "origin", refname],
+        )
+        .await?;
+        let fetched = self
+            .output(
+                "read the kept work",
+                &["rev-parse", "--verify", "--quiet", "FETCH_HEAD^{commit}"],
+            )
+            .await?;
+        if fetched != commit {
+            return Err(GitError::Moved {
+                refname: refname.to_owned(),
+                expected: commit.to_owned(),
+                found: fetched,
+            });
+        }
+        self.output("restore the kept work", &["read-tree", "-u", "--reset", commit])
+            .await?;
+        self.output("restore the kept work", &["reset", "--quiet"]).await?;
+        Ok(())
+    }
+
     /// The commit HEAD points at, `None` on an unborn branch.
     pub async fn head(&self) -> Result<Option<String>, GitError> {
         let ran = self
@@ -518,11 +563,73 @@ pub struct DeliveryInput<'a> {
 /// Commits, scans and publishes; the report says what happened, its `error` what went wrong.
 pub async fn deliver(config: &DeliveryConfig, git: &Git, input: &DeliveryInput<'_>) -> DeliveryReport {
     let mut report = DeliveryReport::default();
-    if let Err(error) = try_deliver(config, git, input, &mut report).await {
+    let delivered = try_deliver(config, git, input, &mut report).await;
+    let kept = match &config.keep {
+        Some(keep) => keep_or_let_go(config, keep, git, &report, &delivered).await,
+        None => None,
+    };
+    if let Err(error) = delivered {
         tracing::warn!(code = error.code().as_str(), %error, "delivery failed");
-        report.error = Some(error.to_failure());
+        let mut failure = error.to_failure();
+        if let Some(refname) = kept {
+            failure.reason = format!(
+                "{}; the work is kept at {refname} for the session's next sandbox",
+                failure.reason
+            );
+        }
+        report.error = Some(failure);
     }
     report
+}
+
+/// A pod's work that did not land is pushed to its WIP ref (never after a secret was found: the
+/// gateway would refuse it, and it is to go nowhere); once a delivery lands, a ref this workspace's
+/// work was kept at goes. `Some(ref)` when the work was kept now.
+async fn keep_or_let_go(
+    config: &DeliveryConfig,
+    keep: &KeptWork,
+    git: &Git,
+    report: &DeliveryReport,
+    delivered: &Result<(), DeliveryError>,
+) -> Option<String> {
+    use std::sync::atomic::Ordering;
+    match delivered {
+        Ok(()) if report.pushed && keep.outstanding.load(Ordering::SeqCst) => {
+            let delete = format!(":{}", keep.refname);
+            match git
+                .output(
+                    "delete the kept work",
+                    &["push", "--porcelain", "--", &config.remote, &delete],
+                )
+                .await
+            {
+                Ok(_) => keep.outstanding.store(false, Ordering::SeqCst),
+                Err(error) => tracing::warn!(%error, "the kept work's ref stays"),
+            }
+            None
+        }
+        Err(DeliveryError::SecretDetected(_)) | Ok(()) => None,
+        Err(_) if !report.changed => None,
+        Err(_) => {
+            let refspec = format!("+HEAD:{}", keep.refname);
+            match git
+                .output(
+                    "keep the work",
+                    &["push", "--porcelain", "--", &config.remote, &refspec],
+                )
+                .await
+            {
+                Ok(_) => {
+                    keep.outstanding.store(true, Ordering::SeqCst);
+                    Some(keep.refname.clone())
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "the undelivered work could not be kept");
+                    None
+                }
+            }
+        }
+    }
 }
 
 async fn try_deliver(

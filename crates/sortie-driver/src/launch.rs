@@ -72,6 +72,10 @@ pub struct DriverSettings {
     /// point the agent's proxy variables at it (a pod's only way out).
     #[arg(long, requires = "link", conflicts_with = "egress_socket")]
     pub egress_over_link: bool,
+    /// A pod's (set at its assignment): what a failed delivery could not push is kept at the session's
+    /// WIP ref; `true` when the workspace was made from work kept there already.
+    #[arg(skip)]
+    pub kept_work: Option<bool>,
     /// Deliver each turn's work to this branch (e.g. `sortie/ses_…`): commit, scan for secrets, push.
     /// Without it the work stays in the workspace.
     #[arg(long)]
@@ -290,6 +294,10 @@ impl DriverSettings {
             known_secrets_file: self.secret_digests.clone(),
             git_timeout: delivery::GIT_TIMEOUT,
             unreachable_wait: delivery::UNREACHABLE_WAIT,
+            keep: self.kept_work.map(|outstanding| delivery::KeptWork {
+                refname: sortie_protocol::ids::wip_ref(&self.session),
+                outstanding: Arc::new(std::sync::atomic::AtomicBool::new(outstanding)),
+            }),
         }))
     }
 }

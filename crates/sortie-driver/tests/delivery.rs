@@ -53,6 +53,7 @@ fn config(remote: &Path) -> DeliveryConfig {
         known_secrets_file: None,
         git_timeout: Duration::from_secs(60),
         unreachable_wait: Duration::from_secs(2),
+        keep: None,
     }
 }
 
@@ -205,4 +206,98 @@ fn only_a_remote_that_cannot_be_reached_is_worth_trying_again() {
         seconds: 120,
     };
     assert!(!timed_out.is_unreachable());
+}
+
+/// A pod keeps nothing once let go: what a failed delivery could not push goes to the session's WIP
+/// ref, the session's next workspace is made from it, and the delivery that lands deletes it.
+#[tokio::test]
+async fn work_a_delivery_could_not_push_is_kept_at_the_wip_ref_and_let_go_once_delivered() {
+    use sortie_driver::delivery::KeptWork;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let setup = setup();
+    let wip_ref = sortie_protocol::ids::wip_ref("ses_lib");
+    let kept = |outstanding: bool| {
+        let mut config = config(&setup.remote);
+        config.keep = Some(KeptWork {
+            refname: wip_ref.clone(),
+            outstanding: Arc::new(AtomicBool::new(outstanding)),
+        });
+        config
+    };
+    let first = kept(false);
+    std::fs::write(setup.workspace.join("a.txt"), "one\n").expect("write");
+    let report = deliver(&first, &setup.git, &input(None, None)).await;
+    assert_eq!(report.error, None);
+    let delivered = report.head_sha.expect("delivered");
+    assert_eq!(
+        git(&setup.remote, &["for-each-ref", "refs/sortie"]),
+        "",
+        "nothing to keep"
+    );
+
+    // A person moves the session's branch, so the next delivery conflicts.
+    let tree = format!("{delivered}^{{tree}}");
+    let theirs = git(&setup.remote, &["commit-tree", &tree, "-p", &delivered, "-m", "theirs"]);
+    git(&setup.remote, &["update-ref", &format!("refs/heads/{BRANCH}"), &theirs]);
+    std::fs::write(setup.workspace.join("b.txt"), "kept\n").expect("write");
+    let report = deliver(&first, &setup.git, &input(Some(&delivered), None)).await;
+    let error = report.error.expect("a conflict");
+    assert_eq!(error.code.as_str(), "PUSH_CONFLICT");
+    assert!(error.reason.contains(&wip_ref), "{}", error.reason);
+    let kept_commit = git(&setup.workspace, &["rev-parse", "HEAD"]);
+    assert_eq!(git(&setup.remote, &["rev-parse", &wip_ref]), kept_commit);
+    assert!(
+        first
+            .keep
+            .as_ref()
+            .is_some_and(|k| k.outstanding.load(Ordering::SeqCst))
+    );
+
+    // The session's next workspace: the branch as delivered, with the kept files on top.
+    let next = setup.workspace.parent().expect("temp").join("next");
+    std::fs::create_dir_all(&next).expect("next");
+    let next_git = Git {
+        workspace: next.clone(),
+        ..setup.git.clone()
+    };
+    let remote = setup.remote.to_string_lossy().into_owned();
+    next_git.checkout(&remote, &delivered, BRANCH).await.expect("checkout");
+    let moved = next_git.restore_kept(&wip_ref, &delivered).await;
+    assert!(
+        moved.as_ref().is_err_and(|e| e.to_string().contains("not at")),
+        "a ref that is not where the host recorded it is not taken: {moved:?}"
+    );
+    next_git.restore_kept(&wip_ref, &kept_commit).await.expect("restore");
+    assert_eq!(
+        std::fs::read_to_string(next.join("b.txt")).expect("kept file"),
+        "kept\n"
+    );
+    assert_eq!(git(&next, &["rev-parse", "HEAD"]), delivered);
+    assert_eq!(git(&next, &["status", "--porcelain"]), "?? b.txt");
+
+    // The person puts the branch back; the next delivery lands, with the kept work, and the ref goes.
+    git(
+        &setup.remote,
+        &["update-ref", &format!("refs/heads/{BRANCH}"), &delivered],
+    );
+    let second = kept(true);
+    let report = deliver(&second, &next_git, &input(Some(&delivered), None)).await;
+    assert_eq!(report.error, None);
+    let head = report.head_sha.expect("delivered");
+    assert_eq!(
+        git(&setup.remote, &["rev-parse", &format!("refs/heads/{BRANCH}")]),
+        head
+    );
+    assert_eq!(git(&setup.remote, &["show", &format!("{head}:b.txt")]), "kept");
+    assert_eq!(
+        git(&setup.remote, &["for-each-ref", "refs/sortie"]),
+        "",
+        "the kept work's ref went"
+    );
+    assert!(
+        second
+            .keep
+            .as_ref()
+            .is_some_and(|k| !k.outstanding.load(Ordering::SeqCst))
+    );
 }

@@ -311,6 +311,10 @@ pub struct Checkout {
     pub url: String,
     /// The full commit id the branch starts at.
     pub commit: String,
+    /// What the session's last pod kept at its [`crate::ids::wip_ref`] because a delivery failed: the
+    /// workspace is made to hold that commit's files on top of `commit`, for the next delivery.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wip: Option<String>,
 }
 
 /// `POST /setup`: the setup script, run to its end between turns.

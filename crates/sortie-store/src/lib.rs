@@ -208,6 +208,11 @@ pub trait Ledger: Send + Sync + 'static {
     async fn set_pushed_head(&self, session_id: &SessionId, head: &str) -> StoreResult<()>;
     /// The head last recorded by [`Ledger::set_pushed_head`].
     async fn pushed_head(&self, session_id: &SessionId) -> StoreResult<Option<String>>;
+    /// Records the commit the git proxy saw the upstream take at the session's WIP ref (`None`: the ref
+    /// was deleted, or the branch was delivered since and holds that work).
+    async fn set_wip_head(&self, session_id: &SessionId, head: Option<&str>) -> StoreResult<()>;
+    /// The commit last recorded by [`Ledger::set_wip_head`].
+    async fn wip_head(&self, session_id: &SessionId) -> StoreResult<Option<String>>;
     /// Records the nonce the worker starts turn `n` with at the driver.
     async fn set_driver_nonce(&self, session_id: &SessionId, n: u32, nonce: &str) -> StoreResult<()>;
     /// Replaces what the session's agent kept in its home (a tar, taken at hibernation).

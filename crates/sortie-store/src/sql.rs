@@ -1774,6 +1774,28 @@ impl Ledger for SqlStore {
         Ok(row.try_get("pushed_head")?)
     }
 
+    async fn set_wip_head(&self, session_id: &SessionId, head: Option<&str>) -> StoreResult<()> {
+        let updated = sqlx::query("UPDATE sessions SET wip_head = $2 WHERE id = $1")
+            .bind(session_id.as_str())
+            .bind(head)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        if updated == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
+    }
+
+    async fn wip_head(&self, session_id: &SessionId) -> StoreResult<Option<String>> {
+        let row = sqlx::query("SELECT wip_head FROM sessions WHERE id = $1")
+            .bind(session_id.as_str())
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        Ok(row.try_get("wip_head")?)
+    }
+
     async fn set_driver_nonce(&self, session_id: &SessionId, n: u32, nonce: &str) -> StoreResult<()> {
         let updated = sqlx::query("UPDATE turns SET driver_nonce = $3 WHERE session_id = $1 AND n = $2")
             .bind(session_id.as_str())

@@ -1350,6 +1350,18 @@ async fn parts_are_stored_once_in_order(backend: TestBackend) {
         Err(StoreError::NotFound)
     );
 
+    // What a pod kept at the session's WIP ref, as the git proxy saw it taken; cleared again.
+    assert_eq!(f.store.wip_head(&session.id).await, Ok(None));
+    let wip = "c".repeat(40);
+    f.store.set_wip_head(&session.id, Some(&wip)).await.expect("wip head");
+    assert_eq!(f.store.wip_head(&session.id).await, Ok(Some(wip)));
+    f.store.set_wip_head(&session.id, None).await.expect("wip cleared");
+    assert_eq!(f.store.wip_head(&session.id).await, Ok(None));
+    assert_eq!(
+        f.store.set_wip_head(&SessionId::generate(), None).await,
+        Err(StoreError::NotFound)
+    );
+
     // What the agent kept in its home, given up by a pod at hibernation: bytes back as they went in,
     // the last one kept.
     assert_eq!(f.store.home_snapshot(&session.id).await, Ok(None));

@@ -39,14 +39,16 @@ pub struct SessionGitProxy {
     pub pushes: Arc<PushRecords>,
 }
 
-/// The session's ledger: every record kept in memory for the turn to take, and the head of an
-/// accepted push of the session's own branch also written to the store at once, so a worker that
-/// starts again still knows what the upstream took.
+/// The session's ledger: every record kept in memory for the turn to take, and what the upstream took
+/// of the session's own refs also written to the store at once — the branch's head, so a worker that
+/// starts again still knows what was delivered, and the WIP ref's commit, so the session's next pod
+/// starts from what its last one could not deliver.
 struct SessionPushes {
     records: Arc<PushRecords>,
     store: Arc<dyn Store>,
     session_id: SessionId,
     branch_ref: String,
+    wip_ref: String,
 }
 
 #[async_trait]
@@ -54,13 +56,28 @@ impl PushLedger for SessionPushes {
     async fn record(&self, record: PushRecord) {
         if record.outcome == PushOutcome::Accepted
             && let Some(update) = &record.update
-            && update.refname == self.branch_ref
-            && sortie_protocol::driver::is_commit_id(&update.new)
-            && let Err(error) = self.store.set_pushed_head(&self.session_id, &update.new).await
         {
-            tracing::warn!(%error, session = %self.session_id, "cannot record the pushed head; the turn keeps it in memory");
+            let is_commit = sortie_protocol::driver::is_commit_id(&update.new);
+            if update.refname == self.branch_ref && is_commit {
+                if let Err(error) = self.store.set_pushed_head(&self.session_id, &update.new).await {
+                    tracing::warn!(%error, session = %self.session_id, "cannot record the pushed head; the turn keeps it in memory");
+                }
+                // The branch holds the workspace's work now, the kept part included: a later pod
+                // starts from the branch alone.
+                self.keep_wip(None).await;
+            } else if update.refname == self.wip_ref {
+                self.keep_wip(is_commit.then_some(update.new.as_str())).await;
+            }
         }
         self.records.record(record).await;
+    }
+}
+
+impl SessionPushes {
+    async fn keep_wip(&self, head: Option<&str>) {
+        if let Err(error) = self.store.set_wip_head(&self.session_id, head).await {
+            tracing::warn!(%error, session = %self.session_id, "cannot record the session's kept work");
+        }
     }
 }
 
@@ -86,6 +103,7 @@ pub(crate) fn build(
         store: context.store.clone(),
         session_id: session.id.clone(),
         branch_ref: format!("refs/heads/{}", session.id.branch()),
+        wip_ref: session.id.wip_ref(),
     });
     let mut proxy = GitProxyConfig::new(upstreams, config.git_binary.clone(), &dirs.git_state, ledger, keys);
     proxy.forge_http = config.forge_http.clone();

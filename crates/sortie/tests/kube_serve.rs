@@ -771,3 +771,84 @@ async fn what_a_turn_leaves_running_in_a_pod_has_no_way_out_after_it() {
     );
     fixture.cluster.stop_all().await;
 }
+
+/// A pod keeps nothing once let go. What its delivery could not push (a person moved the session's
+/// branch, so the push conflicts) is kept at the session's WIP ref through the git proxy, recorded as
+/// the proxy saw the upstream take it; the session's next pod starts with those files, and the
+/// delivery that lands takes them to the branch and lets the ref go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_a_pod_could_not_deliver_reaches_the_sessions_next_pod() {
+    let fixture = start(&["--idle-grace", "0"]).await;
+    let Fixture { apiserver, world, .. } = &fixture;
+    let git = |args: &[&str]| sortie_testkit::git::git(&world.upstream, args);
+    let id = world
+        .create("#!scripted\nwrite: POD.md\nfirst\n>>>\nsay: one", json!({}))
+        .await;
+    let claim = key(
+        CLAIMS,
+        &sortie_kube::runtime::claim_name(&sortie_protocol::SessionId::parse(&id).expect("id")),
+    );
+    let let_go = || async {
+        sortie_testkit::wait::eventually("the pod is let go", Duration::from_secs(30), || {
+            let gone = apiserver.get(&claim).is_none();
+            async move { if gone { Ok(()) } else { Err("the claim is still there") } }
+        })
+        .await
+    };
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(turns[0]["status"], "completed", "{turns:#?}");
+    let delivered = session["head_sha"].as_str().expect("delivered").to_owned();
+    let_go().await;
+
+    // Someone pushes to the session's branch: the next delivery cannot land.
+    let branch = format!("refs/heads/sortie/{id}");
+    let theirs = git(&[
+        "commit-tree",
+        &format!("{delivered}^{{tree}}"),
+        "-p",
+        &delivered,
+        "-m",
+        "theirs",
+    ]);
+    git(&["update-ref", &branch, &theirs]);
+    world
+        .steer(
+            &id,
+            "#!scripted\nwrite: KEPT.md\nkept across pods\n>>>\nsay: two",
+            "queue",
+        )
+        .await;
+    let (_, turns) = world.settled(&id, 2).await;
+    assert_eq!(failure_code(&turns[1]), "PUSH_CONFLICT", "{turns:#?}");
+    let wip = format!("refs/sortie/wip/{id}");
+    let kept = git(&["rev-parse", &wip]);
+    assert_eq!(git(&["show", &format!("{kept}:KEPT.md")]), "kept across pods");
+    let_go().await;
+
+    // They put the branch back. The next pod (a new claim) has the kept file, and delivers it.
+    git(&["update-ref", &branch, &delivered]);
+    world
+        .steer(&id, "#!scripted\nrun: cat /workspace/KEPT.md\nsay: three", "queue")
+        .await;
+    let (session, turns) = world.settled(&id, 3).await;
+    assert_eq!(
+        turns[2]["status"],
+        "completed",
+        "{session:#}\n{turns:#?}\n{}",
+        fixture.server().log()
+    );
+    assert_eq!(
+        fixture
+            .cluster
+            .claims_seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len(),
+        3
+    );
+    let mut files = world.files_on_branch(&id);
+    files.sort();
+    assert_eq!(files, vec!["KEPT.md".to_owned(), "POD.md".to_owned()]);
+    assert_eq!(git(&["for-each-ref", "refs/sortie"]), "", "the kept work's ref went");
+    fixture.cluster.stop_all().await;
+}

@@ -98,6 +98,14 @@ pub(super) async fn provision(
             tracing::warn!(%error, session = %session.id, "cannot read the agent's home; it is primed from the transcript");
         }
     }
+    // What the session's last pod could not deliver, as the git proxy saw the upstream take it.
+    let wip = match context.store.wip_head(&session.id).await {
+        Ok(wip) => wip.filter(|wip| sortie_protocol::driver::is_commit_id(wip)),
+        Err(error) => {
+            tracing::warn!(%error, session = %session.id, "cannot read the session's kept work; the pod starts from its branch");
+            None
+        }
+    };
     let assignment = Assignment {
         session: session.id.to_string(),
         agent: session.agent.clone(),
@@ -109,6 +117,7 @@ pub(super) async fn provision(
         checkout: Some(Checkout {
             url: format!("http://{RELAY_ADDRESS}/_sortie/git/{}.git", session.id),
             commit,
+            wip,
         }),
     };
     if let Err(error) = handle.driver().assign(&assignment).await {
