@@ -471,25 +471,27 @@ impl DriverLinks {
         self.len() == 0
     }
 
-    /// The newest link of a pod wins (a driver that dials again after its link broke); the older one
-    /// is closed.
-    fn insert(&self, identity: DriverIdentity, sender: SendRequest<Full<Bytes>>) -> DriverLink {
+    /// A pod's link, unless the pod has one that is still open: whoever presents a pod's identity
+    /// (its token, leaked by its own agent) cannot take the link of a driver that answers. A driver
+    /// whose link broke dials again and is taken once the old one is closed (at the latest when its
+    /// pings go unanswered, [`KEEP_ALIVE`] twice).
+    fn insert(&self, identity: DriverIdentity, sender: SendRequest<Full<Bytes>>) -> Option<DriverLink> {
         let link = DriverLink {
             identity,
             serial: self.serials.fetch_add(1, Ordering::Relaxed),
             sender,
             closed: Arc::new(Notify::new()),
         };
-        let older = self
-            .links
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(link.identity.pod_uid.clone(), link.clone());
-        if let Some(older) = older {
-            older.close();
+        {
+            let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+            if links.get(&link.identity.pod_uid).is_some_and(DriverLink::is_open) {
+                metrics::counter!("sortie_driver_links_total", "result" => "held").increment(1);
+                return None;
+            }
+            links.insert(link.identity.pod_uid.clone(), link.clone());
         }
         self.changed.notify_waiters();
-        link
+        Some(link)
     }
 
     fn remove(&self, link: &DriverLink) {
@@ -566,6 +568,20 @@ async fn identify(
     }
 }
 
+/// A second link for a pod whose link is open: refused, whoever asks.
+fn link_held(identity: &DriverIdentity) -> Response {
+    metrics::counter!("sortie_driver_links_total", "result" => "held").increment(1);
+    tracing::warn!(pod = %identity.pod_name, uid = %identity.pod_uid, "a second link for a linked pod was refused");
+    (
+        StatusCode::CONFLICT,
+        format!(
+            "pod {} is linked already; another link for it is taken once that one ends",
+            identity.pod_name
+        ),
+    )
+        .into_response()
+}
+
 fn switching(protocol: &'static str) -> Response {
     let mut response = StatusCode::SWITCHING_PROTOCOLS.into_response();
     response
@@ -618,6 +634,9 @@ async fn accept_link(State(state): State<LinkState>, mut request: Request) -> Re
         Ok(identity) => identity,
         Err(refusal) => return refusal,
     };
+    if state.links.get(&identity.pod_uid).is_some() {
+        return link_held(&identity);
+    }
     let on_upgrade = hyper::upgrade::on(&mut request);
     let links = state.links.clone();
     tokio::spawn(async move {
@@ -634,7 +653,10 @@ async fn accept_link(State(state): State<LinkState>, mut request: Request) -> Re
         let Ok((sender, connection)) = handshake else {
             return;
         };
-        let link = links.insert(identity, sender);
+        let Some(link) = links.insert(identity, sender) else {
+            // Another link of the same pod won the race; this one's connection ends here.
+            return;
+        };
         tracing::info!(pod = %link.identity.pod_name, uid = %link.identity.pod_uid, "a driver linked");
         metrics::counter!("sortie_driver_links_total", "result" => "linked").increment(1);
         tokio::select! {

@@ -68,6 +68,9 @@ pub struct KubeSettings {
     /// Seconds a claim may take to be ready (a cold pod pulls its image).
     #[arg(long, env = "SORTIE_SANDBOX_READY_TIMEOUT", default_value_t = 120)]
     pub sandbox_ready_timeout: u64,
+    /// Seconds a ready pod's driver may take to link (its process starts and dials the worker).
+    #[arg(long, env = "SORTIE_SANDBOX_LINK_TIMEOUT", default_value_t = 30)]
+    pub sandbox_link_timeout: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -151,6 +154,7 @@ impl KubeSettings {
         let links = DriverLinks::new();
         let deadlines = Deadlines {
             ready: Duration::from_secs(self.sandbox_ready_timeout.max(1)),
+            link: Duration::from_secs(self.sandbox_link_timeout.max(1)),
             ..Deadlines::default()
         };
         let sandboxes = Arc::new(KubeSandboxes::new(

@@ -71,6 +71,18 @@ struct Cluster {
     pod_names: Mutex<Vec<String>>,
     /// Warm pods left in the pool; past them a claim gets a cold pod, pending a while first.
     warm: std::sync::atomic::AtomicUsize,
+    /// The identity token of every pod this cluster made, in order.
+    tokens: Mutex<Vec<String>>,
+    /// What is wrong with the next pods, if anything.
+    fault: Mutex<Option<PodFault>>,
+}
+
+#[derive(Clone)]
+enum PodFault {
+    /// Its driver never starts, so it never dials the worker.
+    Silent,
+    /// Its driver presents this token (another pod's, leaked by that pod's agent) instead of its own.
+    Presents(String),
 }
 
 impl Cluster {
@@ -97,6 +109,8 @@ impl Cluster {
             claims_seen: Mutex::new(Vec::new()),
             pod_names: Mutex::new(Vec::new()),
             warm: std::sync::atomic::AtomicUsize::new(usize::MAX),
+            tokens: Mutex::new(Vec::new()),
+            fault: Mutex::new(None),
         })
     }
 
@@ -180,6 +194,10 @@ impl Cluster {
             &pod_uid,
             &[sortie_protocol::driver::LINK_AUDIENCE],
         );
+        self.tokens
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(token.clone());
         self.start_pod(&sandbox, &token).await;
         self.pods
             .lock()
@@ -203,6 +221,11 @@ impl Cluster {
         };
         let (workspace, home, link_dir) = (dir("workspace"), dir("home"), dir("link"));
         // Read-only inside, beside the link socket, as a projected volume would be.
+        let fault = self.fault.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let token = match &fault {
+            Some(PodFault::Presents(other)) => other.as_str(),
+            _ => token,
+        };
         let token_file = link_dir.join("identity-token");
         std::fs::write(&token_file, token).expect("token");
         std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o644)).expect("chmod");
@@ -234,7 +257,10 @@ impl Cluster {
             egress_dir: Some(link_dir),
             read_only: vec![self.bin_dir.clone()],
             env: Vec::new(),
-            command: self.pod_command(),
+            command: match fault {
+                Some(PodFault::Silent) => vec!["/bin/sh".into(), "-c".into(), "sleep 3600".into()],
+                _ => self.pod_command(),
+            },
             limits: Limits::default(),
             stdio: SandboxStdio::Null,
         };
@@ -851,4 +877,54 @@ async fn work_a_pod_could_not_deliver_reaches_the_sessions_next_pod() {
     assert_eq!(files, vec!["KEPT.md".to_owned(), "POD.md".to_owned()]);
     assert_eq!(git(&["for-each-ref", "refs/sortie"]), "", "the kept work's ref went");
     fixture.cluster.stop_all().await;
+}
+
+/// The acceptance's driver faults, through serve: a pod whose driver never dials, and one whose driver
+/// presents the identity of another session's live pod (its token, as that pod's own agent could leak
+/// it). Each fails only its own session, at the link deadline and saying why; the pod it impersonated
+/// keeps its link, and its session goes on in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_whose_driver_never_links_or_passes_for_another_fails_only_its_own_session() {
+    let fixture = start(&["--sandbox-link-timeout", "3"]).await;
+    let Fixture { cluster, world, .. } = &fixture;
+    let first = world.create("#!scripted\nsay: first turn", json!({})).await;
+    let (_, turns) = world.settled(&first, 1).await;
+    assert_eq!(turns[0]["status"], "completed", "{turns:#?}");
+    let first_token = cluster.tokens.lock().unwrap_or_else(|p| p.into_inner())[0].clone();
+
+    for (fault, what) in [
+        (PodFault::Silent, "a driver that never dials"),
+        (PodFault::Presents(first_token), "a driver with another pod's identity"),
+    ] {
+        *cluster.fault.lock().unwrap_or_else(|p| p.into_inner()) = Some(fault);
+        let id = world.create("#!scripted\nsay: never", json!({})).await;
+        let (session, turns) = world.settled(&id, 1).await;
+        assert_eq!(failure_code(&turns[0]), "SANDBOX_START_FAILED", "{what}: {turns:#?}");
+        let reason = turns[0]["failure"]["reason"].as_str().unwrap_or_default();
+        assert!(reason.contains("did not link"), "{what}: {reason}");
+        assert_eq!(session["phase"], "failed", "{what}: {session:#}");
+        assert!(!world.assistant_said(&id, "never").await, "{what}");
+    }
+    *cluster.fault.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    assert!(
+        fixture
+            .server()
+            .log()
+            .contains("a second link for a linked pod was refused"),
+        "{}",
+        fixture.server().log()
+    );
+
+    // The impersonated pod still answers its own session: the next turn runs in it (no new claim).
+    let claims_before = cluster.claims_seen.lock().unwrap_or_else(|p| p.into_inner()).len();
+    world.steer(&first, "#!scripted\nsay: still mine", "queue").await;
+    let (session, turns) = world.settled(&first, 2).await;
+    assert_eq!(turns[1]["status"], "completed", "{session:#}\n{turns:#?}");
+    assert!(world.assistant_said(&first, "still mine").await);
+    assert_eq!(
+        cluster.claims_seen.lock().unwrap_or_else(|p| p.into_inner()).len(),
+        claims_before,
+        "the session kept its pod"
+    );
+    cluster.stop_all().await;
 }
