@@ -37,9 +37,17 @@ pub fn worker_pod_labels() -> BTreeMap<String, String> {
 #[derive(Clone, Debug, clap::Args)]
 pub struct KubeSettings {
     /// Where sandboxes run: `local` (bubblewrap on this host, as root) or `kubernetes` (agent-sandbox
-    /// claims; needs --feed-listen and --feed-url, which the pods dial back to).
+    /// claims, whose pods dial back to --link-listen).
     #[arg(long, env = "SORTIE_RUNTIME", value_enum, default_value_t = RuntimeKind::Local)]
     pub runtime: RuntimeKind,
+    /// Where this worker serves its sandbox pods' links and egress (`kubernetes` only): nothing else
+    /// is served there, and the pods reach nothing else of it.
+    #[arg(long, env = "SORTIE_LINK_LISTEN", default_value = "0.0.0.0:7072")]
+    pub link_listen: std::net::SocketAddr,
+    /// The `http://host:port` the pods dial; default: the cluster IP of a Service the worker applies
+    /// for itself (named as its pool, selecting its StatefulSet pod), so the pods need no DNS.
+    #[arg(long, env = "SORTIE_LINK_URL")]
+    pub link_url: Option<String>,
     /// The namespace of the claims, templates and pools; default: the kubeconfig's or the pod's own.
     #[arg(long, env = "SORTIE_KUBE_NAMESPACE")]
     pub kube_namespace: Option<String>,
@@ -81,20 +89,28 @@ pub enum KubeSettingsError {
     Cluster(String),
 }
 
-/// What `--runtime kubernetes` gives the worker and its feed listener.
+/// What `--runtime kubernetes` gives the worker and its link listener.
 pub struct KubeRuntime {
     pub pods: Arc<Pods>,
-    /// The link and egress routes (`sortie_gateway::links::link_router`) the feed listener serves.
+    /// The link and egress routes (`sortie_gateway::links::link_router`) the link listener serves.
     pub links: LinkState,
     pub namespace: String,
     pub pool: String,
+    /// Where the pods dial.
+    pub link_url: String,
+}
+
+/// This host's name (a StatefulSet pod's is its pod name).
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
 }
 
 /// `sortie-<hostname>`, made a DNS label.
 fn default_pool_name() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let cleaned: String = host
-        .trim()
+    let cleaned: String = hostname()
         .to_ascii_lowercase()
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
@@ -112,9 +128,9 @@ impl KubeSettings {
         self.runtime == RuntimeKind::Kubernetes
     }
 
-    /// Reaches the cluster, applies this worker's shape (its pods dial `link_url`, the worker's feed
-    /// listener, on `link_port`), and returns the pods.
-    pub async fn connect(&self, link_url: &str, link_port: u16) -> Result<KubeRuntime, KubeSettingsError> {
+    /// Reaches the cluster, applies this worker's shape (its pods dial the worker's link listener, bound
+    /// on `link_port`: at `--link-url`, or through the worker's own link Service), and returns the pods.
+    pub async fn connect(&self, link_port: u16) -> Result<KubeRuntime, KubeSettingsError> {
         let image = self
             .sandbox_image
             .clone()
@@ -138,6 +154,10 @@ impl KubeSettings {
             .clone()
             .filter(|p| !p.is_empty())
             .unwrap_or_else(default_pool_name);
+        let link_url = match self.link_url.clone().filter(|url| !url.is_empty()) {
+            Some(url) => url,
+            None => link_service_url(&client, &namespace, &pool, link_port).await?,
+        };
         let shape = SandboxShape {
             name: pool.clone(),
             image,
@@ -147,7 +167,7 @@ impl KubeSettings {
             ephemeral_storage: self.sandbox_ephemeral_storage.clone(),
             replicas: self.warm_pool.max(0),
             service_account: self.sandbox_service_account.clone(),
-            gateway_url: link_url.to_owned(),
+            gateway_url: link_url.clone(),
             gateway_pods: worker_pod_labels(),
             gateway_port: i32::from(link_port),
         };
@@ -182,8 +202,43 @@ impl KubeSettings {
             },
             namespace,
             pool,
+            link_url,
         })
     }
+}
+
+/// Applies the worker's link Service and returns the URL of its cluster IP (which the apiserver
+/// assigns at creation and keeps for the Service's life).
+async fn link_service_url(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    port: u16,
+) -> Result<String, KubeSettingsError> {
+    let pod = hostname();
+    let services: kube::Api<k8s_openapi::api::core::v1::Service> = kube::Api::namespaced(client.clone(), namespace);
+    let applied = services
+        .patch(
+            name,
+            &kube::api::PatchParams::apply("sortie").force(),
+            &kube::api::Patch::Apply(crate::shape::link_service(name, &pod, i32::from(port))),
+        )
+        .await
+        .map_err(|e| {
+            KubeSettingsError::Cluster(format!(
+                "cannot apply the link Service {name} in namespace {namespace} (may this worker's service account                  manage services? or give --link-url): {e}"
+            ))
+        })?;
+    let address = applied
+        .spec
+        .and_then(|spec| spec.cluster_ip)
+        .and_then(|ip| ip.parse::<std::net::IpAddr>().ok())
+        .ok_or_else(|| {
+            KubeSettingsError::Cluster(format!(
+                "the link Service {name} has no cluster IP; give --link-url instead"
+            ))
+        })?;
+    Ok(format!("http://{}", std::net::SocketAddr::new(address, port)))
 }
 
 #[cfg(test)]

@@ -2,14 +2,17 @@
 //! session, key or repository in them — so every claim can take a warm one: the driver dials the
 //! gateway with a projected service-account token for audience `sortie-gateway` (no other credential is
 //! mounted), runs as an unprivileged user with nothing to escalate to, and the template's network policy
-//! lets it reach the gateway and the cluster's DNS, nothing else.
+//! lets it reach the worker's link port, nothing else: the driver dials an address, not a name, so the
+//! pod has no DNS to tunnel through (a name in `--link-url` brings the cluster's DNS back for it). The
+//! address is the cluster IP of the worker's own link Service ([`link_service`]), which outlives the
+//! worker's pod, so pods claimed before a restart find the worker again.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, EmptyDirVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec, ProjectedVolumeSource,
-    ResourceRequirements, SeccompProfile, SecurityContext, ServiceAccountTokenProjection, Volume, VolumeMount,
-    VolumeProjection,
+    ResourceRequirements, SeccompProfile, SecurityContext, Service, ServiceAccountTokenProjection, ServicePort,
+    ServiceSpec, Volume, VolumeMount, VolumeProjection,
 };
 use k8s_openapi::api::networking::v1::{NetworkPolicyEgressRule, NetworkPolicyPeer, NetworkPolicyPort};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -45,11 +48,53 @@ pub struct SandboxShape {
     pub replicas: i32,
     /// The service account the pods run as; its tokens are what the gateway accepts.
     pub service_account: String,
-    /// Where the driver dials, `http://<gateway service>:<port>`.
+    /// Where the driver dials, `http://<address>:<port>` (or a name the cluster's DNS resolves).
     pub gateway_url: String,
-    /// The labels of the gateway's pods and the port they serve, for the network policy.
+    /// The labels of the gateway's pods and the port they serve links on, for the network policy.
     pub gateway_pods: BTreeMap<String, String>,
     pub gateway_port: i32,
+}
+
+/// Whether `url` (`http://host:port/…`) names its host by address, so the pod needs no DNS.
+pub fn dials_an_address(url: &str) -> bool {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = rest.split('/').next().unwrap_or_default();
+    let host = match authority.strip_prefix('[') {
+        Some(bracketed) => bracketed.split(']').next().unwrap_or_default(),
+        None => authority.rsplit_once(':').map_or(authority, |(host, _)| host),
+    };
+    host.parse::<std::net::IpAddr>().is_ok()
+}
+
+/// The Service a worker's pods dial it through: a cluster IP in front of the worker's own pod (by the
+/// pod-name label a StatefulSet sets), on its link port.
+pub fn link_service(name: &str, worker_pod: &str, port: i32) -> Service {
+    Service {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            labels: Some(BTreeMap::from([
+                ("app.kubernetes.io/name".to_owned(), "sortie".to_owned()),
+                ("app.kubernetes.io/component".to_owned(), "worker-link".to_owned()),
+            ])),
+            ..ObjectMeta::default()
+        },
+        spec: Some(ServiceSpec {
+            type_: Some("ClusterIP".into()),
+            selector: Some(BTreeMap::from([(
+                "statefulset.kubernetes.io/pod-name".to_owned(),
+                worker_pod.to_owned(),
+            )])),
+            ports: Some(vec![ServicePort {
+                name: Some("link".into()),
+                port,
+                target_port: Some(IntOrString::Int(port)),
+                protocol: Some("TCP".into()),
+                ..ServicePort::default()
+            }]),
+            ..ServiceSpec::default()
+        }),
+        status: None,
+    }
 }
 
 fn labels(shape: &SandboxShape) -> BTreeMap<String, String> {
@@ -175,7 +220,8 @@ fn empty_dir(name: &str) -> Volume {
     }
 }
 
-/// Egress to the gateway's pods on its port, and to the cluster's DNS; no ingress at all.
+/// Egress to the gateway's pods on its link port (and to the cluster's DNS only when the pods dial a
+/// name); no ingress at all.
 fn network_policy(shape: &SandboxShape) -> TemplateNetworkPolicy {
     let port = |number: i32, protocol: &str| NetworkPolicyPort {
         port: Some(IntOrString::Int(number)),
@@ -209,9 +255,13 @@ fn network_policy(shape: &SandboxShape) -> TemplateNetworkPolicy {
         }]),
         ports: Some(vec![port(53, "UDP"), port(53, "TCP")]),
     };
+    let mut egress = vec![gateway];
+    if !dials_an_address(&shape.gateway_url) {
+        egress.push(dns);
+    }
     TemplateNetworkPolicy {
         ingress: Vec::new(),
-        egress: vec![gateway, dns],
+        egress,
     }
 }
 
@@ -306,12 +356,41 @@ mod tests {
         );
         let policy = &json["spec"]["networkPolicy"];
         assert_eq!(policy["ingress"], serde_json::json!([]));
-        assert_eq!(policy["egress"].as_array().map(Vec::len), Some(2));
+        assert_eq!(policy["egress"].as_array().map(Vec::len), Some(2), "a name needs DNS");
         assert_eq!(policy["egress"][0]["ports"][0]["port"], 7700);
         assert_eq!(json["spec"]["envVarsInjectionPolicy"], "Disallowed");
         let pool = serde_json::to_value(warm_pool(&shape())).expect("json");
         assert_eq!(pool["spec"]["replicas"], 3);
         assert_eq!(pool["spec"]["sandboxTemplateRef"]["name"], "claude-small");
         assert_eq!(pool["spec"]["updateStrategy"]["type"], "Recreate");
+    }
+
+    #[test]
+    fn pods_that_dial_an_address_get_no_dns() {
+        let mut by_address = shape();
+        by_address.gateway_url = "http://10.96.3.7:7072".into();
+        let json = serde_json::to_value(template(&by_address)).expect("json");
+        let egress = &json["spec"]["networkPolicy"]["egress"];
+        assert_eq!(egress.as_array().map(Vec::len), Some(1), "{egress:#}");
+        assert_eq!(
+            egress[0]["ports"],
+            serde_json::json!([{"port": 7700, "protocol": "TCP"}])
+        );
+        for (url, address) in [
+            ("http://10.96.3.7:7072", true),
+            ("http://[fd00::7]:7072", true),
+            ("http://10.96.3.7", true),
+            ("http://sortie-worker-0.sortie-worker.sortie.svc:7071", false),
+            ("http://localhost:7072", false),
+        ] {
+            assert_eq!(dials_an_address(url), address, "{url}");
+        }
+        let service = serde_json::to_value(link_service("sortie-w0", "sortie-worker-0", 7072)).expect("json");
+        assert_eq!(
+            service["spec"]["selector"]["statefulset.kubernetes.io/pod-name"],
+            "sortie-worker-0"
+        );
+        assert_eq!(service["spec"]["ports"][0]["targetPort"], 7072);
+        assert_eq!(service["spec"]["type"], "ClusterIP");
     }
 }

@@ -1,5 +1,5 @@
-//! What the worker applies at start — a shape's `SandboxTemplate` and `SandboxWarmPool` — passes the
-//! real agent-sandbox v1beta1 schemas (vendored in `deploy/crds/agent-sandbox`) strictly: a field the
+//! What the worker applies at start — a shape's `SandboxTemplate` and `SandboxWarmPool`, and its link
+//! `Service` — passes the real agent-sandbox v1beta1 and Kubernetes schemas (vendored in `deploy/crds/agent-sandbox`) strictly: a field the
 //! controller does not know would be pruned by the apiserver and silently not apply, so it fails here.
 //! The check is `deploy/validate.py`, the same that `scripts/test` runs on `deploy/`.
 
@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
-use sortie_kube::shape::{SandboxShape, template, warm_pool};
+use sortie_kube::shape::{SandboxShape, link_service, template, warm_pool};
 
 #[test]
 fn a_shapes_template_and_pool_pass_the_agent_sandbox_schemas() {
@@ -32,15 +32,16 @@ fn a_shapes_template_and_pool_pass_the_agent_sandbox_schemas() {
         ephemeral_storage: "10Gi".into(),
         replicas: 2,
         service_account: "sortie-sandbox".into(),
-        gateway_url: "http://sortie-worker-0.sortie-worker.sortie.svc:7071".into(),
+        gateway_url: "http://10.96.0.12:7072".into(),
         gateway_pods: BTreeMap::from([
             ("app.kubernetes.io/name".into(), "sortie".into()),
             ("app.kubernetes.io/component".into(), "worker".into()),
         ]),
-        gateway_port: 7071,
+        gateway_port: 7072,
     };
     let dir = tempfile::tempdir().expect("temp");
-    let objects = serde_json::json!([template(&shape), warm_pool(&shape)]);
+    let service = link_service(&shape.name, "sortie-worker-0", 7072);
+    let objects = serde_json::json!([template(&shape), warm_pool(&shape), service]);
     let file = dir.path().join("shape.json");
     std::fs::write(&file, objects.to_string()).expect("write");
     let checked = Command::new("python3")
@@ -58,6 +59,7 @@ fn a_shapes_template_and_pool_pass_the_agent_sandbox_schemas() {
     for object in [
         "SandboxTemplate/sortie-worker-0-default",
         "SandboxWarmPool/sortie-worker-0-default",
+        "Service/sortie-worker-0-default",
     ] {
         assert!(
             said.contains(&format!("ok {object} (")),

@@ -102,10 +102,17 @@ impl DescriptorPlan {
 
     /// The listener's limits under this plan.
     pub fn listener_limits(&self) -> ListenerLimits {
+        self.shared_listener_limits(1)
+    }
+
+    /// The limits of each of `listeners` listeners that share the API's descriptors (a worker's feed
+    /// and link listeners beside the API's): together they hold at most `A` connections.
+    pub fn shared_listener_limits(&self, listeners: usize) -> ListenerLimits {
+        let max_connections = (self.api_connections / listeners.max(1)).max(1);
         ListenerLimits {
             header_read_timeout: HEADER_READ_TIMEOUT,
-            max_connections: self.api_connections,
-            max_connections_per_ip: self.api_connections_per_ip,
+            max_connections,
+            max_connections_per_ip: self.api_connections_per_ip.min(max_connections),
         }
     }
 }
@@ -369,8 +376,20 @@ mod tests {
             if limit > DESCRIPTOR_RESERVE + 8 {
                 let used = plan.api_connections as u64 * FDS_PER_API_CONNECTION + plan.egress_connections as u64 * 4;
                 assert!(used <= limit - DESCRIPTOR_RESERVE, "limit {limit}: {used} used");
+                // An api, a feed and a link listener in one process share the API's part.
+                let three: usize = (0..3).map(|_| plan.shared_listener_limits(3).max_connections).sum();
+                assert!(three <= plan.api_connections, "limit {limit}: {three} listener slots");
             }
         }
+        let plan = DescriptorPlan::for_limit(20_000, 4);
+        assert_eq!(plan.shared_listener_limits(2).max_connections, 2048);
+        assert_eq!(plan.shared_listener_limits(1), plan.listener_limits());
+        assert_eq!(
+            DescriptorPlan::for_limit(0, 4)
+                .shared_listener_limits(3)
+                .max_connections,
+            1
+        );
     }
 
     #[test]

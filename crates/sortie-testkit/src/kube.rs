@@ -3,7 +3,8 @@
 //! - namespaced objects of any kind under `/api/v1/…` and `/apis/<group>/<version>/…`: create, get,
 //!   list and watch (label and `metadata.name` field selectors; `resourceVersion`, bookmarks, `410
 //!   Expired` once history is compacted, which [`FakeApiserver::compact`] forces), apply and merge
-//!   patches, delete; errors as `Status` objects with the real reasons (`NotFound`, `AlreadyExists`);
+//!   patches, delete; errors as `Status` objects with the real reasons (`NotFound`, `AlreadyExists`); a
+//!   Service gets a cluster IP when it is created;
 //! - `TokenReview` (`POST /apis/authentication.k8s.io/v1/tokenreviews`) for the projected, pod-bound
 //!   service-account tokens drivers identify themselves with: a review of an unknown or revoked token,
 //!   or one for another audience, is `authenticated: false` with an `error`; a caller without the
@@ -121,6 +122,12 @@ impl Fake {
                 metadata["uid"] = json!(uid);
                 metadata["creationTimestamp"] = json!("2026-12-06T00:00:00Z");
                 metadata["generation"] = json!(1);
+                // As the apiserver does at creation: a Service gets its cluster IP, for good.
+                if key.collection == "api/v1/services" && object["spec"]["clusterIP"].as_str().is_none_or(str::is_empty)
+                {
+                    object["spec"]["clusterIP"] =
+                        json!(format!("10.96.{}.{}", (cluster.next >> 8) & 0xff, cluster.next & 0xff));
+                }
             }
         }
         cluster.objects.insert(key.clone(), object.clone());

@@ -14,10 +14,9 @@ use sortie_store::SqlStore;
 use crate::cli::{ClientArgs, ServeArgs, ServeRole};
 use crate::config::{self, DATABASE_FILE, env};
 
-/// Connections one address may hold to a worker's feed listener: a pod's link and its agent's egress
-/// connections (each sandbox's own cap is `MAX_CONNECTIONS_PER_SANDBOX`, 128), or a gateway replica's
-/// live tails.
-const FEED_CONNECTIONS_PER_IP: usize = 192;
+/// Connections one address may hold to a worker's link listener: a pod's link and its agent's egress
+/// connections (each sandbox's own cap is `MAX_CONNECTIONS_PER_SANDBOX`, 128).
+const LINK_CONNECTIONS_PER_IP: usize = 192;
 
 pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCode> {
     // Before any role records a metric: a process without the api role serves them on its feed listener.
@@ -97,7 +96,7 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
     if args.worker.feed_listen.is_some() && !runs_worker {
         anyhow::bail!("--feed-listen is the worker's: serve it with --roles worker");
     }
-    // The worker's feed listener, for gateways on other hosts (and, on Kubernetes, for its pods).
+    // The worker's feed listener, for gateways on other hosts.
     let feed_listener = match (runs_worker, args.worker.feed_listen) {
         (true, Some(listen)) => {
             let listener = tokio::net::TcpListener::bind(listen)
@@ -109,18 +108,19 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
         }
         _ => None,
     };
+    // On Kubernetes, the listener the worker's sandbox pods dial: their links and egress, nothing else.
     let mut pod_links = None;
     let mut worker = if !runs_worker {
         None
     } else if args.kube.is_kubernetes() {
-        let Some((_, bound, url)) = &feed_listener else {
-            anyhow::bail!(
-                "--runtime kubernetes needs --feed-listen and --feed-url: the sandbox pods dial the worker there"
-            );
-        };
-        let cluster = args.kube.connect(&url.to_string(), bound.port()).await?;
-        tracing::info!(namespace = %cluster.namespace, pool = %cluster.pool, "sandboxes are pods");
-        pod_links = Some(cluster.links);
+        let listen = args.kube.link_listen;
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("cannot listen on --link-listen {listen}"))?;
+        let bound = listener.local_addr().context("the link listener has no address")?;
+        let cluster = args.kube.connect(bound.port()).await?;
+        tracing::info!(namespace = %cluster.namespace, pool = %cluster.pool, link_url = %cluster.link_url, "sandboxes are pods");
+        pod_links = Some((listener, bound, cluster.links));
         Some(
             args.worker
                 .resolve_on_pods(&data_dir, store.clone(), keyring.clone(), cluster.pods)?,
@@ -132,16 +132,13 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
         let exe = std::env::current_exe().context("cannot find the sortie binary")?;
         Some(args.worker.resolve(&data_dir, exe, store.clone(), keyring.clone())?)
     };
-    // The worker's feed, with its /metrics and /healthz, and its pods' links and egress.
+    // The worker's feed, with its /metrics and /healthz.
     let feed = match (&mut worker, feed_listener) {
         (Some(worker), Some((listener, _, url))) => {
             worker.advertise_feed(&url);
-            let mut router = worker
+            let router = worker
                 .feed_router(Arc::from(ticket_secret.expose()))
                 .merge(sortie_server::operations_router());
-            if let Some(links) = pod_links {
-                router = router.merge(sortie_gateway::links::link_router(links));
-            }
             Some((listener, router, url))
         }
         _ => None,
@@ -181,23 +178,35 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
             let _ = stop_rx.wait_for(|stop| *stop).await;
         }
     };
-    // Served before the reconciliation: a pod that outlived the last process dials its worker here to be
-    // taken up.
+    // The api's listener, the feed's and the links' share the API's descriptors.
+    let serves_api = roles.contains(&ServeRole::Api) || roles.contains(&ServeRole::Gateway);
+    let listeners = usize::from(serves_api) + usize::from(feed.is_some()) + usize::from(pod_links.is_some());
+    let listener_limits = descriptors.shared_listener_limits(listeners);
     if let Some((listener, router, url)) = feed {
         announce(&format!("sortie worker feed on {url}"));
         let stopped = stopped();
-        // Bounded as the api's, and closer per address: on Kubernetes every sandbox pod (an address each)
-        // reaches this listener, and one must not hold the slots of the others.
-        let limits = sortie_server::ListenerLimits {
-            max_connections_per_ip: descriptors
-                .listener_limits()
-                .max_connections_per_ip
-                .min(FEED_CONNECTIONS_PER_IP),
-            ..descriptors.listener_limits()
-        };
+        let limits = listener_limits.clone();
         tokio::spawn(async move {
             if let Err(error) = sortie_server::serve_bounded(listener, router, limits, stopped).await {
                 tracing::error!(%error, "the worker's feed listener stopped");
+            }
+        });
+    }
+    // Served before the reconciliation: a pod that outlived the last process dials its worker here to be
+    // taken up.
+    if let Some((listener, bound, links)) = pod_links {
+        announce(&format!("sortie worker links on http://{bound}"));
+        let stopped = stopped();
+        // Bounded as the api's, and closer per address: every sandbox pod (an address each) reaches this
+        // listener, and one must not hold the slots of the others.
+        let limits = sortie_server::ListenerLimits {
+            max_connections_per_ip: listener_limits.max_connections_per_ip.min(LINK_CONNECTIONS_PER_IP),
+            ..listener_limits.clone()
+        };
+        let router = sortie_gateway::links::link_router(links);
+        tokio::spawn(async move {
+            if let Err(error) = sortie_server::serve_bounded(listener, router, limits, stopped).await {
+                tracing::error!(%error, "the worker's link listener stopped");
             }
         });
     }
@@ -277,7 +286,7 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
             state,
             gateway,
             Some(sortie_web::router()),
-            descriptors.listener_limits(),
+            listener_limits,
             stopped(),
         )
         .await

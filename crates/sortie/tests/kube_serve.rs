@@ -8,7 +8,7 @@
 //! Pod objects (controlled by the claim and the sandbox) and runs the pod as a real bubblewrap sandbox
 //! (this process is root) with exactly the command of the template the worker applied. Where this is
 //! easier than a cluster: a bwrap sandbox has no network to reach the worker by, so the pod's `--link`
-//! names a socket bound into the sandbox, which this test splices to the worker's feed listener where a
+//! names a socket bound into the sandbox, which this test splices to the worker's link listener where a
 //! cluster's network would carry it; the identity token is written read-only beside it, where the kubelet would
 //! project a volume.
 
@@ -34,6 +34,7 @@ const TEMPLATES: &str = "apis/extensions.agents.x-k8s.io/v1beta1/sandboxtemplate
 const POOLS: &str = "apis/extensions.agents.x-k8s.io/v1beta1/sandboxwarmpools";
 const SANDBOXES: &str = "apis/agents.x-k8s.io/v1beta1/sandboxes";
 const PODS: &str = "api/v1/pods";
+const SERVICES: &str = "api/v1/services";
 
 static POD_SERIAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
@@ -62,7 +63,7 @@ struct Cluster {
     root: PathBuf,
     /// `sortie` and the scripted agent, where the sandbox uid can read them (the pod image's binaries).
     bin_dir: PathBuf,
-    /// The worker's feed listener, where a pod's link and egress go.
+    /// The worker's link listener, where a pod's link and egress go.
     worker: Mutex<Option<String>>,
     /// The sandbox running each claim's pod.
     pods: Mutex<HashMap<String, String>>,
@@ -242,7 +243,7 @@ impl Cluster {
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .clone()
-                    .expect("the worker's feed address");
+                    .expect("the worker's link address");
                 tokio::spawn(async move {
                     if let Ok(mut worker_side) = tokio::net::TcpStream::connect(worker.as_str()).await {
                         let _ = tokio::io::copy_bidirectional(&mut pod_side, &mut worker_side).await;
@@ -392,8 +393,8 @@ struct Fixture {
     apiserver: Arc<FakeApiserver>,
     cluster: Arc<Cluster>,
     world: World,
-    /// The worker's feed address, which its pods dial.
-    feed: String,
+    /// The worker's link listener, which its pods reach.
+    links: String,
     scratch: tempfile::TempDir,
 }
 
@@ -404,11 +405,11 @@ impl Fixture {
 }
 
 async fn start(extra: &[&str]) -> Fixture {
-    start_with_feed(extra, "127.0.0.1:0").await
+    start_with_links(extra, "127.0.0.1:0").await
 }
 
-/// With the worker's feed on `feed_listen`.
-async fn start_with_feed(extra: &[&str], feed_listen: &str) -> Fixture {
+/// With the worker's link listener on `link_listen`.
+async fn start_with_links(extra: &[&str], link_listen: &str) -> Fixture {
     let apiserver = Arc::new(FakeApiserver::start(WORKER_TOKEN).await);
     let scratch = tempfile::tempdir().expect("temp");
     std::fs::set_permissions(scratch.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
@@ -427,32 +428,32 @@ async fn start_with_feed(extra: &[&str], feed_listen: &str) -> Fixture {
         POOL,
         "--warm-pool",
         "2",
-        "--feed-listen",
-        feed_listen,
+        "--link-listen",
+        link_listen,
     ];
     args.extend_from_slice(extra);
     let world = World::start_with_env(&args, &[("KUBECONFIG", kubeconfig.as_str())], None);
-    let feed = announced_feed(&world);
-    *cluster.worker.lock().unwrap_or_else(|p| p.into_inner()) = Some(feed.clone());
+    let links = announced_links(&world);
+    *cluster.worker.lock().unwrap_or_else(|p| p.into_inner()) = Some(links.clone());
     Fixture {
         apiserver,
         cluster,
         world,
-        feed,
+        links,
         scratch,
     }
 }
 
-/// Where the running server's worker serves its feed (and its pods' links).
-fn announced_feed(world: &World) -> String {
+/// Where the running server's worker serves its pods' links.
+fn announced_links(world: &World) -> String {
     world
         .server
         .as_ref()
         .expect("server")
         .banner
         .iter()
-        .find_map(|line| line.strip_prefix(support::WORKER_FEED))
-        .expect("the worker announced its feed")
+        .find_map(|line| line.strip_prefix("sortie worker links on "))
+        .expect("the worker announced its link listener")
         .trim_start_matches("http://")
         .to_owned()
 }
@@ -470,7 +471,7 @@ async fn a_session_runs_in_a_claimed_pod_that_clones_and_delivers_through_the_gi
         apiserver,
         cluster,
         world,
-        feed,
+        links,
         scratch,
     } = &fixture;
     // One warm pod: the second claim gets a cold one.
@@ -478,13 +479,37 @@ async fn a_session_runs_in_a_claimed_pod_that_clones_and_delivers_through_the_gi
     let server = fixture.server();
 
     // At start the worker applied its shape: pods that dial it back, with no credential but the
-    // gateway-audience token, reaching nothing but it and DNS.
+    // gateway-audience token, reaching nothing but its link port — by the cluster IP of the Service it
+    // applied for itself, so they have no DNS either.
+    let port: u16 = links
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("link port");
+    let service = apiserver.get(&key(SERVICES, POOL)).expect("the link Service");
+    assert_eq!(service["spec"]["ports"][0]["port"], port);
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").expect("hostname");
+    assert_eq!(
+        service["spec"]["selector"]["statefulset.kubernetes.io/pod-name"],
+        hostname.trim()
+    );
+    let cluster_ip = service["spec"]["clusterIP"].as_str().expect("cluster IP");
     let template = apiserver.get(&key(TEMPLATES, POOL)).expect("template");
     let command = template["spec"]["podTemplate"]["spec"]["containers"][0]["command"].to_string();
     assert!(
-        command.contains(&format!("http://{feed}")) && command.contains("--egress-over-link"),
+        command.contains(&format!("http://{cluster_ip}:{port}")) && command.contains("--egress-over-link"),
         "{command}"
     );
+    let egress = &template["spec"]["networkPolicy"]["egress"];
+    assert_eq!(egress.as_array().map(Vec::len), Some(1), "no DNS: {egress:#}");
+    assert_eq!(egress[0]["ports"][0]["port"], port);
+    // The link listener serves links and egress, nothing else of the worker.
+    for path in ["/metrics", "/healthz", "/v1/feed"] {
+        let answer = reqwest::get(format!("http://{links}{path}"))
+            .await
+            .expect("the link listener answers");
+        assert_eq!(answer.status(), 404, "{path}");
+    }
     let pool = apiserver.get(&key(POOLS, POOL)).expect("pool");
     assert_eq!(pool["spec"]["replicas"], 2);
     let (status, agents) = world.call(reqwest::Method::GET, "/v1/agents", None).await;
@@ -684,8 +709,8 @@ async fn a_restarted_worker_takes_up_its_pods_and_the_turn_running_in_one_goes_o
         .and_then(|listener| listener.local_addr())
         .expect("a free port")
         .port();
-    let feed_listen = format!("127.0.0.1:{port}");
-    let mut fixture = start_with_feed(&[], &feed_listen).await;
+    let link_listen = format!("127.0.0.1:{port}");
+    let mut fixture = start_with_links(&[], &link_listen).await;
     let id = fixture
         .world
         .create(
@@ -711,7 +736,7 @@ async fn a_restarted_worker_takes_up_its_pods_and_the_turn_running_in_one_goes_o
     let unrecorded = stray(POOL);
     let others = stray("another-workers-pool");
     fixture.world.restart_server();
-    assert_eq!(announced_feed(&fixture.world), feed_listen);
+    assert_eq!(announced_links(&fixture.world), link_listen);
     assert!(
         fixture.apiserver.get(&unrecorded).is_none(),
         "a claim of this worker's pool that no session holds is let go at start"
