@@ -142,6 +142,9 @@ pub enum Event {
     },
 }
 
+/// Sandboxes taken over at once at start.
+const ADOPTIONS_AT_ONCE: usize = 8;
+
 /// Shared by the loop and its turn tasks.
 pub(crate) struct Context {
     pub config: WorkerConfig,
@@ -153,9 +156,27 @@ pub(crate) struct Context {
     pub feeds: Arc<Feeds>,
     /// One mirror fetch at a time per repository.
     pub mirror_locks: tokio::sync::Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
+    /// Pods being let go at hibernation (their home kept first), by session: the session's next pod
+    /// waits for its last one's home.
+    pub releasing: std::sync::Mutex<HashMap<SessionId, tokio::sync::watch::Receiver<bool>>>,
 }
 
 impl Context {
+    /// Waits until the session's last pod has been let go, if one is being (bounded by the release's
+    /// own deadlines).
+    pub async fn released(&self, session_id: &SessionId) {
+        let pending = self
+            .releasing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(session_id)
+            .cloned();
+        if let Some(mut done) = pending {
+            // An error: the release task ended without saying so, which is the same.
+            let _ = done.wait_for(|done| *done).await;
+        }
+    }
+
     pub async fn mirror_lock(&self, path: &Path) -> Arc<tokio::sync::Mutex<()>> {
         self.mirror_locks
             .lock()
@@ -222,6 +243,7 @@ impl Worker {
                 pods,
                 feeds: Feeds::new(),
                 mirror_locks: tokio::sync::Mutex::new(HashMap::new()),
+                releasing: std::sync::Mutex::new(HashMap::new()),
             }),
             adopted: std::sync::Mutex::new(Vec::new()),
             feed_url: None,
@@ -574,18 +596,44 @@ async fn hibernate(context: &Arc<Context>, slots: &mut HashMap<SessionId, Slot>,
     if let Some(slot) = slots.remove(session_id)
         && let Some(sandbox) = slot.warm
     {
-        // A pod keeps nothing once let go: what its agent keeps goes to the store first (unless the
-        // cluster took the pod already).
+        if context.pods.is_some() {
+            release_pod(context, session_id, sandbox);
+        } else {
+            turn::destroy(context, session_id, &sandbox).await;
+        }
+    }
+    true
+}
+
+/// Lets a hibernating session's pod go off the loop: a pod keeps nothing once let go, so what its
+/// agent keeps goes to the store first (unless the cluster took the pod already), and a pod slow to
+/// give it (up to its deadline) must not hold up the other sessions. The session's next pod waits for
+/// it ([`Context::released`]).
+fn release_pod(context: &Arc<Context>, session_id: &SessionId, sandbox: SandboxHandle) {
+    let (done, pending) = tokio::sync::watch::channel(false);
+    context
+        .releasing
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(session_id.clone(), pending);
+    let context = context.clone();
+    let session_id = session_id.clone();
+    tokio::spawn(async move {
         let alive = !matches!(
             context.runtime.status(sandbox.name()).await,
             Ok(sortie_sandbox::SandboxStatus::Exited(_))
         );
-        if context.pods.is_some() && alive {
-            turn::keep_home(context, session_id, &sandbox).await;
+        if alive {
+            turn::keep_home(&context, &session_id, &sandbox).await;
         }
-        turn::destroy(context, session_id, &sandbox).await;
-    }
-    true
+        turn::destroy(&context, &session_id, &sandbox).await;
+        context
+            .releasing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&session_id);
+        let _ = done.send(true);
+    });
 }
 
 /// At start, for what this worker held before it stopped (its claims and sandboxes, by
@@ -599,8 +647,20 @@ async fn reconcile(context: &Arc<Context>) -> Vec<Adopted> {
     let mut had_sandbox = std::collections::HashSet::new();
     let mut adopted = Vec::new();
     if let Ok(rows) = context.store.sandboxes().await {
-        for row in rows.into_iter().filter(|row| row.worker_id.as_deref() == Some(me)) {
-            if let Some(taken) = adopt(context, &row.session_id, &row.handle).await {
+        // Several at once: a pod whose driver has not dialed again yet waits for its link, and the
+        // others need not wait behind it.
+        let mine = rows.into_iter().filter(|row| row.worker_id.as_deref() == Some(me));
+        use futures::StreamExt;
+        let attempts: Vec<_> = futures::stream::iter(mine)
+            .map(|row| async move {
+                let taken = adopt(context, &row.session_id, &row.handle).await;
+                (row, taken)
+            })
+            .buffer_unordered(ADOPTIONS_AT_ONCE)
+            .collect()
+            .await;
+        for (row, taken) in attempts {
+            if let Some(taken) = taken {
                 adopted.push(taken);
                 continue;
             }

@@ -373,6 +373,41 @@ impl Cluster {
         }
     }
 
+    /// Stops every process of the claim's pod (SIGSTOP): its driver answers nothing, as a pod on a
+    /// node that stopped scheduling it, or a driver made to hang.
+    fn freeze(&self, claim: &str) {
+        let pod = self.pods.lock().unwrap_or_else(|p| p.into_inner()).get(claim).cloned();
+        let root = pod.and_then(|pod| self.runtime.host_pid(&pod)).expect("the pod runs");
+        let mut frozen = std::collections::HashSet::from([root]);
+        // Descendants first found in any order: go round until nothing new is found.
+        loop {
+            let before = frozen.len();
+            for entry in std::fs::read_dir("/proc").expect("proc").flatten() {
+                let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                    continue;
+                };
+                let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+                // `pid (comm) state ppid …`: the comm may hold spaces, so read after its last ')'.
+                let parent = stat
+                    .rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                    .and_then(|ppid| ppid.parse::<u32>().ok());
+                if parent.is_some_and(|parent| frozen.contains(&parent)) {
+                    frozen.insert(pid);
+                }
+            }
+            if frozen.len() == before {
+                break;
+            }
+        }
+        for pid in frozen {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGSTOP,
+            );
+        }
+    }
+
     async fn stop_all(&self) {
         let pods: Vec<String> = self
             .pods
@@ -951,5 +986,46 @@ async fn a_pod_whose_driver_never_links_or_passes_for_another_fails_only_its_own
         claims_before,
         "the session kept its pod"
     );
+    cluster.stop_all().await;
+}
+
+/// A pod's release at hibernation waits for its agent's home (up to a deadline); a pod that does not
+/// answer must not hold up the other sessions meanwhile. Here one session's pod hangs as it hibernates,
+/// and another session runs a whole turn before the hung pod is let go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_that_hangs_as_it_is_let_go_holds_up_no_other_session() {
+    let fixture = start(&["--idle-grace", "1"]).await;
+    let Fixture {
+        apiserver,
+        cluster,
+        world,
+        ..
+    } = &fixture;
+    let hung = world.create("#!scripted\nsay: first", json!({})).await;
+    let (_, turns) = world.settled(&hung, 1).await;
+    assert_eq!(turns[0]["status"], "completed", "{turns:#?}");
+    let claim = sortie_kube::runtime::claim_name(&sortie_protocol::SessionId::parse(&hung).expect("id"));
+    cluster.freeze(&claim);
+    world
+        .wait(&hung, 30, |session, _| session["phase"] == "hibernated")
+        .await;
+
+    let other = world.create("#!scripted\nsay: not held up", json!({})).await;
+    let (_, turns) = world.settled(&other, 1).await;
+    assert_eq!(turns[0]["status"], "completed", "{turns:#?}");
+    assert!(
+        apiserver.get(&key(CLAIMS, &claim)).is_some(),
+        "the other session's turn ran while the hung pod was still being let go"
+    );
+    // The hung pod goes at its deadline, and the session's next pod starts without its home.
+    sortie_testkit::wait::eventually("the hung pod is let go", Duration::from_secs(60), || {
+        let gone = apiserver.get(&key(CLAIMS, &claim)).is_none();
+        async move { if gone { Ok(()) } else { Err("the claim is still there") } }
+    })
+    .await;
+    world.steer(&hung, "#!scripted\nsay: again", "queue").await;
+    let (session, turns) = world.settled(&hung, 2).await;
+    assert_eq!(turns[1]["status"], "completed", "{session:#}\n{turns:#?}");
+    assert_ne!(turns[1]["priming"], "session_load", "{turns:#?}");
     cluster.stop_all().await;
 }

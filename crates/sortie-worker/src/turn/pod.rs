@@ -32,6 +32,8 @@ pub(super) async fn provision(
 ) -> Result<SandboxHandle, Failure> {
     let config = &context.config;
     let dirs = SessionDirs::new(&config.work_dir, &session.id);
+    // The session's last pod gives up its agent's home before this one is given it.
+    context.released(&session.id).await;
     let (upstream, forge_auth) = session_upstream(context, session).await?;
 
     let clock = Instant::now();
