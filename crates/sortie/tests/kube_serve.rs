@@ -858,10 +858,10 @@ async fn what_a_turn_leaves_running_in_a_pod_has_no_way_out_after_it() {
     fixture.cluster.stop_all().await;
 }
 
-/// A pod keeps nothing once let go. What its delivery could not push (a person moved the session's
-/// branch, so the push conflicts) is kept at the session's WIP ref through the git proxy, recorded as
-/// the proxy saw the upstream take it; the session's next pod starts with those files, and the
-/// delivery that lands takes them to the branch and lets the ref go.
+/// A pod keeps nothing once let go. Each turn here resumes the session in a warm pod. What its delivery
+/// could not push (a person moved the session's branch, so the push conflicts) is kept at the session's
+/// WIP ref through the git proxy, recorded as the proxy saw the upstream take it; the session's next pod
+/// starts with those files, and the delivery that lands takes them to the branch and lets the ref go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn work_a_pod_could_not_deliver_reaches_the_sessions_next_pod() {
     let fixture = start(&["--idle-grace", "0"]).await;
@@ -906,6 +906,8 @@ async fn work_a_pod_could_not_deliver_reaches_the_sessions_next_pod() {
         .await;
     let (_, turns) = world.settled(&id, 2).await;
     assert_eq!(failure_code(&turns[1]), "PUSH_CONFLICT", "{turns:#?}");
+    // A warm claim resumed the session, and its agent loaded its own session from the kept home.
+    assert_eq!(turns[1]["priming"], "session_load", "{turns:#?}");
     let wip = format!("refs/sortie/wip/{id}");
     let kept = git(&["rev-parse", &wip]);
     assert_eq!(git(&["show", &format!("{kept}:KEPT.md")]), "kept across pods");
