@@ -18,6 +18,8 @@ use axum::response::Response;
 use base64::Engine;
 use tokio::io::AsyncWriteExt;
 
+use crate::github_app::FakeApp;
+
 /// A CA and a certificate for 127.0.0.1 it signed.
 pub struct Certificates {
     /// Where the CA's PEM is, for clients to trust.
@@ -162,6 +164,8 @@ pub struct GitForge {
     pulls_forbidden: AtomicBool,
     /// Milliseconds a pull-request call waits before it is answered (a slow forge).
     pulls_delay_ms: std::sync::atomic::AtomicU64,
+    /// A GitHub App installed here, whose installation tokens are taken too.
+    app: Mutex<Option<FakeApp>>,
 }
 
 impl GitForge {
@@ -173,6 +177,7 @@ impl GitForge {
             pulls: Mutex::new(Vec::new()),
             pulls_forbidden: AtomicBool::new(false),
             pulls_delay_ms: std::sync::atomic::AtomicU64::new(0),
+            app: Mutex::new(None),
         })
     }
 
@@ -199,6 +204,35 @@ impl GitForge {
         self.credentials.lock().is_ok_and(|c| given == Some(c.0.as_str()))
     }
 
+    /// Installs a GitHub App (its token routes answer from now on).
+    pub fn install_app(&self, app: FakeApp) {
+        *self.app.lock().unwrap_or_else(|p| p.into_inner()) = Some(app);
+    }
+
+    /// The installed App, to look at or change (`expire_all`, `stateless`, installations).
+    pub fn with_app<T>(&self, f: impl FnOnce(&mut FakeApp) -> T) -> Option<T> {
+        self.app.lock().unwrap_or_else(|p| p.into_inner()).as_mut().map(f)
+    }
+
+    /// Whether `given` (a whole `Authorization` value) is a live installation token for `repository`.
+    fn app_token_ok(&self, given: Option<&str>, repository: &str) -> bool {
+        let token = given.and_then(|value| {
+            value.strip_prefix("Bearer ").map(str::to_owned).or_else(|| {
+                let basic = value.strip_prefix("Basic ")?;
+                let decoded = base64::engine::general_purpose::STANDARD.decode(basic).ok()?;
+                String::from_utf8(decoded)
+                    .ok()?
+                    .strip_prefix("x-access-token:")
+                    .map(str::to_owned)
+            })
+        });
+        let Some(token) = token else {
+            return false;
+        };
+        self.with_app(|app| app.accepts(&token, repository, std::time::SystemTime::now()))
+            .unwrap_or(false)
+    }
+
     pub fn pulls(&self) -> Vec<FakePull> {
         self.pulls.lock().map(|pulls| pulls.clone()).unwrap_or_default()
     }
@@ -213,6 +247,14 @@ impl GitForge {
                 "/repos/{owner}/{name}/pulls",
                 axum::routing::get(list_pulls).post(open_pull),
             )
+            .route(
+                "/repos/{owner}/{name}/installation",
+                axum::routing::get(repo_installation),
+            )
+            .route(
+                "/app/installations/{id}/access_tokens",
+                axum::routing::post(installation_token),
+            )
             .fallback(serve)
             .with_state(self.clone())
     }
@@ -226,9 +268,9 @@ impl GitForge {
         }
     }
 
-    fn bearer_ok(&self, headers: &HeaderMap) -> bool {
+    fn bearer_ok(&self, headers: &HeaderMap, repository: &str) -> bool {
         let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-        self.credentials.lock().is_ok_and(|c| given == Some(c.1.as_str()))
+        self.credentials.lock().is_ok_and(|c| given == Some(c.1.as_str())) || self.app_token_ok(given, repository)
     }
 }
 
@@ -268,7 +310,7 @@ async fn open_pull(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let authorized = forge.bearer_ok(&headers);
+    let authorized = forge.bearer_ok(&headers, &format!("{owner}/{name}"));
     forge.record(format!("POST /repos/{owner}/{name}/pulls"), authorized);
     let delay = forge.pulls_delay_ms.load(Ordering::SeqCst);
     if delay > 0 {
@@ -330,7 +372,7 @@ async fn list_pulls(
     uri: axum::http::Uri,
     headers: HeaderMap,
 ) -> Response {
-    let authorized = forge.bearer_ok(&headers);
+    let authorized = forge.bearer_ok(&headers, &format!("{owner}/{name}"));
     forge.record(format!("GET {uri}"), authorized);
     if !authorized {
         return json_answer(
@@ -365,7 +407,19 @@ impl GitForge {
 }
 
 async fn serve(State(forge): State<Arc<GitForge>>, request: Request) -> Response {
-    let authorized = forge.basic_ok(request.headers());
+    // `/<name>.git/…`: an installation token must be scoped to a repository of that name.
+    let name = request
+        .uri()
+        .path()
+        .trim_start_matches('/')
+        .split_once(".git/")
+        .map(|(name, _)| name.to_owned())
+        .unwrap_or_default();
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    let authorized = forge.basic_ok(request.headers()) || forge.app_token_ok(given, &name);
     forge.record(format!("{} {}", request.method(), request.uri()), authorized);
     if !authorized {
         return status(StatusCode::UNAUTHORIZED, Some("Basic realm=forge"));
@@ -462,4 +516,108 @@ async fn http_backend(
         }
     }
     response.body(Body::from(rest.to_vec())).unwrap_or_default()
+}
+
+/// `GET /repos/{owner}/{repo}/installation`, with the App's JWT.
+async fn repo_installation(
+    State(forge): State<Arc<GitForge>>,
+    axum::extract::Path((owner, name)): axum::extract::Path<(String, String)>,
+    headers: HeaderMap,
+) -> Response {
+    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    let now = std::time::SystemTime::now();
+    let repository = format!("{owner}/{name}");
+    let answer = forge.with_app(|app| match app.verify_jwt(given, now) {
+        Err(message) => Err(message),
+        Ok(()) => Ok((app.installation(&repository), app.app_id.clone(), app.client_id.clone())),
+    });
+    forge.record(
+        format!("GET /repos/{repository}/installation"),
+        matches!(answer, Some(Ok(_))),
+    );
+    match answer {
+        None => json_answer(StatusCode::NOT_FOUND, &serde_json::json!({"message": "Not Found"})),
+        Some(Err(message)) => json_answer(
+            StatusCode::UNAUTHORIZED,
+            &serde_json::json!({"message": message, "documentation_url": "https://docs.github.com/rest"}),
+        ),
+        Some(Ok((None, _, _))) => json_answer(
+            StatusCode::NOT_FOUND,
+            &serde_json::json!({"message": "Not Found", "documentation_url": "https://docs.github.com/rest/apps/apps#get-a-repository-installation-for-the-authenticated-app"}),
+        ),
+        Some(Ok((Some(id), app_id, client_id))) => json_answer(
+            StatusCode::OK,
+            &serde_json::json!({
+                "id": id, "app_id": app_id.parse::<u64>().unwrap_or_default(), "client_id": client_id,
+                "account": {"login": owner}, "repository_selection": "selected",
+                "access_tokens_url": format!("/app/installations/{id}/access_tokens"),
+                "permissions": {"contents": "write", "pull_requests": "write", "metadata": "read"},
+                "suspended_at": null,
+            }),
+        ),
+    }
+}
+
+/// `POST /app/installations/{id}/access_tokens`, with the App's JWT.
+async fn installation_token(
+    State(forge): State<Arc<GitForge>>,
+    axum::extract::Path(id): axum::extract::Path<u64>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    let now = std::time::SystemTime::now();
+    let asked: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let stateless_header = headers
+        .get("x-github-stateless-s2s-token")
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v == "enabled");
+    let answer = forge.with_app(|app| {
+        app.verify_jwt(given, now)?;
+        let installed: Vec<String> = asked["repositories"]
+            .as_array()
+            .map(|names| names.iter().filter_map(|n| n.as_str().map(str::to_owned)).collect())
+            .unwrap_or_default();
+        // Names without the owner, as GitHub takes them: the installation's repositories of that name.
+        let mut repositories = Vec::new();
+        for name in &installed {
+            let full = app.repositories_of(id).into_iter().find(|repo| repo.rsplit('/').next() == Some(name.as_str()));
+            match full {
+                Some(full) => repositories.push(full),
+                None => return Err(format!("There is at least one repository that does not exist or is not accessible to the parent installation.: {name}")),
+            }
+        }
+        let permissions: std::collections::BTreeMap<String, String> = asked["permissions"]
+            .as_object()
+            .map(|map| map.iter().map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned())).collect())
+            .unwrap_or_default();
+        let stateless = stateless_header.unwrap_or(app.stateless);
+        Ok(app.mint(id, &repositories, permissions, stateless, now))
+    });
+    forge.record(
+        format!("POST /app/installations/{id}/access_tokens"),
+        matches!(answer, Some(Ok(_))),
+    );
+    match answer {
+        None => json_answer(StatusCode::NOT_FOUND, &serde_json::json!({"message": "Not Found"})),
+        Some(Err(message)) if message.starts_with("There is") => json_answer(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &serde_json::json!({"message": message, "documentation_url": "https://docs.github.com/rest"}),
+        ),
+        Some(Err(message)) => json_answer(
+            StatusCode::UNAUTHORIZED,
+            &serde_json::json!({"message": message, "documentation_url": "https://docs.github.com/rest"}),
+        ),
+        Some(Ok(minted)) => {
+            let expires_at = humantime::format_rfc3339_seconds(minted.expires_at).to_string();
+            json_answer(
+                StatusCode::CREATED,
+                &serde_json::json!({
+                    "token": minted.token, "expires_at": expires_at,
+                    "permissions": minted.permissions, "repository_selection": "selected",
+                    "repositories": minted.repositories.iter().map(|r| serde_json::json!({"full_name": r})).collect::<Vec<_>>(),
+                }),
+            )
+        }
+    }
 }

@@ -10,7 +10,8 @@
 //! and every request is recorded ([`RecordedRequest`]). Answers are deterministic: the same request
 //! gets the same bytes. [`sample`] builds requests like the agents' to drive a fake.
 //!
-//! [`forge`] is a git forge over real TLS: smart HTTP behind a token, as GitHub serves it.
+//! [`forge`] is a git forge over real TLS: smart HTTP behind a token, as GitHub serves it, with a
+//! GitHub App ([`github_app`]) that mints the installation tokens it takes.
 //!
 //! The shared fixtures: [`git`] (real git with a test identity, and the repositories tests start
 //! from), [`wait`] (poll with a deadline; one patience knob) and [`http`] (small servers on
@@ -20,6 +21,7 @@ mod anthropic;
 pub mod forge;
 mod gemini;
 pub mod git;
+pub mod github_app;
 pub mod http;
 pub mod kube;
 mod openai;
