@@ -582,6 +582,73 @@ async fn a_forge_gets_the_credential_and_the_client_never_does() {
     }
 }
 
+/// A forge credential that runs out (a GitHub App's installation token): whoever holds it mints another.
+struct Rotating {
+    session: SessionId,
+    url: String,
+    current: std::sync::Mutex<String>,
+    fresh: String,
+    refreshes: AtomicUsize,
+}
+
+impl Upstreams for Rotating {
+    fn upstream(&self, session_id: &SessionId) -> Option<Upstream> {
+        (session_id == &self.session).then(|| Upstream::Remote {
+            url: self.url.clone(),
+            token: self.current.lock().expect("lock").clone(),
+        })
+    }
+
+    fn refresh<'a>(
+        &'a self,
+        session_id: &'a SessionId,
+        _refused: &'a Upstream,
+    ) -> futures::future::BoxFuture<'a, Option<Upstream>> {
+        Box::pin(async move {
+            self.refreshes.fetch_add(1, Ordering::SeqCst);
+            *self.current.lock().expect("lock") = self.fresh.clone();
+            self.upstream(session_id)
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_credential_the_forge_refuses_is_refreshed_once_and_the_fetch_and_push_go_on_with_it() {
+    let setup = setup().await;
+    let session = SessionId::generate();
+    let (forge_url, seen) = fake_forge(setup.upstream.clone(), "ghs_minted_again", Misbehaviour::None, &session).await;
+    let rotating = Arc::new(Rotating {
+        session: session.clone(),
+        url: forge_url,
+        current: std::sync::Mutex::new("ghs_expired".into()),
+        fresh: "ghs_minted_again".into(),
+        refreshes: AtomicUsize::new(0),
+    });
+    let base = proxy_for(rotating.clone(), &setup.upstream.join("objects")).await;
+    let work = setup.root.join("rotated");
+    ok(git(
+        &setup.root,
+        &setup.root,
+        &[
+            "clone",
+            &format!("{base}/_sortie/git/{session}.git"),
+            work.to_str().expect("utf-8"),
+        ],
+    ));
+    assert_eq!(rotating.refreshes.load(Ordering::SeqCst), 1);
+    commit(&work, &setup.root, "r.txt", b"r\n");
+    let own = format!("refs/heads/sortie/{session}");
+    ok(git(&work, &setup.root, &["push", "origin", &format!("HEAD:{own}")]));
+    assert_eq!(rev(&setup.upstream, &setup.root, &own), rev(&work, &setup.root, "HEAD"));
+    assert_eq!(rotating.refreshes.load(Ordering::SeqCst), 1, "the fresh one is kept");
+    let requests = seen.lock().expect("lock").clone();
+    assert_eq!(
+        requests.iter().filter(|r| r.ends_with("auth=false")).count(),
+        1,
+        "only the first advertisement went with the old credential: {requests:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forge_that_refuses_or_redirects_is_not_relayed() {
     let setup = setup().await;

@@ -74,7 +74,23 @@ impl std::fmt::Debug for Upstream {
 /// Which upstream a session pushes to and fetches from.
 pub trait Upstreams: Send + Sync + 'static {
     fn upstream(&self, session_id: &SessionId) -> Option<Upstream>;
+
+    /// The forge refused `refused`'s credential (a 401 to a ref advertisement, the first request of
+    /// every fetch and push): a fresh upstream if whoever holds the credential can get one (a GitHub
+    /// App's installation token, minted again); `None` leaves the refusal as it is.
+    fn refresh<'a>(
+        &'a self,
+        _session_id: &'a SessionId,
+        _refused: &'a Upstream,
+    ) -> futures::future::BoxFuture<'a, Option<Upstream>> {
+        Box::pin(async { None })
+    }
 }
+
+/// Marks a forge's 401 on the answer the client gets (a 502), so a ref advertisement can be asked
+/// again with a fresh credential.
+#[derive(Clone, Copy)]
+struct CredentialsRefused;
 
 /// Which certificates the proxy trusts for forge upstreams, besides the platform's roots.
 #[derive(Clone, Debug, Default)]
@@ -308,7 +324,11 @@ async fn remote(
     };
     let status = answer.status();
     if status == reqwest::StatusCode::UNAUTHORIZED || status == reqwest::StatusCode::FORBIDDEN {
-        return plain(StatusCode::BAD_GATEWAY, "upstream rejected the proxy's credentials");
+        let mut refused = plain(StatusCode::BAD_GATEWAY, "upstream rejected the proxy's credentials");
+        if status == reqwest::StatusCode::UNAUTHORIZED {
+            refused.extensions_mut().insert(CredentialsRefused);
+        }
+        return refused;
     }
     if status.is_redirection() {
         return plain(
@@ -372,21 +392,40 @@ async fn info_refs(
     if query != "service=git-upload-pack" && query != "service=git-receive-pack" {
         return plain(StatusCode::FORBIDDEN, "only smart HTTP is served");
     }
-    let Some((_, upstream)) = session_of(&proxy, &repo) else {
+    let Some((session, upstream)) = session_of(&proxy, &repo) else {
         return no_such_repository();
     };
-    let Some(slot) = proxy.slot().await else {
-        return busy();
+    let advertisement = |upstream: Upstream| {
+        let proxy = proxy.clone();
+        let (query, headers) = (&query, &headers);
+        async move {
+            let Some(slot) = proxy.slot().await else {
+                return busy();
+            };
+            let request = Forwarded {
+                method: "GET",
+                tail: "info/refs",
+                query,
+                headers,
+                prefix: Bytes::new(),
+                body: None,
+            };
+            forward(&proxy, &upstream, request, slot).await
+        }
     };
-    let request = Forwarded {
-        method: "GET",
-        tail: "info/refs",
-        query: &query,
-        headers: &headers,
-        prefix: Bytes::new(),
-        body: None,
-    };
-    forward(&proxy, &upstream, request, slot).await
+    let answer = advertisement(upstream.clone()).await;
+    if answer.extensions().get::<CredentialsRefused>().is_none() {
+        return answer;
+    }
+    // A refused credential may have run out (an installation token lives an hour): once, with a
+    // fresh one, if there is one. The rest of the fetch or push then goes with it.
+    match proxy.config().upstreams.refresh(&session, &upstream).await {
+        Some(fresh) => {
+            tracing::info!(session = %session, "the forge refused the credential; asked again with a fresh one");
+            advertisement(fresh).await
+        }
+        None => answer,
+    }
 }
 
 async fn upload_pack(
