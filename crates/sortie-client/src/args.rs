@@ -114,7 +114,9 @@ pub enum KeysCommand {
 /// Forge connections, through the server with an admin token: the token's workspace is the one changed.
 #[derive(Debug, Subcommand)]
 pub enum ForgeCommand {
-    /// Set the token for HOST (`github.com`, `git.example.com:8443`), read from stdin (never an argument).
+    /// Set the token for HOST (`github.com`, `git.example.com:8443`), read from stdin (never an argument),
+    /// or connect it as a GitHub App (`--app-id ID --private-key FILE`): installation tokens are then
+    /// minted per repository.
     Set {
         host: String,
         /// `github` (default) or `git` (any other smart-HTTP host: branches only).
@@ -123,6 +125,12 @@ pub enum ForgeCommand {
         /// The forge's REST API base, when it is not GitHub's default for HOST.
         #[arg(long)]
         api_base: Option<String>,
+        /// A GitHub App's ID (or client ID), instead of a token.
+        #[arg(long, requires = "private_key")]
+        app_id: Option<String>,
+        /// The App's private key (the PEM GitHub downloads, or PKCS#8).
+        #[arg(long, requires = "app_id")]
+        private_key: Option<std::path::PathBuf>,
     },
     /// List the workspace's forge connections: host, kind, fingerprint; never a token.
     #[command(alias = "ls")]

@@ -11,8 +11,9 @@ use serde_json::Value;
 use sortie_protocol::ApiErrorBody;
 use sortie_protocol::api::{
     CreateSessionRequest, CreateWebhookRequest, EgressAmendment, EgressRequest, ForgeConnection, ForgeConnectionList,
-    MODEL_KEY_MAX_BYTES, ModelApi, ModelKey, ModelKeyList, Session, SessionList, SetForgeConnectionRequest,
-    SetModelKeyRequest, SignInLink, SteerRequest, Turn, TurnList, Webhook, WebhookDeliveryList, WebhookList,
+    GitHubAppCredentials, MODEL_KEY_MAX_BYTES, ModelApi, ModelKey, ModelKeyList, Session, SessionList,
+    SetForgeConnectionRequest, SetModelKeyRequest, SignInLink, SteerRequest, Turn, TurnList, Webhook,
+    WebhookDeliveryList, WebhookList,
 };
 use sortie_protocol::phase::TurnMode;
 
@@ -395,28 +396,58 @@ async fn keys(client: &Client, command: KeysCommand) -> anyhow::Result<ExitCode>
 
 async fn forge(client: &Client, command: ForgeCommand) -> anyhow::Result<ExitCode> {
     match command {
-        ForgeCommand::Set { host, kind, api_base } => {
-            if std::io::stdin().is_terminal() {
-                eprintln!(
-                    "paste the token for {host}, then Enter and Ctrl-D (or pipe it: `sortie forge set {host} < token.txt`)"
-                );
-            }
-            let token = read_secret(
-                std::io::stdin().lock(),
-                "token",
-                &format!("sortie forge set {host} < token.txt"),
-            )?;
-            let request = SetForgeConnectionRequest { token, kind, api_base };
+        ForgeCommand::Set {
+            host,
+            kind,
+            api_base,
+            app_id,
+            private_key,
+        } => {
+            let request = match (app_id, private_key) {
+                (Some(app_id), Some(path)) => {
+                    let private_key = std::fs::read_to_string(&path)
+                        .with_context(|| format!("cannot read the App's private key {}", path.display()))?;
+                    SetForgeConnectionRequest {
+                        token: String::new(),
+                        github_app: Some(GitHubAppCredentials { app_id, private_key }),
+                        kind,
+                        api_base,
+                    }
+                }
+                _ => {
+                    if std::io::stdin().is_terminal() {
+                        eprintln!(
+                            "paste the token for {host}, then Enter and Ctrl-D (or pipe it: `sortie forge set {host} < token.txt`)"
+                        );
+                    }
+                    let token = read_secret(
+                        std::io::stdin().lock(),
+                        "token",
+                        &format!("sortie forge set {host} < token.txt"),
+                    )?;
+                    SetForgeConnectionRequest {
+                        token,
+                        github_app: None,
+                        kind,
+                        api_base,
+                    }
+                }
+            };
             let answer = client
                 .send::<ForgeConnection>(Method::PUT, &format!("/v1/forge-connections/{host}"), &request)
                 .await?;
-            finish(client, answer, |connection| {
-                format!(
+            finish(client, answer, |connection| match &connection.app_id {
+                Some(app_id) => format!(
+                    "set GitHub App {app_id} for {} {}",
+                    connection.host,
+                    shown(connection.fingerprint.as_deref())
+                ),
+                None => format!(
                     "set the {} token for {} {}",
                     connection.kind.as_str(),
                     connection.host,
                     shown(connection.fingerprint.as_deref())
-                )
+                ),
             })
         }
         ForgeCommand::List => {

@@ -733,8 +733,12 @@ impl std::str::FromStr for ForgeKind {
 #[serde(deny_unknown_fields)]
 pub struct SetForgeConnectionRequest {
     /// The token (1 to 4096 bytes of printable ASCII, no whitespace) the gateway sends as Basic
-    /// `x-access-token:<token>`. Never answered back, never inside a sandbox.
+    /// `x-access-token:<token>`. Never answered back, never inside a sandbox. Empty with `github_app`.
+    #[serde(default)]
     pub token: String,
+    /// Instead of a token: a GitHub App, whose installation tokens are minted per repository.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub github_app: Option<GitHubAppCredentials>,
     /// Default `github`.
     #[serde(default)]
     pub kind: Option<ForgeKind>,
@@ -744,10 +748,46 @@ pub struct SetForgeConnectionRequest {
     pub api_base: Option<String>,
 }
 
+/// A GitHub App a forge connection acts as. Its `Debug` never shows the key.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct GitHubAppCredentials {
+    /// The App ID or its client ID (`Iv23…`): what the App's JWT names as its issuer.
+    pub app_id: String,
+    /// The App's private key, PEM: GitHub's download (`BEGIN RSA PRIVATE KEY`) or PKCS#8. Sealed at
+    /// rest, never answered back, never inside a sandbox.
+    pub private_key: String,
+}
+
+impl std::fmt::Debug for GitHubAppCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GitHubAppCredentials")
+            .field("app_id", &self.app_id)
+            .field("private_key", &"[redacted]")
+            .finish()
+    }
+}
+
+/// The longest App private key taken (a 4096-bit RSA PEM is about 3.3 KB).
+pub const GITHUB_APP_KEY_MAX_BYTES: usize = 16 * 1024;
+
+/// An App ID (digits) or client ID (`Iv…`): 1 to 64 ASCII letters and digits.
+pub fn check_github_app_id(app_id: &str) -> Result<(), crate::validate::Refusal> {
+    if app_id.is_empty() || app_id.len() > 64 || !app_id.bytes().all(|b| b.is_ascii_alphanumeric()) {
+        return Err(crate::validate::Refusal {
+            code: crate::error::ErrorCode::ForgeConnectionInvalid,
+            message: "github_app.app_id must be the App ID or its client ID (letters and digits)".into(),
+        });
+    }
+    Ok(())
+}
+
 impl std::fmt::Debug for SetForgeConnectionRequest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SetForgeConnectionRequest")
             .field("token", &"[redacted]")
+            .field("github_app", &self.github_app)
             .field("kind", &self.kind)
             .field("api_base", &self.api_base)
             .finish()
@@ -766,6 +806,9 @@ pub struct ForgeConnection {
     pub created_at: String,
     /// The token's last characters, as for model keys; null when it cannot be decrypted (set it again).
     pub fingerprint: Option<String>,
+    /// Set when the connection is a GitHub App (its ID or client ID) rather than a token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub app_id: Option<String>,
 }
 
 /// `GET /v1/forge-connections`: the forges the token's workspace reaches.

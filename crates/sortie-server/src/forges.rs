@@ -1,5 +1,6 @@
-//! The forge-connection endpoints (DESIGN §4): an admin sets, lists and removes the token the
-//! workspace reaches a forge with (`repo` URLs on that host). Tokens are sealed by the
+//! The forge-connection endpoints (DESIGN §4): an admin sets, lists and removes the token (or the GitHub
+//! App, by its private key) the workspace reaches a forge with (`repo` URLs on that host). Secrets are
+//! sealed by the
 //! [`sortie_store::KeyRing`] before the store sees them; the gateway and the worker's mirror fetch
 //! are the only users of the plaintext, and no answer or log line ever carries it.
 
@@ -7,8 +8,8 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
 use sortie_protocol::api::{
-    ForgeConnection, ForgeConnectionList, ForgeKind, SetForgeConnectionRequest, check_forge_token,
-    model_key_fingerprint, rfc3339_from_epoch_ms,
+    ForgeConnection, ForgeConnectionList, ForgeKind, GITHUB_APP_KEY_MAX_BYTES, SetForgeConnectionRequest,
+    check_forge_token, check_github_app_id, model_key_fingerprint, rfc3339_from_epoch_ms,
 };
 use sortie_protocol::{ApiErrorBody, ErrorCode};
 use sortie_store::ForgeConnectionRow;
@@ -58,8 +59,40 @@ async fn set_forge_connection(
     ForgeHostPath(host): ForgeHostPath,
     ApiJson(request): ApiJson<SetForgeConnectionRequest>,
 ) -> Result<Json<ForgeConnection>, ApiError> {
-    check_forge_token(&request.token)?;
     let kind = request.kind.unwrap_or_default();
+    // A token, or a GitHub App's key: the secret sealed either way.
+    let (secret, app_id) = match &request.github_app {
+        Some(app) => {
+            if !request.token.is_empty() || kind != ForgeKind::Github {
+                return Err(ApiError::new(
+                    ErrorCode::ForgeConnectionInvalid,
+                    "give either token or github_app, and github_app only for kind github",
+                ));
+            }
+            check_github_app_id(&app.app_id)?;
+            if app.private_key.len() > GITHUB_APP_KEY_MAX_BYTES {
+                return Err(ApiError::new(
+                    ErrorCode::ForgeConnectionInvalid,
+                    format!("github_app.private_key is larger than {GITHUB_APP_KEY_MAX_BYTES} bytes"),
+                ));
+            }
+            // Refused now, not at the first session: a key that cannot sign.
+            if let Err(error) = sortie_github::app::AppKey::from_pem(app.private_key.as_bytes()) {
+                return Err(ApiError::new(
+                    ErrorCode::ForgeConnectionInvalid,
+                    format!("github_app.private_key: {error}"),
+                ));
+            }
+            (
+                Secret::new(app.private_key.clone().into_bytes()),
+                Some(app.app_id.clone()),
+            )
+        }
+        None => {
+            check_forge_token(&request.token)?;
+            (Secret::new(request.token.into_bytes()), None)
+        }
+    };
     let api_base = match request.api_base.filter(|base| !base.trim().is_empty()) {
         Some(base) => {
             if base.len() > API_BASE_MAX_BYTES
@@ -75,10 +108,9 @@ async fn set_forge_connection(
         }
         None => default_api_base(kind, &host),
     };
-    let token = Secret::new(request.token.into_bytes());
     let sealed = state
         .keyring
-        .seal_forge_token(&caller.workspace_id, &host, token.expose())?;
+        .seal_forge_token(&caller.workspace_id, &host, secret.expose())?;
     let row = state
         .store
         .put_forge_connection(
@@ -88,10 +120,11 @@ async fn set_forge_connection(
             &api_base,
             &sealed.ciphertext,
             &sealed.nonce,
+            app_id.as_deref(),
         )
         .await?;
-    tracing::info!(workspace = %caller.workspace_name, host = %host, token = %caller.token_id, "forge connection set");
-    Ok(Json(view(&row, Some(model_key_fingerprint(token.expose())))))
+    tracing::info!(workspace = %caller.workspace_name, host = %host, token = %caller.token_id, app = app_id.is_some(), "forge connection set");
+    Ok(Json(view(&row, Some(fingerprint(&row, secret.expose())))))
 }
 
 /// The workspace's forge connections: host, kind, API base, when set and fingerprint, never the token.
@@ -117,7 +150,7 @@ async fn list_forge_connections(
                 &row.token_ciphertext,
                 &row.token_nonce,
             ) {
-                Ok(token) => Some(model_key_fingerprint(token.expose())),
+                Ok(token) => Some(fingerprint(row, token.expose())),
                 Err(error) => {
                     tracing::warn!(workspace = %caller.workspace_name, host = %row.host, %error, "a stored forge token does not open");
                     None
@@ -168,5 +201,19 @@ fn view(row: &ForgeConnectionRow, fingerprint: Option<String>) -> ForgeConnectio
         api_base: row.api_base.clone(),
         created_at: rfc3339_from_epoch_ms(row.created_at),
         fingerprint,
+        app_id: row.app_id.clone(),
     }
+}
+
+/// A token's last characters; for an App's PEM key, those of its key material (not the armour).
+fn fingerprint(row: &ForgeConnectionRow, secret: &[u8]) -> String {
+    if row.app_id.is_none() {
+        return model_key_fingerprint(secret);
+    }
+    let material: Vec<u8> = String::from_utf8_lossy(secret)
+        .lines()
+        .filter(|line| !line.starts_with("-----"))
+        .flat_map(|line| line.trim().bytes())
+        .collect();
+    model_key_fingerprint(&material)
 }

@@ -204,6 +204,23 @@ async fn forge_connections_are_set_listed_and_removed_by_admins_only(h: Harness)
         ("github.com", json!({"token": TOKEN, "kind": "gitlab"})),
         ("bad_host", json!({"token": TOKEN})),
         ("x:99999", json!({"token": TOKEN})),
+        (
+            "github.com",
+            json!({"github_app": {"app_id": "42", "private_key": "not a key"}}),
+        ),
+        (
+            "github.com",
+            json!({"github_app": {"app_id": "4 2", "private_key": "x"}}),
+        ),
+        (
+            "github.com",
+            json!({"token": TOKEN, "github_app": {"app_id": "42", "private_key": "x"}}),
+        ),
+        (
+            "github.com",
+            json!({"kind": "git", "github_app": {"app_id": "42", "private_key": "x"}}),
+        ),
+        ("github.com", json!({"github_app": {"app_id": "42"}})),
     ] {
         let refused = answers.keep(put("admin", host, body.clone()).await);
         assert!(
@@ -217,6 +234,35 @@ async fn forge_connections_are_set_listed_and_removed_by_admins_only(h: Harness)
     }
     let unchanged = answers.keep(h.get("/v1/forge-connections", &h.admin).await);
     assert_eq!(unchanged.body, listed.body, "a refusal writes nothing");
+
+    // A GitHub App instead of a token: its ID shown, its key never.
+    let dir = tempfile::tempdir().expect("temp");
+    let keys = sortie_testkit::github_app::make_app_key(dir.path());
+    let pem = std::fs::read_to_string(&keys.pkcs8_pem).expect("pem");
+    let app = answers.keep(
+        put(
+            "admin",
+            "ghe.example.com",
+            json!({"github_app": {"app_id": "Iv23liCLIENT", "private_key": pem}}),
+        )
+        .await,
+    );
+    assert_eq!(app.status, StatusCode::OK, "{}", app.body);
+    assert_eq!(
+        (&app.body["app_id"], &app.body["api_base"]),
+        (&json!("Iv23liCLIENT"), &json!("https://ghe.example.com/api/v3"))
+    );
+    assert!(
+        app.body["fingerprint"].as_str().is_some_and(|f| !f.contains('-')),
+        "{}",
+        app.body
+    );
+    let key_line = pem.lines().nth(2).expect("key material").to_owned();
+    answers.keep(h.get("/v1/forge-connections", &h.admin).await);
+    answers.assert_none_holds(&key_line);
+    let path = "/v1/forge-connections/ghe.example.com";
+    let removed = h.send(Method::DELETE, path, Some(&h.admin), Payload::Empty).await;
+    assert_eq!(removed.status, StatusCode::NO_CONTENT);
 
     let path = "/v1/forge-connections/github.com";
     let removed = h.send(Method::DELETE, path, Some(&h.admin), Payload::Empty).await;

@@ -320,7 +320,9 @@ pub trait Secrets: Send + Sync + 'static {
     async fn model_keys(&self, workspace_id: &str) -> StoreResult<Vec<ModelKeyRow>>;
     /// Forgets the workspace's key for `api`; `false` if it had none.
     async fn delete_model_key(&self, workspace_id: &str, api: sortie_protocol::api::ModelApi) -> StoreResult<bool>;
-    /// Stores the workspace's connection to `host`, replacing any earlier one (`created_at` is now).
+    /// Stores the workspace's connection to `host`, replacing any earlier one (`created_at` is now). With
+    /// `app_id`, the sealed secret is that GitHub App's private key, not a token.
+    #[allow(clippy::too_many_arguments)]
     async fn put_forge_connection(
         &self,
         workspace_id: &str,
@@ -329,6 +331,7 @@ pub trait Secrets: Send + Sync + 'static {
         api_base: &str,
         token_ciphertext: &str,
         token_nonce: &str,
+        app_id: Option<&str>,
     ) -> StoreResult<ForgeConnectionRow>;
     /// The workspace's connection to `host`, if it has one.
     async fn forge_connection(&self, workspace_id: &str, host: &str) -> StoreResult<Option<ForgeConnectionRow>>;

@@ -261,6 +261,8 @@ pub struct ForgeConnectionRow {
     pub token_ciphertext: String,
     pub token_nonce: String,
     pub created_at: i64,
+    /// A GitHub App's ID (or client ID): the sealed secret is then its private key.
+    pub app_id: Option<String>,
 }
 
 /// A token of a workspace, without its hash.

@@ -558,7 +558,7 @@ macro_rules! forge_connection_select {
     ($head:literal, $tail:literal) => {
         concat!(
             $head,
-            " workspace_id, host, kind, api_base, token_ciphertext, token_nonce, created_at ",
+            " workspace_id, host, kind, api_base, token_ciphertext, token_nonce, created_at, app_id ",
             $tail
         )
     };
@@ -575,6 +575,7 @@ fn forge_connection_from_row(row: &AnyRow) -> StoreResult<ForgeConnectionRow> {
         token_ciphertext: row.try_get("token_ciphertext")?,
         token_nonce: row.try_get("token_nonce")?,
         created_at: row.try_get("created_at")?,
+        app_id: row.try_get("app_id")?,
     })
 }
 
@@ -2400,11 +2401,13 @@ impl Secrets for SqlStore {
         api_base: &str,
         token_ciphertext: &str,
         token_nonce: &str,
+        app_id: Option<&str>,
     ) -> StoreResult<ForgeConnectionRow> {
         let row = sqlx::query(forge_connection_select!(
             "INSERT INTO forge_connections (workspace_id, host, kind, api_base, token_ciphertext, token_nonce, \
-             created_at) VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (workspace_id, host) DO UPDATE SET \
-             kind = $3, api_base = $4, token_ciphertext = $5, token_nonce = $6, created_at = $7 RETURNING",
+             created_at, app_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (workspace_id, host) DO UPDATE \
+             SET kind = $3, api_base = $4, token_ciphertext = $5, token_nonce = $6, created_at = $7, app_id = $8 \
+             RETURNING",
             ""
         ))
         .bind(workspace_id)
@@ -2414,6 +2417,7 @@ impl Secrets for SqlStore {
         .bind(token_ciphertext)
         .bind(token_nonce)
         .bind(now_ms())
+        .bind(app_id)
         .fetch_one(&self.pool)
         .await?;
         forge_connection_from_row(&row)

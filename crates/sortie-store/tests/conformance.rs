@@ -163,6 +163,7 @@ async fn forge_connections_are_sealed_per_workspace_and_host(backend: TestBacken
             "https://api.github.com",
             &sealed.ciphertext,
             &sealed.nonce,
+            None,
         )
         .await
         .expect("put");
@@ -176,6 +177,7 @@ async fn forge_connections_are_sealed_per_workspace_and_host(backend: TestBacken
             "",
             &replacement.ciphertext,
             &replacement.nonce,
+            None,
         )
         .await
         .expect("replace");
@@ -188,6 +190,7 @@ async fn forge_connections_are_sealed_per_workspace_and_host(backend: TestBacken
             "",
             &local.ciphertext,
             &local.nonce,
+            None,
         )
         .await
         .expect("second host");
@@ -196,8 +199,32 @@ async fn forge_connections_are_sealed_per_workspace_and_host(backend: TestBacken
         .expect("open")
         .expect("some");
     assert_eq!(
-        (token.expose(), row.kind, row.api_base.as_str()),
-        (&b"ghp_second"[..], ForgeKind::Git, "")
+        (token.expose(), row.kind, row.api_base.as_str(), row.app_id.as_deref()),
+        (&b"ghp_second"[..], ForgeKind::Git, "", None)
+    );
+    // A GitHub App's connection keeps its App ID beside the sealed key.
+    let app_key = ring
+        .seal_forge_token(&ws, "ghe.example.com", b"-----BEGIN RSA PRIVATE KEY-----")
+        .expect("seal");
+    let app = f
+        .store
+        .put_forge_connection(
+            &ws,
+            "ghe.example.com",
+            ForgeKind::Github,
+            "https://ghe.example.com/api/v3",
+            &app_key.ciphertext,
+            &app_key.nonce,
+            Some("424242"),
+        )
+        .await
+        .expect("an app");
+    assert_eq!(app.app_id.as_deref(), Some("424242"));
+    assert!(
+        f.store
+            .delete_forge_connection(&ws, "ghe.example.com")
+            .await
+            .expect("delete")
     );
     let hosts: Vec<String> = f
         .store
@@ -219,6 +246,7 @@ async fn forge_connections_are_sealed_per_workspace_and_host(backend: TestBacken
             "",
             &replacement.ciphertext,
             &replacement.nonce,
+            None,
         )
         .await
         .expect("copied");

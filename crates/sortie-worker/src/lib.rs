@@ -9,6 +9,7 @@
 //! back with an [`Event`]. Every wait has a deadline: a session never hangs.
 
 pub mod client;
+pub(crate) mod forge;
 pub mod git_proxy;
 pub mod host;
 pub mod meter;
@@ -159,6 +160,8 @@ pub(crate) struct Context {
     /// Pods being let go at hibernation (their home kept first), by session: the session's next pod
     /// waits for its last one's home.
     pub releasing: std::sync::Mutex<HashMap<SessionId, tokio::sync::watch::Receiver<bool>>>,
+    /// GitHub App connections' installation tokens.
+    pub app_tokens: forge::AppTokens,
 }
 
 impl Context {
@@ -244,6 +247,7 @@ impl Worker {
                 feeds: Feeds::new(),
                 mirror_locks: tokio::sync::Mutex::new(HashMap::new()),
                 releasing: std::sync::Mutex::new(HashMap::new()),
+                app_tokens: forge::AppTokens::default(),
             }),
             adopted: std::sync::Mutex::new(Vec::new()),
             feed_url: None,

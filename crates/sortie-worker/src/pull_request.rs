@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use serde_json::Value;
-use sortie_protocol::api::{ForgeKind, repo_forge_host};
+use sortie_protocol::api::ForgeKind;
 use sortie_store::{SessionRow, Store};
 
 /// How long one call to the forge's API may take.
@@ -41,23 +41,20 @@ fn owner_and_name(repo: &str) -> Option<(String, String)> {
     (plain(owner) && plain(name)).then(|| (owner.to_owned(), name.to_owned()))
 }
 
-/// Opens (or finds) the draft PR of `session`'s branch against `base` and records it on the session.
-pub async fn ensure_draft(
+/// Opens (or finds) the draft PR of `session`'s branch against `base` and records it on the session,
+/// with the session's forge `credential` (none: the repository is not on a forge sortie reaches).
+pub(crate) async fn ensure_draft(
     store: &dyn Store,
-    ring: Option<&sortie_store::KeyRing>,
+    credential: Option<crate::forge::ForgeCredential>,
     http: Option<&reqwest::Client>,
     session: &SessionRow,
     base: impl Future<Output = Result<String, String>>,
     task: &str,
 ) -> PullRequest {
-    let (Some(host), Some(ring), Some(http)) = (repo_forge_host(&session.repo), ring, http) else {
+    let (Some(crate::forge::ForgeCredential { connection, token, .. }), Some(http)) = (credential, http) else {
         return PullRequest::NotApplicable;
     };
-    let Ok(Some((connection, token))) =
-        sortie_store::workspace_forge_token(store, ring, &session.workspace_id, &host).await
-    else {
-        return PullRequest::NotApplicable;
-    };
+    let host = connection.host.clone();
     if connection.kind != ForgeKind::Github || connection.api_base.is_empty() {
         return PullRequest::NotApplicable;
     }

@@ -1489,3 +1489,85 @@ async fn a_restart_while_provisioning_runs_the_turn_again_on_postgres() {
     let database = sortie_store::testing::TestDatabase::postgres().await.expect("postgres");
     a_restart_while_provisioning_runs_the_turn_again(Some(&database)).await;
 }
+
+/// A workspace connected to a GitHub forge as a GitHub App (`sortie forge set --app-id --private-key`):
+/// the worker mints an installation token for the session's one repository (the fake GitHub verifies the
+/// App's JWT with the key's public half), and clones, delivers and opens the draft PR with it. When the
+/// forge stops taking that token mid-session (as an hour passing would), the next push is made with a
+/// freshly minted one. Neither the App's key nor any token it minted is ever inside the sandbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_github_app_connection_mints_a_token_per_repository_and_renews_a_refused_one() {
+    use sortie_testkit::github_app::{FakeApp, make_app_key};
+    let ForgeWorld {
+        world,
+        forge,
+        repo,
+        host,
+        _dir,
+    } = forge_world("a-personal-token-nobody-uses", "acme").await;
+    let keys = make_app_key(&_dir.path().join("app-key"));
+    let mut app = FakeApp::new("424242", "Iv23liCLIENTID", keys.public_der.clone());
+    app.install("acme/upstream", 99);
+    forge.install_app(app);
+    let set = sortie(&world.root)
+        .args(["--server", &world.url(), "--data-dir"])
+        .arg(&world.data_dir)
+        .args(["forge", "set", &host, "--app-id", "424242", "--private-key"])
+        .arg(&keys.pkcs1_pem)
+        .args(["--api-base", &format!("https://{host}")])
+        .output()
+        .expect("sortie forge set");
+    let said = String::from_utf8_lossy(&set.stdout);
+    assert!(set.status.success(), "{}", String::from_utf8_lossy(&set.stderr));
+    assert!(said.contains("GitHub App 424242") && said.contains(&host), "{said}");
+
+    let id = world
+        .create(
+            "#!scripted\nwrite: by-the-app.txt\nan App's work\n>>>",
+            json!({"repo": format!("https://{host}/acme/upstream.git"), "title": "The App's change"}),
+        )
+        .await;
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(status_of(&turns, 1), "completed", "{session:#}\n{turns:#?}");
+    let branch = format!("refs/heads/sortie/{id}");
+    assert!(rev(&repo, &branch).is_some(), "the branch is on the forge");
+    assert_eq!(session["pr"]["number"], 1, "{session:#}");
+    let minted = forge.with_app(|app| app.minted.clone()).expect("the app");
+    assert_eq!(minted.len(), 1, "one token for the session so far: {minted:?}");
+    assert_eq!(minted[0].repositories, vec!["acme/upstream".to_owned()]);
+    assert!(forge.requests().iter().all(|r| r.authorized), "{:?}", forge.requests());
+
+    // The forge stops taking the token: the next turn's push is made with a fresh one.
+    forge.with_app(FakeApp::expire_all);
+    world
+        .steer(&id, "#!scripted\nwrite: after-expiry.txt\nstill the App\n>>>", "queue")
+        .await;
+    let (session, turns) = world.settled(&id, 2).await;
+    assert_eq!(status_of(&turns, 2), "completed", "{session:#}\n{turns:#?}");
+    let files = git(&repo, &["diff", "--name-only", "refs/heads/main", &branch]);
+    assert!(files.contains("after-expiry.txt"), "{files}");
+    let minted = forge.with_app(|app| app.minted.clone()).expect("the app");
+    assert_eq!(minted.len(), 2, "minted again once refused: {minted:?}");
+
+    // No token it minted, and nothing of its key, is where the sandbox (or a reader) could see it.
+    let key_line = std::fs::read_to_string(&keys.pkcs1_pem)
+        .expect("key")
+        .lines()
+        .nth(3)
+        .expect("a line of key material")
+        .to_owned();
+    let session_dir = world.data_dir.join("work/sessions").join(&id);
+    for (secret, what) in [
+        (minted[0].token.as_str(), "the first installation token"),
+        (minted[1].token.as_str(), "the renewed installation token"),
+        (key_line.as_str(), "the App's private key"),
+    ] {
+        support::assert_not_in_sandbox(&id, secret, what);
+        let holding = files_holding(&session_dir, secret.as_bytes());
+        assert!(holding.is_empty(), "{what} is in {holding:?}");
+        assert!(
+            !world.server.as_ref().expect("server").log().contains(secret),
+            "{what} is in the server's log"
+        );
+    }
+}

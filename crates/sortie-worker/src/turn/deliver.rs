@@ -267,9 +267,18 @@ async fn open_pull_request(context: &Arc<Context>, session: &SessionRow) -> Pull
         .await
         .map(|turn| turn.prompt)
         .unwrap_or_default();
+    let credential = match sortie_protocol::api::repo_forge_host(&session.repo) {
+        Some(host) => crate::forge::credential(context, &session.workspace_id, &host, &session.repo)
+            .await
+            .inspect_err(
+                |error| tracing::warn!(session = %session.id, %error, "no forge credential for the pull request"),
+            )
+            .ok(),
+        None => None,
+    };
     let outcome = pull_request::ensure_draft(
         context.store.as_ref(),
-        config.keyring.as_deref(),
+        credential,
         config.forge_http.as_ref(),
         session,
         base,

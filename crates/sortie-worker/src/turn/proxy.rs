@@ -23,11 +23,42 @@ use crate::prepare::{self, SessionDirs};
 pub(super) struct SessionUpstream {
     session_id: SessionId,
     upstream: std::sync::RwLock<Upstream>,
+    /// Where a refused forge credential is renewed (a GitHub App's installation token).
+    context: Arc<Context>,
+    workspace_id: String,
+    repo: String,
 }
 
 impl Upstreams for SessionUpstream {
     fn upstream(&self, session_id: &SessionId) -> Option<Upstream> {
         (session_id == &self.session_id).then(|| self.upstream.read().unwrap_or_else(|p| p.into_inner()).clone())
+    }
+
+    fn refresh<'a>(
+        &'a self,
+        session_id: &'a SessionId,
+        refused: &'a Upstream,
+    ) -> futures::future::BoxFuture<'a, Option<Upstream>> {
+        Box::pin(async move {
+            let Upstream::Remote { url, token } = refused else {
+                return None;
+            };
+            if session_id != &self.session_id {
+                return None;
+            }
+            let host = sortie_protocol::api::repo_forge_host(&self.repo)?;
+            let credential = crate::forge::credential(&self.context, &self.workspace_id, &host, &self.repo)
+                .await
+                .ok()?;
+            // A personal token is what it is: only an App's can be had afresh.
+            let fresh = credential.renewal?.renew(token).await?;
+            let fresh = Upstream::Remote {
+                url: url.clone(),
+                token: String::from_utf8_lossy(fresh.expose()).into_owned(),
+            };
+            self.replace(fresh.clone());
+            Some(fresh)
+        })
     }
 }
 
@@ -72,31 +103,10 @@ pub(super) async fn session_upstream(
             ),
         ));
     };
-    let missing = || {
-        (
-            FailureCode::CloneFailed,
-            format!(
-                "the workspace has no connection to {host}: an admin adds one with `sortie forge set {host}`, then retry"
-            ),
-        )
-    };
-    let ring = context.config.keyring.as_ref().ok_or_else(missing)?;
-    let opened = sortie_store::workspace_forge_token(context.store.as_ref(), ring, &session.workspace_id, &host).await;
-    let (_, token) = match opened {
-        Ok(Some(found)) => found,
-        Ok(None) => return Err(missing()),
-        Err(sortie_store::KeyError::Store(_)) => {
-            return Err((FailureCode::CloneFailed, "the store did not answer; retry".into()));
-        }
-        Err(_) => {
-            return Err((
-                FailureCode::CloneFailed,
-                format!(
-                    "the stored token for {host} does not open with this server's master key: set it again with `sortie forge set {host}`"
-                ),
-            ));
-        }
-    };
+    let token = crate::forge::credential(context, &session.workspace_id, &host, &session.repo)
+        .await
+        .map_err(|error| (FailureCode::CloneFailed, error.to_string()))?
+        .token;
     let token_text = String::from_utf8_lossy(token.expose()).into_owned();
     Ok((
         Upstream::Remote {
@@ -172,6 +182,9 @@ pub(super) fn build_proxy(
     let upstream = Arc::new(SessionUpstream {
         session_id: session.id.clone(),
         upstream: std::sync::RwLock::new(upstream),
+        context: context.clone(),
+        workspace_id: session.workspace_id.clone(),
+        repo: session.repo.clone(),
     });
     let git = crate::git_proxy::build(context, session, dirs, upstream.clone()).map_err(start_failed)?;
     let trusted_objects = [
