@@ -5,6 +5,7 @@
 //! holds until a minute before it expires, and mints again after the forge refused it.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use serde::Deserialize;
@@ -16,6 +17,8 @@ use crate::app::{AppKey, AppKeyError};
 pub const REFRESH_BEFORE_EXPIRY: Duration = Duration::from_secs(60);
 /// The most of any GitHub answer that is read.
 const MAX_ANSWER_BYTES: usize = 1 << 20;
+/// How long one call to GitHub may take, answer included.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(20);
 /// The longest token taken (a stateless `ghs_` token is about 520 characters).
 const MAX_TOKEN_CHARS: usize = 4096;
 
@@ -156,7 +159,8 @@ impl GitHubApp {
             .header(
                 reqwest::header::USER_AGENT,
                 concat!("sortie/", env!("CARGO_PKG_VERSION")),
-            ))
+            )
+            .timeout(REQUEST_DEADLINE))
     }
 
     /// The installation holding `repo`.
@@ -241,11 +245,12 @@ fn refused(status: u16, body: &[u8]) -> GitHubError {
 }
 
 /// The App's tokens, per repository: one minted when none is fresh, kept until a minute before it
-/// expires or until the forge refuses it.
+/// expires or until the forge refuses it. Each repository has its own lock: a slow answer about one
+/// holds up no other.
 #[derive(Debug)]
 pub struct TokenCache {
     app: GitHubApp,
-    held: tokio::sync::Mutex<HashMap<RepoName, Held>>,
+    held: std::sync::Mutex<HashMap<RepoName, Arc<tokio::sync::Mutex<Held>>>>,
 }
 
 #[derive(Debug, Default)]
@@ -258,14 +263,23 @@ impl TokenCache {
     pub fn new(app: GitHubApp) -> Self {
         Self {
             app,
-            held: tokio::sync::Mutex::new(HashMap::new()),
+            held: std::sync::Mutex::new(HashMap::new()),
         }
     }
 
-    /// A fresh token for `repo` (one mint at a time: callers wait for the same token).
+    fn entry(&self, repo: &RepoName) -> Arc<tokio::sync::Mutex<Held>> {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(repo.clone())
+            .or_default()
+            .clone()
+    }
+
+    /// A fresh token for `repo` (one mint at a time per repository: callers wait for the same token).
     pub async fn token(&self, repo: &RepoName) -> Result<InstallationToken, GitHubError> {
-        let mut held = self.held.lock().await;
-        let entry = held.entry(repo.clone()).or_default();
+        let entry = self.entry(repo);
+        let mut entry = entry.lock().await;
         if let Some(token) = entry.token.as_ref().filter(|token| token.fresh_at(SystemTime::now())) {
             return Ok(token.clone());
         }
@@ -293,10 +307,9 @@ impl TokenCache {
     /// The forge refused `token` (a 401): it is not handed out again. A newer token minted meanwhile
     /// stays.
     pub async fn refused(&self, repo: &RepoName, token: &str) {
-        let mut held = self.held.lock().await;
-        if let Some(entry) = held.get_mut(repo)
-            && entry.token.as_ref().is_some_and(|held| held.token == token)
-        {
+        let entry = self.entry(repo);
+        let mut entry = entry.lock().await;
+        if entry.token.as_ref().is_some_and(|held| held.token == token) {
             entry.token = None;
         }
     }

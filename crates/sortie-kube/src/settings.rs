@@ -45,7 +45,7 @@ pub struct KubeSettings {
     #[arg(long, env = "SORTIE_LINK_LISTEN", default_value = "0.0.0.0:7072")]
     pub link_listen: std::net::SocketAddr,
     /// The `http://host:port` the pods dial; default: the cluster IP of a Service the worker applies
-    /// for itself (named as its pool, selecting its StatefulSet pod), so the pods need no DNS.
+    /// for itself (`<pool>-link`, selecting its StatefulSet pod), so the pods need no DNS.
     #[arg(long, env = "SORTIE_LINK_URL")]
     pub link_url: Option<String>,
     /// The namespace of the claims, templates and pools; default: the kubeconfig's or the pod's own.
@@ -212,21 +212,40 @@ impl KubeSettings {
 async fn link_service_url(
     client: &kube::Client,
     namespace: &str,
-    name: &str,
+    pool: &str,
     port: u16,
 ) -> Result<String, KubeSettingsError> {
     let pod = hostname();
     let services: kube::Api<k8s_openapi::api::core::v1::Service> = kube::Api::namespaced(client.clone(), namespace);
+    let name = crate::shape::link_service_name(pool);
+    // A Service of that name that is not a worker's link Service (an operator's) is not taken over.
+    let existing = services
+        .get_opt(&name)
+        .await
+        .map_err(|e| KubeSettingsError::Cluster(format!("cannot read Service {name}: {e}")))?;
+    if let Some(existing) = existing {
+        let labels = existing.metadata.labels.unwrap_or_default();
+        if crate::shape::link_service_labels()
+            .iter()
+            .any(|(key, value)| labels.get(key) != Some(value))
+        {
+            return Err(KubeSettingsError::Refused(format!(
+                "Service {name} in namespace {namespace} exists and is not a sortie worker's link Service; name the \
+                 pool otherwise (--sandbox-pool) or give --link-url"
+            )));
+        }
+    }
     let applied = services
         .patch(
-            name,
+            &name,
             &kube::api::PatchParams::apply("sortie").force(),
-            &kube::api::Patch::Apply(crate::shape::link_service(name, &pod, i32::from(port))),
+            &kube::api::Patch::Apply(crate::shape::link_service(pool, &pod, i32::from(port))),
         )
         .await
         .map_err(|e| {
             KubeSettingsError::Cluster(format!(
-                "cannot apply the link Service {name} in namespace {namespace} (may this worker's service account                  manage services? or give --link-url): {e}"
+                "cannot apply the link Service {name} in namespace {namespace} (may this worker's service account \
+                 manage services? or give --link-url): {e}"
             ))
         })?;
     let address = applied

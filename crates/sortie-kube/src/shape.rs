@@ -58,7 +58,11 @@ pub struct SandboxShape {
 /// Whether `url` (`http://host:port/…`) names its host by address, so the pod needs no DNS.
 pub fn dials_an_address(url: &str) -> bool {
     let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
-    let authority = rest.split('/').next().unwrap_or_default();
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    if authority.contains('@') {
+        // User info: whatever follows is no plain address, so the pods keep their DNS.
+        return false;
+    }
     let host = match authority.strip_prefix('[') {
         Some(bracketed) => bracketed.split(']').next().unwrap_or_default(),
         None => authority.rsplit_once(':').map_or(authority, |(host, _)| host),
@@ -66,24 +70,35 @@ pub fn dials_an_address(url: &str) -> bool {
     host.parse::<std::net::IpAddr>().is_ok()
 }
 
-/// The Service a worker's pods dial it through: a cluster IP in front of the worker's own pod (by the
-/// pod-name label a StatefulSet sets), on its link port.
-pub fn link_service(name: &str, worker_pod: &str, port: i32) -> Service {
+/// The labels that mark a Service as a worker's link Service (a worker patches no other).
+pub fn link_service_labels() -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("app.kubernetes.io/name".to_owned(), "sortie".to_owned()),
+        ("app.kubernetes.io/component".to_owned(), "worker-link".to_owned()),
+    ])
+}
+
+/// The name of the link Service of the worker whose pool is `pool`.
+pub fn link_service_name(pool: &str) -> String {
+    format!("{pool}-link")
+}
+
+/// The Service a worker's pods dial it through: a cluster IP in front of the worker's own pod (a
+/// worker's, by the pod-name label a StatefulSet sets), on its link port, ready or not (the worker's
+/// readiness is its feed's, and a pod's link must not wait on it).
+pub fn link_service(pool: &str, worker_pod: &str, port: i32) -> Service {
+    let mut selector = crate::settings::worker_pod_labels();
+    selector.insert("statefulset.kubernetes.io/pod-name".to_owned(), worker_pod.to_owned());
     Service {
         metadata: ObjectMeta {
-            name: Some(name.to_owned()),
-            labels: Some(BTreeMap::from([
-                ("app.kubernetes.io/name".to_owned(), "sortie".to_owned()),
-                ("app.kubernetes.io/component".to_owned(), "worker-link".to_owned()),
-            ])),
+            name: Some(link_service_name(pool)),
+            labels: Some(link_service_labels()),
             ..ObjectMeta::default()
         },
         spec: Some(ServiceSpec {
             type_: Some("ClusterIP".into()),
-            selector: Some(BTreeMap::from([(
-                "statefulset.kubernetes.io/pod-name".to_owned(),
-                worker_pod.to_owned(),
-            )])),
+            publish_not_ready_addresses: Some(true),
+            selector: Some(selector),
             ports: Some(vec![ServicePort {
                 name: Some("link".into()),
                 port,
@@ -382,10 +397,15 @@ mod tests {
             ("http://10.96.3.7", true),
             ("http://sortie-worker-0.sortie-worker.sortie.svc:7071", false),
             ("http://localhost:7072", false),
+            ("http://1.2.3.4:80@name:7072", false),
+            ("http://u@10.0.0.1:7072", false),
         ] {
             assert_eq!(dials_an_address(url), address, "{url}");
         }
         let service = serde_json::to_value(link_service("sortie-w0", "sortie-worker-0", 7072)).expect("json");
+        assert_eq!(service["metadata"]["name"], "sortie-w0-link");
+        assert_eq!(service["spec"]["selector"]["app.kubernetes.io/component"], "worker");
+        assert_eq!(service["spec"]["publishNotReadyAddresses"], true);
         assert_eq!(
             service["spec"]["selector"]["statefulset.kubernetes.io/pod-name"],
             "sortie-worker-0"

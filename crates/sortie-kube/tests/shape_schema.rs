@@ -59,7 +59,7 @@ fn a_shapes_template_and_pool_pass_the_agent_sandbox_schemas() {
     for object in [
         "SandboxTemplate/sortie-worker-0-default",
         "SandboxWarmPool/sortie-worker-0-default",
-        "Service/sortie-worker-0-default",
+        "Service/sortie-worker-0-default-link",
     ] {
         assert!(
             said.contains(&format!("ok {object} (")),

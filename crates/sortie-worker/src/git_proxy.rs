@@ -57,7 +57,8 @@ impl PushLedger for SessionPushes {
         if record.outcome == PushOutcome::Accepted
             && let Some(update) = &record.update
         {
-            let is_commit = sortie_protocol::driver::is_commit_id(&update.new);
+            // A delete names the zero id, which is no commit.
+            let is_commit = sortie_protocol::driver::is_commit_id(&update.new) && update.new.bytes().any(|b| b != b'0');
             if update.refname == self.branch_ref && is_commit {
                 if let Err(error) = self.store.set_pushed_head(&self.session_id, &update.new).await {
                     tracing::warn!(%error, session = %self.session_id, "cannot record the pushed head; the turn keeps it in memory");
@@ -161,5 +162,66 @@ impl KnownSecretsSource for WorkspaceKeys {
             }
         }
         known
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sortie_gateway::git::receive_pack::RefUpdate;
+    use sortie_store::{NewSession, RepoAccess, SqlStore};
+
+    #[tokio::test]
+    async fn the_ledger_records_the_kept_work_and_forgets_it_once_deleted_or_delivered() {
+        let temp = tempfile::tempdir().expect("temp");
+        let database = sortie_store::testing::TestDatabase::sqlite(temp.path());
+        let store: Arc<dyn Store> = Arc::new(SqlStore::connect(&database.url).await.expect("store"));
+        let workspace = store
+            .create_workspace("default", RepoAccess::default())
+            .await
+            .expect("workspace");
+        let id = SessionId::generate();
+        store
+            .create_session(NewSession {
+                id: id.clone(),
+                workspace_id: workspace.id,
+                repo: "/srv/repo.git".into(),
+                base: None,
+                agent: "scripted".into(),
+                model: None,
+                title: "t".into(),
+                egress_allow: Vec::new(),
+                setup: None,
+                task: "t".into(),
+            })
+            .await
+            .expect("session");
+        let ledger = SessionPushes {
+            records: Arc::default(),
+            store: store.clone(),
+            session_id: id.clone(),
+            branch_ref: format!("refs/heads/{}", id.branch()),
+            wip_ref: id.wip_ref(),
+        };
+        let accepted = |refname: String, new: &str| PushRecord {
+            session_id: id.clone(),
+            update: Some(RefUpdate {
+                old: "0".repeat(40),
+                new: new.to_owned(),
+                refname,
+            }),
+            outcome: PushOutcome::Accepted,
+        };
+        let kept = "a".repeat(40);
+        ledger.record(accepted(id.wip_ref(), &kept)).await;
+        assert_eq!(store.wip_head(&id).await, Ok(Some(kept.clone())));
+        ledger.record(accepted(id.wip_ref(), &"0".repeat(40))).await;
+        assert_eq!(store.wip_head(&id).await, Ok(None), "a delete is no commit");
+        ledger.record(accepted(id.wip_ref(), &kept)).await;
+        ledger
+            .record(accepted(format!("refs/heads/{}", id.branch()), &"b".repeat(40)))
+            .await;
+        assert_eq!(store.wip_head(&id).await, Ok(None), "the branch holds it now");
+        assert_eq!(store.pushed_head(&id).await, Ok(Some("b".repeat(40))));
     }
 }

@@ -15,8 +15,8 @@ use crate::cli::{ClientArgs, ServeArgs, ServeRole};
 use crate::config::{self, DATABASE_FILE, env};
 
 /// Connections one address may hold to a worker's link listener: a pod's link and its agent's egress
-/// connections (each sandbox's own cap is `MAX_CONNECTIONS_PER_SANDBOX`, 128).
-const LINK_CONNECTIONS_PER_IP: usize = 192;
+/// connections (each sandbox's own cap is `MAX_CONNECTIONS_PER_SANDBOX`, 128), and a spare.
+const LINK_CONNECTIONS_PER_IP: usize = 130;
 
 pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCode> {
     // Before any role records a metric: a process without the api role serves them on its feed listener.
@@ -178,9 +178,10 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
             let _ = stop_rx.wait_for(|stop| *stop).await;
         }
     };
-    // The api's listener, the feed's and the links' share the API's descriptors.
+    // The api's listener and the feed's share the API's descriptors; the link listener's connections
+    // are the pods' egress, within the egress budget.
     let serves_api = roles.contains(&ServeRole::Api) || roles.contains(&ServeRole::Gateway);
-    let listeners = usize::from(serves_api) + usize::from(feed.is_some()) + usize::from(pod_links.is_some());
+    let listeners = usize::from(serves_api) + usize::from(feed.is_some());
     let listener_limits = descriptors.shared_listener_limits(listeners);
     if let Some((listener, router, url)) = feed {
         announce(&format!("sortie worker feed on {url}"));
@@ -200,7 +201,8 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
         // Bounded as the api's, and closer per address: every sandbox pod (an address each) reaches this
         // listener, and one must not hold the slots of the others.
         let limits = sortie_server::ListenerLimits {
-            max_connections_per_ip: listener_limits.max_connections_per_ip.min(LINK_CONNECTIONS_PER_IP),
+            max_connections: descriptors.egress_connections.max(1),
+            max_connections_per_ip: LINK_CONNECTIONS_PER_IP,
             ..listener_limits.clone()
         };
         let router = sortie_gateway::links::link_router(links);

@@ -521,7 +521,9 @@ async fn a_session_runs_in_a_claimed_pod_that_clones_and_delivers_through_the_gi
         .next()
         .and_then(|p| p.parse().ok())
         .expect("link port");
-    let service = apiserver.get(&key(SERVICES, POOL)).expect("the link Service");
+    let service = apiserver
+        .get(&key(SERVICES, &format!("{POOL}-link")))
+        .expect("the link Service");
     assert_eq!(service["spec"]["ports"][0]["port"], port);
     let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").expect("hostname");
     assert_eq!(
