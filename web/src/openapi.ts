@@ -812,6 +812,8 @@ export interface components {
         ForgeConnection: {
             /** @description Empty for a plain git host. */
             api_base: string;
+            /** @description Set when the connection is a GitHub App (its ID or client ID) rather than a token. */
+            app_id?: string | null;
             /** @description RFC 3339 UTC: when this connection was set. */
             created_at: string;
             /** @description The token's last characters, as for model keys; null when it cannot be decrypted (set it again). */
@@ -830,6 +832,16 @@ export interface components {
          * @enum {string}
          */
         ForgeKind: "github" | "git";
+        /** @description A GitHub App a forge connection acts as. Its `Debug` never shows the key. */
+        GitHubAppCredentials: {
+            /** @description The App ID or its client ID (`Iv23…`): what the App's JWT names as its issuer. */
+            app_id: string;
+            /**
+             * @description The App's private key, PEM: GitHub's download (`BEGIN RSA PRIVATE KEY`) or PKCS#8. Sealed at
+             *     rest, never answered back, never inside a sandbox.
+             */
+            private_key: string;
+        };
         Health: {
             status: string;
         };
@@ -993,12 +1005,13 @@ export interface components {
              *     github.com and `https://<host>/api/v3` for an Enterprise host.
              */
             api_base?: string | null;
+            github_app?: components["schemas"]["GitHubAppCredentials"] | null;
             kind?: components["schemas"]["ForgeKind"] | null;
             /**
              * @description The token (1 to 4096 bytes of printable ASCII, no whitespace) the gateway sends as Basic
-             *     `x-access-token:<token>`. Never answered back, never inside a sandbox.
+             *     `x-access-token:<token>`. Never answered back, never inside a sandbox. Empty with `github_app`.
              */
-            token: string;
+            token?: string;
         };
         /**
          * @description `PUT /v1/model-keys/{api}`: the workspace's key for one model API, replacing any earlier one.
