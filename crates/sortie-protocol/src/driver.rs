@@ -379,9 +379,12 @@ pub struct DriverError {
     pub message: String,
 }
 
-/// Whether `text` is a commit id (40 or 64 lowercase hex digits).
+/// Whether `text` is a commit id (40 or 64 lowercase hex digits, not the null id git uses for "no
+/// object", as in a ref's deletion).
 pub fn is_commit_id(text: &str) -> bool {
-    matches!(text.len(), 40 | 64) && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    matches!(text.len(), 40 | 64)
+        && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        && text.bytes().any(|b| b != b'0')
 }
 
 /// Whether `nonce` can be a turn nonce: 1 to [`NONCE_MAX_BYTES`] letters, digits, `-` or `_`.
@@ -457,6 +460,8 @@ mod tests {
         assert!(is_commit_id(&"a".repeat(40)));
         assert!(!is_commit_id(&"A".repeat(40)));
         assert!(!is_commit_id(&"a".repeat(41)));
+        assert!(!is_commit_id(&"0".repeat(40)), "the null id names no commit");
+        assert!(!is_commit_id(&"0".repeat(64)));
         for rung in ["session_load", "transcript", "task", "none"] {
             assert_eq!(PrimingRung::parse(rung).map(PrimingRung::as_str), Some(rung));
         }

@@ -29,21 +29,24 @@ pub struct Certificates {
     pub forge_key_pem: Vec<u8>,
 }
 
+/// Runs the `openssl` CLI in `dir`; a failure fails the test with openssl's words.
+pub(crate) fn openssl(dir: &Path, args: &[&str]) {
+    let output = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("the openssl CLI");
+    assert!(
+        output.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
 /// Makes a CA and a server certificate for `IP:127.0.0.1` under `dir` with the `openssl` CLI.
 pub fn make_certificates(dir: &Path) -> Certificates {
     std::fs::create_dir_all(dir).expect("tls dir");
-    let openssl = |args: &[&str]| {
-        let output = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .expect("the openssl CLI");
-        assert!(
-            output.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    };
+    let openssl = |args: &[&str]| openssl(dir, args);
     let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
     let ca = [
         "-keyout",
@@ -574,13 +577,13 @@ async fn installation_token(
         .map(|v| v == "enabled");
     let answer = forge.with_app(|app| {
         app.verify_jwt(given, now)?;
-        let installed: Vec<String> = asked["repositories"]
+        let asked_names: Vec<String> = asked["repositories"]
             .as_array()
             .map(|names| names.iter().filter_map(|n| n.as_str().map(str::to_owned)).collect())
             .unwrap_or_default();
         // Names without the owner, as GitHub takes them: the installation's repositories of that name.
         let mut repositories = Vec::new();
-        for name in &installed {
+        for name in &asked_names {
             let full = app.repositories_of(id).into_iter().find(|repo| repo.rsplit('/').next() == Some(name.as_str()));
             match full {
                 Some(full) => repositories.push(full),

@@ -7,7 +7,6 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
@@ -23,18 +22,7 @@ pub struct AppKeyFiles {
 /// Makes a 2048-bit App key under `dir`.
 pub fn make_app_key(dir: &Path) -> AppKeyFiles {
     std::fs::create_dir_all(dir).expect("key dir");
-    let openssl = |args: &[&str]| {
-        let output = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .expect("the openssl CLI");
-        assert!(
-            output.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    };
+    let openssl = |args: &[&str]| crate::forge::openssl(dir, args);
     openssl(&["genrsa", "-traditional", "-out", "app.pem", "2048"]);
     openssl(&["pkcs8", "-topk8", "-nocrypt", "-in", "app.pem", "-out", "app.pkcs8.pem"]);
     openssl(&[

@@ -57,8 +57,8 @@ impl PushLedger for SessionPushes {
         if record.outcome == PushOutcome::Accepted
             && let Some(update) = &record.update
         {
-            // A delete names the zero id, which is no commit.
-            let is_commit = sortie_protocol::driver::is_commit_id(&update.new) && update.new.bytes().any(|b| b != b'0');
+            // A delete names the null id, which is no commit.
+            let is_commit = sortie_protocol::driver::is_commit_id(&update.new);
             if update.refname == self.branch_ref && is_commit {
                 if let Err(error) = self.store.set_pushed_head(&self.session_id, &update.new).await {
                     tracing::warn!(%error, session = %self.session_id, "cannot record the pushed head; the turn keeps it in memory");

@@ -102,7 +102,7 @@ pub(super) async fn provision(
     }
     // What the session's last pod could not deliver, as the git proxy saw the upstream take it.
     let wip = match context.store.wip_head(&session.id).await {
-        Ok(wip) => wip.filter(|wip| sortie_protocol::driver::is_commit_id(wip) && wip.bytes().any(|b| b != b'0')),
+        Ok(wip) => wip.filter(|wip| sortie_protocol::driver::is_commit_id(wip)),
         Err(error) => {
             tracing::warn!(%error, session = %session.id, "cannot read the session's kept work; the pod starts from its branch");
             None
