@@ -77,6 +77,28 @@ impl std::fmt::Display for RepoName {
     }
 }
 
+/// What an installation token may do: each is minted and cached apart, so the token the git proxy
+/// holds for a session can do no more than deliver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Scope {
+    /// Fetch, push and open pull requests: `contents:write`, `pull_requests:write`, `metadata:read`.
+    Delivery,
+    /// Talk in the repository's issues and pull requests and report check runs: `issues:write`,
+    /// `pull_requests:write`, `checks:write`, `metadata:read` (no contents).
+    Conversation,
+}
+
+impl Scope {
+    fn permissions(self) -> serde_json::Value {
+        match self {
+            Self::Delivery => serde_json::json!({"contents": "write", "pull_requests": "write", "metadata": "read"}),
+            Self::Conversation => serde_json::json!({
+                "issues": "write", "pull_requests": "write", "checks": "write", "metadata": "read"
+            }),
+        }
+    }
+}
+
 /// An installation token and when it stops working. Its `Debug` shows no token.
 #[derive(Clone)]
 pub struct InstallationToken {
@@ -166,20 +188,25 @@ impl GitHubApp {
     /// The installation holding `repo`.
     pub async fn installation(&self, repo: &RepoName) -> Result<u64, GitHubError> {
         let request = self.as_app(reqwest::Method::GET, &format!("/repos/{repo}/installation"))?;
-        match send(request).await? {
+        match read_answer(request).await? {
             (404, _) => Err(GitHubError::NotInstalled(repo.to_string())),
             (200, body) => serde_json::from_slice::<Installation>(&body)
                 .map(|installation| installation.id)
                 .map_err(|e| GitHubError::Malformed(e.to_string())),
-            (status, body) => Err(refused(status, &body)),
+            (status, body) => Err(refusal(status, &body)),
         }
     }
 
-    /// A token of `installation` for `repo` alone, with the permissions sortie needs.
-    pub async fn mint(&self, installation: u64, repo: &RepoName) -> Result<InstallationToken, GitHubError> {
+    /// A token of `installation` for `repo` alone, with the permissions of `scope`.
+    pub async fn mint(
+        &self,
+        installation: u64,
+        repo: &RepoName,
+        scope: Scope,
+    ) -> Result<InstallationToken, GitHubError> {
         let body = serde_json::json!({
             "repositories": [repo.name],
-            "permissions": {"contents": "write", "pull_requests": "write", "metadata": "read"},
+            "permissions": scope.permissions(),
         });
         let request = self
             .as_app(
@@ -187,9 +214,9 @@ impl GitHubApp {
                 &format!("/app/installations/{installation}/access_tokens"),
             )?
             .json(&body);
-        let (status, answer) = send(request).await?;
+        let (status, answer) = read_answer(request).await?;
         if status != 201 {
-            return Err(refused(status, &answer));
+            return Err(refusal(status, &answer));
         }
         let minted: MintedToken = serde_json::from_slice(&answer).map_err(|e| GitHubError::Malformed(e.to_string()))?;
         let usable = !minted.token.is_empty()
@@ -211,7 +238,7 @@ impl GitHubApp {
 }
 
 /// Sends and reads at most [`MAX_ANSWER_BYTES`] of the answer.
-async fn send(request: reqwest::RequestBuilder) -> Result<(u16, Vec<u8>), GitHubError> {
+pub(crate) async fn read_answer(request: reqwest::RequestBuilder) -> Result<(u16, Vec<u8>), GitHubError> {
     let mut response = request
         .send()
         .await
@@ -233,7 +260,7 @@ async fn send(request: reqwest::RequestBuilder) -> Result<(u16, Vec<u8>), GitHub
     Ok((status, body))
 }
 
-fn refused(status: u16, body: &[u8]) -> GitHubError {
+pub(crate) fn refusal(status: u16, body: &[u8]) -> GitHubError {
     let message = serde_json::from_slice::<ErrorBody>(body)
         .ok()
         .and_then(|error| error.message)
@@ -250,8 +277,11 @@ fn refused(status: u16, body: &[u8]) -> GitHubError {
 #[derive(Debug)]
 pub struct TokenCache {
     app: GitHubApp,
-    held: std::sync::Mutex<HashMap<RepoName, Arc<tokio::sync::Mutex<Held>>>>,
+    held: std::sync::Mutex<HashMap<(RepoName, Scope), HeldToken>>,
 }
+
+/// One repository's token of one scope, behind its own lock.
+type HeldToken = Arc<tokio::sync::Mutex<Held>>;
 
 #[derive(Debug, Default)]
 struct Held {
@@ -267,18 +297,24 @@ impl TokenCache {
         }
     }
 
-    fn entry(&self, repo: &RepoName) -> Arc<tokio::sync::Mutex<Held>> {
+    fn entry(&self, repo: &RepoName, scope: Scope) -> Arc<tokio::sync::Mutex<Held>> {
         self.held
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .entry(repo.clone())
+            .entry((repo.clone(), scope))
             .or_default()
             .clone()
     }
 
-    /// A fresh token for `repo` (one mint at a time per repository: callers wait for the same token).
+    /// A fresh delivery token for `repo` (one mint at a time per repository: callers wait for the same
+    /// token).
     pub async fn token(&self, repo: &RepoName) -> Result<InstallationToken, GitHubError> {
-        let entry = self.entry(repo);
+        self.token_for(repo, Scope::Delivery).await
+    }
+
+    /// A fresh token of `scope` for `repo`.
+    pub async fn token_for(&self, repo: &RepoName, scope: Scope) -> Result<InstallationToken, GitHubError> {
+        let entry = self.entry(repo, scope);
         let mut entry = entry.lock().await;
         if let Some(token) = entry.token.as_ref().filter(|token| token.fresh_at(SystemTime::now())) {
             return Ok(token.clone());
@@ -291,7 +327,7 @@ impl TokenCache {
                 id
             }
         };
-        let minted = match self.app.mint(installation, repo).await {
+        let minted = match self.app.mint(installation, repo, scope).await {
             Ok(minted) => minted,
             Err(error) => {
                 // The App may have been installed again (another id) since.
@@ -299,7 +335,7 @@ impl TokenCache {
                 return Err(error);
             }
         };
-        tracing::info!(repo = %repo, installation, "minted an installation token");
+        tracing::info!(repo = %repo, installation, ?scope, "minted an installation token");
         entry.token = Some(minted.clone());
         Ok(minted)
     }
@@ -307,10 +343,12 @@ impl TokenCache {
     /// The forge refused `token` (a 401): it is not handed out again. A newer token minted meanwhile
     /// stays.
     pub async fn refused(&self, repo: &RepoName, token: &str) {
-        let entry = self.entry(repo);
-        let mut entry = entry.lock().await;
-        if entry.token.as_ref().is_some_and(|held| held.token == token) {
-            entry.token = None;
+        for scope in [Scope::Delivery, Scope::Conversation] {
+            let entry = self.entry(repo, scope);
+            let mut entry = entry.lock().await;
+            if entry.token.as_ref().is_some_and(|held| held.token == token) {
+                entry.token = None;
+            }
         }
     }
 }

@@ -2,7 +2,8 @@
 //! prompt, so tests can drive the whole platform, sandbox and driver included, without a model.
 //!
 //! The binary speaks ACP v1 as newline-delimited JSON-RPC on stdin/stdout, like every ACP agent. A prompt
-//! whose first line is `#!scripted` is a script with one step per line; any other prompt gets one message
+//! with a line `#!scripted` is a script with one step per line after it (what comes before is context it
+//! ignores); any other prompt gets one message
 //! chunk `scripted agent received: <first 200 characters>`.
 //!
 //! ```text

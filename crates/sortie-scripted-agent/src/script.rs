@@ -177,18 +177,23 @@ impl fmt::Display for StepName {
     }
 }
 
-/// Whether `prompt` is a script, i.e. its first line is [`SCRIPT_MARKER`].
+/// Whether `prompt` is a script, i.e. one of its lines is [`SCRIPT_MARKER`]. What comes before that line
+/// is context the script ignores, as a platform wraps a user's words (a task asked for in an issue).
 pub fn is_script(prompt: &str) -> bool {
-    prompt.lines().next().is_some_and(|first| first.trim() == SCRIPT_MARKER)
+    prompt.lines().any(|line| line.trim() == SCRIPT_MARKER)
 }
 
-/// Parses a script (a prompt starting with [`SCRIPT_MARKER`]) into its steps.
+/// Parses a script (a prompt with a [`SCRIPT_MARKER`] line, the steps after it) into its steps.
 ///
 /// Blank lines and lines starting with `#` are skipped between steps (not inside `write:` content). The
 /// argument is the text after the first colon, minus one optional space, so `say:  x` says ` x`.
 pub fn parse_script(prompt: &str) -> Result<Vec<Step>, ScriptError> {
     // Line numbers start at 1 for the marker line so errors point at the line the author sees.
-    let mut lines = prompt.lines().enumerate().map(|(index, text)| (index + 1, text));
+    let mut lines = prompt
+        .lines()
+        .enumerate()
+        .map(|(index, text)| (index + 1, text))
+        .skip_while(|(_, text)| text.trim() != SCRIPT_MARKER);
     match lines.next() {
         Some((_, first)) if first.trim() == SCRIPT_MARKER => {}
         _ => {
@@ -493,9 +498,9 @@ mod tests {
             ),
             ("no marker", "say: x", step_error(1, ScriptProblem::MissingMarker)),
             (
-                "marker not first",
-                "\n#!scripted\nsay: x",
-                step_error(1, ScriptProblem::MissingMarker),
+                "context before the marker",
+                "Asked in issue #7: do it\n\n#!scripted\nsay: x",
+                Ok(vec![Step::Say("x".into())]),
             ),
             ("empty prompt", "", step_error(1, ScriptProblem::MissingMarker)),
         ];
@@ -506,10 +511,11 @@ mod tests {
     }
 
     #[test]
-    fn recognises_scripts_by_their_first_line() {
+    fn recognises_scripts_by_their_marker_line() {
         assert!(is_script("#!scripted\nsay: x"));
         assert!(is_script("#!scripted"));
-        assert!(!is_script("hello\n#!scripted"));
+        assert!(is_script("context first\n#!scripted"));
+        assert!(!is_script("hello #!scripted"));
         assert!(!is_script(""));
         assert!(!is_script("#!scripted-not"));
     }
