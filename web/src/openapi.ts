@@ -188,6 +188,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/forges/github/webhook": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * A delivery from a GitHub App: `ping` is answered, `issue_comment` and `pull_request_review_comment`
+         *     are recorded for a worker (once per delivery id), every other event is ignored.
+         */
+        post: operations["github_webhook"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/model-keys": {
         parameters: {
             query?: never;
@@ -372,6 +392,26 @@ export interface paths {
         put?: never;
         /** Replace a session's egress allowlist; its next connection sees the new one (DESIGN §12). */
         post: operations["amend_egress"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/sessions/{id}/evidence": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * What the session did, as its pull request's description shows it: each turn's outcome and summary,
+         *     the commands run with their exit codes and output tails, the files changed, timings and usage.
+         */
+        get: operations["evidence"];
+        put?: never;
+        post?: never;
         delete?: never;
         options?: never;
         head?: never;
@@ -647,6 +687,19 @@ export interface components {
             /** @description More files changed than sortie keeps (3,000): the branch itself has them all. */
             truncated: boolean;
         };
+        /** @description A command the agent ran. */
+        CommandEvidence: {
+            command: string;
+            /**
+             * Format: int64
+             * @description Its exit code, when the agent reported one.
+             */
+            exit_code?: number | null;
+            /** @description Whether the agent reported it failed (an exit code other than 0, or its tool call failed). */
+            failed: boolean;
+            /** @description The last lines of its output. */
+            output_tail: string;
+        };
         /** @description `POST /v1/sessions`. */
         CreateSessionRequest: {
             /** @description The agent profile id; the server's default when absent. */
@@ -742,7 +795,7 @@ export interface components {
          * @description A refusal the control plane answers with, and its HTTP status.
          * @enum {string}
          */
-        ErrorCode: "INVALID_REQUEST" | "UNSUPPORTED_MEDIA_TYPE" | "BODY_TOO_LARGE" | "UNAUTHORIZED" | "FORBIDDEN" | "SESSION_NOT_FOUND" | "NOT_FOUND" | "METHOD_NOT_ALLOWED" | "PROMPT_TOO_LARGE" | "SESSION_PROMPTS_TOO_LARGE" | "SETUP_TOO_LARGE" | "TITLE_TOO_LONG" | "EGRESS_ALLOWLIST_INVALID" | "AGENT_UNKNOWN" | "AGENT_NOT_INSTALLED" | "REPO_INVALID" | "REPO_NOT_ALLOWED" | "BASE_INVALID" | "BASE_NOT_FOUND" | "REPO_NOT_READABLE" | "MODEL_INVALID" | "TURN_QUEUE_FULL" | "SESSION_NOT_STEERABLE" | "NO_TURN_RUNNING" | "SESSION_ACTIVE" | "TICKET_INVALID" | "TICKET_EXPIRED" | "TICKET_REPLAYED" | "MODEL_API_UNKNOWN" | "MODEL_KEY_INVALID" | "MODEL_KEY_NOT_FOUND" | "FORGE_CONNECTION_INVALID" | "FORGE_CONNECTION_NOT_FOUND" | "WEBHOOK_INVALID" | "WEBHOOK_URL_REFUSED" | "WEBHOOK_NOT_FOUND" | "IDEMPOTENCY_KEY_REUSED" | "IDEMPOTENCY_KEY_IN_USE" | "EVENTS_PRUNED" | "TOKEN_NOT_FOUND" | "TOKEN_IN_USE" | "PRESET_NOT_FOUND" | "STORE_UNAVAILABLE" | "INTERNAL";
+        ErrorCode: "INVALID_REQUEST" | "UNSUPPORTED_MEDIA_TYPE" | "BODY_TOO_LARGE" | "UNAUTHORIZED" | "FORBIDDEN" | "SESSION_NOT_FOUND" | "NOT_FOUND" | "METHOD_NOT_ALLOWED" | "PROMPT_TOO_LARGE" | "SESSION_PROMPTS_TOO_LARGE" | "SETUP_TOO_LARGE" | "TITLE_TOO_LONG" | "EGRESS_ALLOWLIST_INVALID" | "AGENT_UNKNOWN" | "AGENT_NOT_INSTALLED" | "REPO_INVALID" | "REPO_NOT_ALLOWED" | "BASE_INVALID" | "BASE_NOT_FOUND" | "REPO_NOT_READABLE" | "MODEL_INVALID" | "TURN_QUEUE_FULL" | "SESSION_NOT_STEERABLE" | "NO_TURN_RUNNING" | "SESSION_ACTIVE" | "TICKET_INVALID" | "TICKET_EXPIRED" | "TICKET_REPLAYED" | "MODEL_API_UNKNOWN" | "MODEL_KEY_INVALID" | "MODEL_KEY_NOT_FOUND" | "FORGE_CONNECTION_INVALID" | "FORGE_CONNECTION_NOT_FOUND" | "WEBHOOK_INVALID" | "WEBHOOK_URL_REFUSED" | "WEBHOOK_NOT_FOUND" | "WEBHOOK_SIGNATURE_INVALID" | "IDEMPOTENCY_KEY_REUSED" | "IDEMPOTENCY_KEY_IN_USE" | "EVENTS_PRUNED" | "TOKEN_NOT_FOUND" | "TOKEN_IN_USE" | "PRESET_NOT_FOUND" | "STORE_UNAVAILABLE" | "INTERNAL";
         /** @description One error: a stable code, a sentence for people, and structured details (an empty object if none). */
         ErrorDetail: {
             code: components["schemas"]["ErrorCode"];
@@ -803,6 +856,14 @@ export interface components {
             path: string;
             status: components["schemas"]["FileStatus"];
         };
+        /** @description A file the branch changes. */
+        FileEvidence: {
+            /** Format: int64 */
+            deletions: number;
+            /** Format: int64 */
+            insertions: number;
+            path: string;
+        };
         /**
          * @description How a file changed on a session's branch (`git diff --name-status`, renames off).
          * @enum {string}
@@ -820,6 +881,9 @@ export interface components {
             fingerprint?: string | null;
             host: string;
             kind: components["schemas"]["ForgeKind"];
+            triggers?: components["schemas"]["ForgeTriggers"] | null;
+            /** @description The App's webhook secret is set: its deliveries are taken. */
+            webhook?: boolean;
         };
         /** @description `GET /v1/forge-connections`: the forges the token's workspace reaches. */
         ForgeConnectionList: {
@@ -832,6 +896,39 @@ export interface components {
          * @enum {string}
          */
         ForgeKind: "github" | "git";
+        /**
+         * @description What `@sortie` comments on a GitHub App's repositories do in this workspace (DESIGN §4, issue
+         *     triggers): the repositories taken, and the agent, egress and setup of the sessions they start.
+         */
+        ForgeTriggers: {
+            /** @description The agent of a session a comment starts; the server's default when absent. */
+            agent?: string | null;
+            /** @description The dashboard's address (`https://sortie.example.com`), for the links sortie answers with. */
+            dashboard_url?: string | null;
+            /** @description The egress allowlist of such a session. */
+            egress_allow?: string[];
+            /** @description The model of such a session; the agent's default when absent. */
+            model?: string | null;
+            /**
+             * @description Whether a comment on a pull request sortie did not open starts a session on that pull
+             *     request's head branch (delivered to `sortie/<id>` with a pull request into that branch).
+             */
+            others_pull_requests?: boolean;
+            /**
+             * @description `owner/name`, or `owner/*` for every repository of an owner. A comment on any other repository
+             *     is answered that it is not connected.
+             */
+            repositories: string[];
+            /** @description The setup script of such a session. */
+            setup?: string | null;
+        };
+        /**
+         * @description What `POST /v1/forges/github/webhook` made of a delivery: `pong`, `accepted`, `duplicate` or
+         *     `ignored`.
+         */
+        ForgeWebhookAnswer: {
+            status: string;
+        };
         /** @description A GitHub App a forge connection acts as. Its `Debug` never shows the key. */
         GitHubAppCredentials: {
             /** @description The App ID or its client ID (`Iv23…`): what the App's JWT names as its issuer. */
@@ -841,6 +938,12 @@ export interface components {
              *     rest, never answered back, never inside a sandbox.
              */
             private_key: string;
+            /**
+             * @description The App's webhook secret, with which `POST /v1/forges/github/webhook` checks each delivery's
+             *     `X-Hub-Signature-256` (8 to 256 printable characters). Sealed at rest; without it the App's
+             *     deliveries are refused.
+             */
+            webhook_secret?: string | null;
         };
         Health: {
             status: string;
@@ -977,6 +1080,33 @@ export interface components {
             /** @description The workspace's name. */
             workspace: string;
         };
+        /** @description `GET /v1/sessions/{id}/evidence`. */
+        SessionEvidence: {
+            branch: string;
+            /** Format: int64 */
+            compute_seconds: number;
+            /** @description Where the session is on the dashboard, when its address is configured. */
+            dashboard_url?: string | null;
+            /** Format: int64 */
+            deletions: number;
+            /** @description The branch against the commit it started from, as the host read it. */
+            files: components["schemas"]["FileEvidence"][];
+            /** Format: int64 */
+            files_changed: number;
+            /** Format: int64 */
+            input_tokens: number;
+            /** Format: int64 */
+            insertions: number;
+            /** Format: int64 */
+            output_tokens: number;
+            pr_url?: string | null;
+            repo: string;
+            session: string;
+            /** @description The first turn's prompt. */
+            task: string;
+            title: string;
+            turns: components["schemas"]["TurnEvidence"][];
+        };
         /**
          * @description A session id, `ses_` + a lowercase ULID (26 Crockford base32 characters). Sorting ids sorts sessions
          *     by creation time: by millisecond across processes, and exactly within one.
@@ -1012,6 +1142,7 @@ export interface components {
              *     `x-access-token:<token>`. Never answered back, never inside a sandbox. Empty with `github_app`.
              */
             token?: string;
+            triggers?: components["schemas"]["ForgeTriggers"] | null;
         };
         /**
          * @description `PUT /v1/model-keys/{api}`: the workspace's key for one model API, replacing any earlier one.
@@ -1125,6 +1256,28 @@ export interface components {
             timings?: {
                 [key: string]: number;
             } | null;
+        };
+        /** @description One turn of the evidence. */
+        TurnEvidence: {
+            commands: components["schemas"]["CommandEvidence"][];
+            /**
+             * Format: int32
+             * @description Commands run past the first [`COMMANDS_PER_TURN_MAX`].
+             */
+            commands_omitted?: number;
+            /**
+             * Format: int64
+             * @description From claimed to ended, as the host measured it.
+             */
+            duration_ms?: number | null;
+            failure?: string | null;
+            /** Format: int32 */
+            n: number;
+            prompt: string;
+            /** @description The turn's status (`completed`, `failed`, …). */
+            status: string;
+            /** @description The agent's final message. */
+            summary?: string | null;
         };
         /** @description `GET /v1/sessions/{id}/turns`. */
         TurnList: {
@@ -1633,6 +1786,76 @@ export interface operations {
             };
             /** @description FORGE_CONNECTION_NOT_FOUND */
             404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+        };
+    };
+    github_webhook: {
+        parameters: {
+            query?: never;
+            header: {
+                /** @description The event */
+                "X-GitHub-Event": string;
+                /** @description The delivery's id, the same on a redelivery */
+                "X-GitHub-Delivery": string;
+                /** @description sha256=<hex HMAC-SHA256 of the body> */
+                "X-Hub-Signature-256": string;
+                /** @description The App's ID */
+                "X-GitHub-Hook-Installation-Target-ID": string;
+            };
+            path?: never;
+            cookie?: never;
+        };
+        /** @description GitHub's JSON payload, signed */
+        requestBody: {
+            content: {
+                "application/json": string;
+            };
+        };
+        responses: {
+            /** @description A ping, an event sortie does not act on, or a delivery already recorded */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ForgeWebhookAnswer"];
+                };
+            };
+            /** @description Recorded; a worker acts on it */
+            202: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ForgeWebhookAnswer"];
+                };
+            };
+            /** @description INVALID_REQUEST: no event or delivery id */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description WEBHOOK_SIGNATURE_INVALID */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description BODY_TOO_LARGE */
+            413: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -2454,6 +2677,45 @@ export interface operations {
             };
             /** @description SESSION_NOT_STEERABLE */
             409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+        };
+    };
+    evidence: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description Session id */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["SessionEvidence"];
+                };
+            };
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description SESSION_NOT_FOUND */
+            404: {
                 headers: {
                     [name: string]: unknown;
                 };

@@ -96,7 +96,7 @@ function Forges() {
           {rows.length === 0 && <tr><td colSpan={5} className="empty">No forge connections yet.</td></tr>}
           {rows.map((c) => (
             <tr key={c.host}>
-              <td><code>{c.host}</code></td><td>{c.kind}</td><td><code>{c.api_base}</code></td><td><code>{c.fingerprint ? `…${c.fingerprint}` : 'cannot be opened'}</code></td>
+              <td><code>{c.host}</code></td><td>{c.kind}</td><td><code>{c.api_base}</code></td><td><code>{c.fingerprint ? `…${c.fingerprint}` : 'cannot be opened'}</code>{c.app_id && <> GitHub App {c.app_id}{c.webhook ? ', webhook' : ''}{c.triggers ? `, @sortie in ${c.triggers.repositories.join(' ')}` : ''}</>}</td>
               <td><button onClick={() => { if (confirm(`Remove the connection to ${c.host}?`)) client.deleteForge(c.host).then(reload, fail); }}>Remove</button></td>
             </tr>
           ))}

@@ -131,6 +131,23 @@ pub enum ForgeCommand {
         /// The App's private key (the PEM GitHub downloads, or PKCS#8).
         #[arg(long, requires = "app_id")]
         private_key: Option<std::path::PathBuf>,
+        /// A file holding the App's webhook secret: its deliveries to `/v1/forges/github/webhook` are
+        /// then taken.
+        #[arg(long, requires = "app_id")]
+        webhook_secret_file: Option<std::path::PathBuf>,
+        /// A repository (`owner/name`, or `owner/*`) whose `@sortie` comments start and steer sessions
+        /// in this workspace; repeat for more.
+        #[arg(long = "trigger-repo", requires = "app_id")]
+        trigger_repos: Vec<String>,
+        /// The agent of the sessions comments start (default: the server's).
+        #[arg(long, requires = "trigger_repos")]
+        trigger_agent: Option<String>,
+        /// A comment on a pull request sortie did not open starts a session on its branch.
+        #[arg(long, requires = "trigger_repos")]
+        trigger_others_prs: bool,
+        /// The dashboard's address, for the links sortie comments with.
+        #[arg(long, requires = "trigger_repos")]
+        dashboard_url: Option<String>,
     },
     /// List the workspace's forge connections: host, kind, fingerprint; never a token.
     #[command(alias = "ls")]

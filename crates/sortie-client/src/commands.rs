@@ -402,16 +402,40 @@ async fn forge(client: &Client, command: ForgeCommand) -> anyhow::Result<ExitCod
             api_base,
             app_id,
             private_key,
+            webhook_secret_file,
+            trigger_repos,
+            trigger_agent,
+            trigger_others_prs,
+            dashboard_url,
         } => {
             let request = match (app_id, private_key) {
                 (Some(app_id), Some(path)) => {
                     let private_key = std::fs::read_to_string(&path)
                         .with_context(|| format!("cannot read the App's private key {}", path.display()))?;
+                    let webhook_secret = webhook_secret_file
+                        .map(|path| {
+                            std::fs::read_to_string(&path)
+                                .map(|secret| secret.trim().to_owned())
+                                .with_context(|| format!("cannot read the webhook secret {}", path.display()))
+                        })
+                        .transpose()?;
+                    let triggers = (!trigger_repos.is_empty()).then(|| sortie_protocol::api::ForgeTriggers {
+                        repositories: trigger_repos,
+                        agent: trigger_agent,
+                        others_pull_requests: trigger_others_prs,
+                        dashboard_url,
+                        ..Default::default()
+                    });
                     SetForgeConnectionRequest {
                         token: String::new(),
-                        github_app: Some(GitHubAppCredentials { app_id, private_key }),
+                        github_app: Some(GitHubAppCredentials {
+                            app_id,
+                            private_key,
+                            webhook_secret,
+                        }),
                         kind,
                         api_base,
+                        triggers,
                     }
                 }
                 _ => {
@@ -430,6 +454,7 @@ async fn forge(client: &Client, command: ForgeCommand) -> anyhow::Result<ExitCod
                         github_app: None,
                         kind,
                         api_base,
+                        triggers: None,
                     }
                 }
             };
@@ -438,9 +463,15 @@ async fn forge(client: &Client, command: ForgeCommand) -> anyhow::Result<ExitCod
                 .await?;
             finish(client, answer, |connection| match &connection.app_id {
                 Some(app_id) => format!(
-                    "set GitHub App {app_id} for {} {}",
+                    "set GitHub App {app_id} for {} {}{}{}",
                     connection.host,
-                    shown(connection.fingerprint.as_deref())
+                    shown(connection.fingerprint.as_deref()),
+                    if connection.webhook { ", webhook secret set" } else { "" },
+                    connection
+                        .triggers
+                        .as_ref()
+                        .map(|t| format!(", @sortie in {}", t.repositories.join(" ")))
+                        .unwrap_or_default()
                 ),
                 None => format!(
                     "set the {} token for {} {}",

@@ -746,6 +746,112 @@ pub struct SetForgeConnectionRequest {
     /// github.com and `https://<host>/api/v3` for an Enterprise host.
     #[serde(default)]
     pub api_base: Option<String>,
+    /// Which repositories' `@sortie` comments this workspace takes, and the sessions they start (a
+    /// GitHub App connection with a webhook secret only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub triggers: Option<ForgeTriggers>,
+}
+
+/// What `@sortie` comments on a GitHub App's repositories do in this workspace (DESIGN §4, issue
+/// triggers): the repositories taken, and the agent, egress and setup of the sessions they start.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ForgeTriggers {
+    /// `owner/name`, or `owner/*` for every repository of an owner. A comment on any other repository
+    /// is answered that it is not connected.
+    pub repositories: Vec<String>,
+    /// The agent of a session a comment starts; the server's default when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<String>,
+    /// The model of such a session; the agent's default when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// The egress allowlist of such a session.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub egress_allow: Vec<String>,
+    /// The setup script of such a session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub setup: Option<String>,
+    /// Whether a comment on a pull request sortie did not open starts a session on that pull
+    /// request's head branch (delivered to `sortie/<id>` with a pull request into that branch).
+    #[serde(default)]
+    pub others_pull_requests: bool,
+    /// The dashboard's address (`https://sortie.example.com`), for the links sortie answers with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dashboard_url: Option<String>,
+}
+
+/// What `POST /v1/forges/github/webhook` made of a delivery: `pong`, `accepted`, `duplicate` or
+/// `ignored`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ForgeWebhookAnswer {
+    pub status: String,
+}
+
+/// The most repository patterns one connection's triggers take.
+pub const FORGE_TRIGGER_REPOSITORIES_MAX: usize = 100;
+
+impl ForgeTriggers {
+    /// Whether `owner/name` is one of the repositories taken (names compare as GitHub does, any case).
+    pub fn takes(&self, owner: &str, name: &str) -> bool {
+        self.repositories.iter().any(|pattern| match pattern.split_once('/') {
+            Some((o, "*")) => o.eq_ignore_ascii_case(owner),
+            Some((o, n)) => o.eq_ignore_ascii_case(owner) && n.eq_ignore_ascii_case(name),
+            None => false,
+        })
+    }
+
+    /// The link to a session on the dashboard, when its address is known.
+    pub fn session_link(&self, id: &str) -> Option<String> {
+        self.dashboard_url
+            .as_ref()
+            .map(|base| format!("{}/sessions/{id}", base.trim_end_matches('/')))
+    }
+
+    /// The repositories and dashboard address are well formed (the agent, egress and setup are the
+    /// api's to check, as for a session).
+    pub fn check(&self) -> Result<(), crate::validate::Refusal> {
+        let refuse = |message: String| crate::validate::Refusal {
+            code: crate::error::ErrorCode::ForgeConnectionInvalid,
+            message,
+        };
+        if self.repositories.len() > FORGE_TRIGGER_REPOSITORIES_MAX {
+            return Err(refuse(format!(
+                "triggers.repositories has more than {FORGE_TRIGGER_REPOSITORIES_MAX} entries"
+            )));
+        }
+        let part = |p: &str| {
+            !p.is_empty()
+                && p.len() <= 100
+                && p != "."
+                && p != ".."
+                && p.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        };
+        for pattern in &self.repositories {
+            let fine = pattern
+                .split_once('/')
+                .is_some_and(|(owner, name)| part(owner) && (name == "*" || part(name)));
+            if !fine {
+                return Err(refuse(format!(
+                    "triggers.repositories: {:?} is not owner/name or owner/*",
+                    pattern.chars().take(200).collect::<String>()
+                )));
+            }
+        }
+        if let Some(url) = &self.dashboard_url {
+            let fine = (url.starts_with("https://") || url.starts_with("http://"))
+                && url.len() <= 2048
+                && !url.chars().any(|c| c.is_whitespace() || c.is_control());
+            if !fine {
+                return Err(refuse(
+                    "triggers.dashboard_url must be an http(s):// URL without spaces".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A GitHub App a forge connection acts as. Its `Debug` never shows the key.
@@ -758,13 +864,22 @@ pub struct GitHubAppCredentials {
     /// The App's private key, PEM: GitHub's download (`BEGIN RSA PRIVATE KEY`) or PKCS#8. Sealed at
     /// rest, never answered back, never inside a sandbox.
     pub private_key: String,
+    /// The App's webhook secret, with which `POST /v1/forges/github/webhook` checks each delivery's
+    /// `X-Hub-Signature-256` (8 to 256 printable characters). Sealed at rest; without it the App's
+    /// deliveries are refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webhook_secret: Option<String>,
 }
+
+/// The shortest and longest webhook secret taken.
+pub const GITHUB_WEBHOOK_SECRET_BYTES: std::ops::RangeInclusive<usize> = 8..=256;
 
 impl std::fmt::Debug for GitHubAppCredentials {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GitHubAppCredentials")
             .field("app_id", &self.app_id)
             .field("private_key", &"[redacted]")
+            .field("webhook_secret", &self.webhook_secret.as_ref().map(|_| "[redacted]"))
             .finish()
     }
 }
@@ -790,6 +905,7 @@ impl std::fmt::Debug for SetForgeConnectionRequest {
             .field("github_app", &self.github_app)
             .field("kind", &self.kind)
             .field("api_base", &self.api_base)
+            .field("triggers", &self.triggers)
             .finish()
     }
 }
@@ -809,6 +925,11 @@ pub struct ForgeConnection {
     /// Set when the connection is a GitHub App (its ID or client ID) rather than a token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub app_id: Option<String>,
+    /// The App's webhook secret is set: its deliveries are taken.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub webhook: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub triggers: Option<ForgeTriggers>,
 }
 
 /// `GET /v1/forge-connections`: the forges the token's workspace reaches.

@@ -102,6 +102,9 @@ error_codes! {
     WebhookUrlRefused = 400,
     /// The workspace has no webhook with this id.
     WebhookNotFound = 404,
+    /// A forge's webhook delivery is not signed by the secret of any connection of its App (or lacks
+    /// the headers that name it).
+    WebhookSignatureInvalid = 401,
     /// The `Idempotency-Key` was used for a different request (another body or endpoint) in the last
     /// 24 h; use a new key.
     IdempotencyKeyReused = 422,
@@ -307,6 +310,7 @@ mod tests {
             (WebhookInvalid, 400),
             (WebhookUrlRefused, 400),
             (WebhookNotFound, 404),
+            (WebhookSignatureInvalid, 401),
             (IdempotencyKeyReused, 422),
             (IdempotencyKeyInUse, 409),
             (Internal, 500),

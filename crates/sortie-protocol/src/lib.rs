@@ -14,6 +14,7 @@ pub mod chunk;
 pub mod driver;
 pub mod egress;
 pub mod error;
+pub mod evidence;
 pub mod ids;
 pub mod limits;
 pub mod phase;

@@ -8,8 +8,9 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
 use sortie_protocol::api::{
-    ForgeConnection, ForgeConnectionList, ForgeKind, GITHUB_APP_KEY_MAX_BYTES, SetForgeConnectionRequest,
-    check_forge_token, check_github_app_id, model_key_fingerprint, rfc3339_from_epoch_ms,
+    ForgeConnection, ForgeConnectionList, ForgeKind, ForgeTriggers, GITHUB_APP_KEY_MAX_BYTES,
+    GITHUB_WEBHOOK_SECRET_BYTES, SetForgeConnectionRequest, check_forge_token, check_github_app_id,
+    model_key_fingerprint, rfc3339_from_epoch_ms,
 };
 use sortie_protocol::{ApiErrorBody, ErrorCode};
 use sortie_store::ForgeConnectionRow;
@@ -60,6 +61,28 @@ async fn set_forge_connection(
     ApiJson(request): ApiJson<SetForgeConnectionRequest>,
 ) -> Result<Json<ForgeConnection>, ApiError> {
     let kind = request.kind.unwrap_or_default();
+    let webhook_secret = request.github_app.as_ref().and_then(|app| app.webhook_secret.clone());
+    if let Some(secret) = &webhook_secret
+        && (!GITHUB_WEBHOOK_SECRET_BYTES.contains(&secret.len()) || secret.bytes().any(|b| !(0x20..0x7f).contains(&b)))
+    {
+        return Err(ApiError::new(
+            ErrorCode::ForgeConnectionInvalid,
+            format!(
+                "github_app.webhook_secret must be {} to {} printable ASCII characters",
+                GITHUB_WEBHOOK_SECRET_BYTES.start(),
+                GITHUB_WEBHOOK_SECRET_BYTES.end()
+            ),
+        ));
+    }
+    if let Some(triggers) = &request.triggers {
+        if request.github_app.is_none() {
+            return Err(ApiError::new(
+                ErrorCode::ForgeConnectionInvalid,
+                "triggers need a github_app connection (comments reach sortie through the App's webhook)",
+            ));
+        }
+        check_triggers(&state, triggers)?;
+    }
     // A token, or a GitHub App's key: the secret sealed either way.
     let (secret, app_id) = match &request.github_app {
         Some(app) => {
@@ -111,6 +134,19 @@ async fn set_forge_connection(
     let sealed = state
         .keyring
         .seal_forge_token(&caller.workspace_id, &host, secret.expose())?;
+    let sealed_webhook = match &webhook_secret {
+        Some(webhook) => Some(state.keyring.seal_webhook_secret(
+            &caller.workspace_id,
+            &webhook_secret_binding(&host),
+            webhook.as_bytes(),
+        )?),
+        None => None,
+    };
+    // Kept with the agent named: the default is this server's at the time it was set.
+    let triggers = request.triggers.clone().map(|mut triggers| {
+        triggers.agent.get_or_insert_with(|| state.agents.default.clone());
+        serde_json::to_string(&triggers).unwrap_or_default()
+    });
     let row = state
         .store
         .put_forge_connection(
@@ -123,6 +159,22 @@ async fn set_forge_connection(
             app_id.as_deref(),
         )
         .await?;
+    state
+        .store
+        .set_forge_triggers(
+            &caller.workspace_id,
+            &host,
+            sealed_webhook
+                .as_ref()
+                .map(|s| (s.ciphertext.as_str(), s.nonce.as_str())),
+            triggers.as_deref(),
+        )
+        .await?;
+    let row = sortie_store::ForgeConnectionRow {
+        webhook_secret: sealed_webhook.map(|s| (s.ciphertext, s.nonce)),
+        triggers,
+        ..row
+    };
     tracing::info!(workspace = %caller.workspace_name, host = %host, token = %caller.token_id, app = app_id.is_some(), "forge connection set");
     Ok(Json(view(&row, Some(fingerprint(&row, secret.expose())))))
 }
@@ -202,7 +254,38 @@ fn view(row: &ForgeConnectionRow, fingerprint: Option<String>) -> ForgeConnectio
         created_at: rfc3339_from_epoch_ms(row.created_at),
         fingerprint,
         app_id: row.app_id.clone(),
+        webhook: row.webhook_secret.is_some(),
+        triggers: row.triggers.as_deref().and_then(|json| serde_json::from_str(json).ok()),
     }
+}
+
+/// What a connection's webhook secret is sealed to (beside its workspace): its host, so a secret
+/// copied to another connection's row does not open.
+pub(crate) fn webhook_secret_binding(host: &str) -> String {
+    format!("forge:{host}")
+}
+
+/// The triggers' sessions are checked as a session's would be when it is asked for.
+fn check_triggers(state: &ApiState, triggers: &ForgeTriggers) -> Result<(), ApiError> {
+    triggers.check()?;
+    if let Some(agent) = &triggers.agent
+        && !state.agents.known.contains(agent)
+    {
+        return Err(ApiError::new(
+            ErrorCode::AgentUnknown,
+            format!(
+                "triggers.agent: no agent profile {agent:?}; known: {}",
+                state.agents.known.join(", ")
+            ),
+        ));
+    }
+    if let Some(model) = &triggers.model {
+        sortie_protocol::validate::check_model(model)?;
+    }
+    if let Some(setup) = &triggers.setup {
+        sortie_protocol::validate::check_setup(setup)?;
+    }
+    crate::sessions::check_allowlist("triggers.egress_allow", &triggers.egress_allow)
 }
 
 /// A token's last characters; for an App's PEM key, those of its key material (not the armour).

@@ -11,6 +11,7 @@ pub mod error;
 pub mod events;
 mod extract;
 mod forges;
+mod github_webhook;
 mod health;
 mod idempotency;
 mod listener;
@@ -227,6 +228,7 @@ fn api_routes() -> OpenApiRouter<ApiState> {
         .merge(model_keys::routes())
         .merge(settings::routes())
         .merge(forges::routes())
+        .merge(github_webhook::routes())
         .merge(signin::routes())
         .merge(agents::routes())
         .merge(health::routes())

@@ -43,6 +43,29 @@ pub fn routes() -> OpenApiRouter<ApiState> {
         .routes(routes!(attach_ticket))
         .routes(routes!(amend_egress))
         .routes(routes!(usage))
+        .routes(routes!(evidence))
+}
+
+/// What the session did, as its pull request's description shows it: each turn's outcome and summary,
+/// the commands run with their exit codes and output tails, the files changed, timings and usage.
+#[utoipa::path(
+    get, path = "/v1/sessions/{id}/evidence", tag = "sessions", params(("id" = String, Path, description = "Session id")), security(("bearer" = [])),
+    responses(
+        (status = 200, body = sortie_protocol::evidence::SessionEvidence),
+        (status = 401, body = ApiErrorBody),
+        (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody),
+    )
+)]
+async fn evidence(
+    State(state): State<ApiState>,
+    Viewer(caller): Viewer,
+    SessionPath(id): SessionPath,
+) -> Result<Json<sortie_protocol::evidence::SessionEvidence>, ApiError> {
+    let row = state.store.session(&caller.workspace_id, &id).await?;
+    let link = sortie_store::dashboard_link(state.store.as_ref(), &row).await;
+    Ok(Json(
+        sortie_store::session_evidence(state.store.as_ref(), &row, link).await?,
+    ))
 }
 
 /// Create a session: validates, writes the session and its first turn, answers at once.

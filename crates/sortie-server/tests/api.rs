@@ -260,6 +260,135 @@ async fn forge_connections_are_set_listed_and_removed_by_admins_only(h: Harness)
     let key_line = pem.lines().nth(2).expect("key material").to_owned();
     answers.keep(h.get("/v1/forge-connections", &h.admin).await);
     answers.assert_none_holds(&key_line);
+
+    // Its webhook secret and triggers: the secret never shown, the agent named when none is given.
+    const HOOK_SECRET: &str = "hook-secret-0123456789";
+    let app_with = |extra: Value| {
+        let mut app = json!({"app_id": "77", "private_key": pem, "webhook_secret": HOOK_SECRET});
+        if let (Some(app), Some(extra)) = (app.as_object_mut(), extra.as_object()) {
+            app.extend(extra.clone());
+        }
+        app
+    };
+    let triggered = answers.keep(
+        put(
+            "admin",
+            "ghe.example.com",
+            json!({"github_app": app_with(json!({})), "triggers": {"repositories": ["acme/app", "tools/*"]}}),
+        )
+        .await,
+    );
+    assert_eq!(triggered.status, StatusCode::OK, "{}", triggered.body);
+    assert_eq!(triggered.body["webhook"], json!(true), "{}", triggered.body);
+    assert_eq!(
+        triggered.body["triggers"],
+        json!({"repositories": ["acme/app", "tools/*"], "agent": sortie_protocol::agents::DEFAULT_AGENT, "others_pull_requests": false})
+    );
+    for (body, code) in [
+        (
+            json!({"github_app": app_with(json!({"webhook_secret": "short"}))}),
+            "FORGE_CONNECTION_INVALID",
+        ),
+        (
+            json!({"token": TOKEN, "triggers": {"repositories": ["acme/app"]}}),
+            "FORGE_CONNECTION_INVALID",
+        ),
+        (
+            json!({"github_app": app_with(json!({})), "triggers": {"repositories": ["acme"]}}),
+            "FORGE_CONNECTION_INVALID",
+        ),
+        (
+            json!({"github_app": app_with(json!({})), "triggers": {"repositories": ["a/../b"]}}),
+            "FORGE_CONNECTION_INVALID",
+        ),
+        (
+            json!({"github_app": app_with(json!({})), "triggers": {"repositories": ["a/b"], "dashboard_url": "javascript:x"}}),
+            "FORGE_CONNECTION_INVALID",
+        ),
+        (
+            json!({"github_app": app_with(json!({})), "triggers": {"repositories": ["a/b"], "agent": "nope"}}),
+            "AGENT_UNKNOWN",
+        ),
+        (
+            json!({"github_app": app_with(json!({})), "triggers": {"repositories": ["a/b"], "egress_allow": ["*"]}}),
+            "EGRESS_ALLOWLIST_INVALID",
+        ),
+    ] {
+        let refused = answers.keep(put("admin", "ghe.example.com", body.clone()).await);
+        assert_eq!(
+            (refused.status, refused.code()),
+            (StatusCode::BAD_REQUEST, code),
+            "{body}: {}",
+            refused.body
+        );
+    }
+    answers.assert_none_holds(HOOK_SECRET);
+
+    // The webhook endpoint takes no bearer: a delivery counts only when the App's secret signs it.
+    let hook = |headers: Vec<(&'static str, String)>, body: &'static str| {
+        let h = &h;
+        async move {
+            let extra: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            h.send_with_headers(
+                Method::POST,
+                "/v1/forges/github/webhook",
+                None,
+                &extra,
+                Payload::Raw {
+                    content_type: Some("application/json"),
+                    bytes: body.as_bytes().to_vec(),
+                },
+            )
+            .await
+        }
+    };
+    let signed = |event: &str, id: &str, secret: &str, body: &str| {
+        vec![
+            ("x-github-event", event.to_owned()),
+            ("x-github-delivery", id.to_owned()),
+            ("x-github-hook-installation-target-id", "77".to_owned()),
+            (
+                "x-hub-signature-256",
+                sortie_testkit::github_app::hub_signature(secret, body.as_bytes()),
+            ),
+        ]
+    };
+    let missing = hook(vec![("x-github-event", "ping".into())], "{}").await;
+    assert_eq!(
+        (missing.status, missing.code()),
+        (StatusCode::BAD_REQUEST, "INVALID_REQUEST"),
+        "{}",
+        missing.body
+    );
+    let forged = hook(signed("ping", "d-1", "another-secret-entirely", "{}"), "{}").await;
+    assert_eq!(
+        (forged.status, forged.code()),
+        (StatusCode::UNAUTHORIZED, "WEBHOOK_SIGNATURE_INVALID")
+    );
+    let unsigned = hook(signed("ping", "d-1", HOOK_SECRET, "{}")[..3].to_vec(), "{}").await;
+    assert_eq!(unsigned.status, StatusCode::UNAUTHORIZED);
+    let tampered = hook(signed("ping", "d-1", HOOK_SECRET, "{}"), "{ }").await;
+    assert_eq!(tampered.status, StatusCode::UNAUTHORIZED);
+    let ping = hook(signed("ping", "d-1", HOOK_SECRET, "{}"), "{}").await;
+    assert_eq!(
+        (ping.status, &ping.body["status"]),
+        (StatusCode::OK, &json!("pong")),
+        "{}",
+        ping.body
+    );
+    let push = hook(signed("push", "d-2", HOOK_SECRET, "{}"), "{}").await;
+    assert_eq!((push.status, &push.body["status"]), (StatusCode::OK, &json!("ignored")));
+    let comment = "{\"action\":\"created\"}";
+    let first = hook(signed("issue_comment", "d-3", HOOK_SECRET, comment), comment).await;
+    assert_eq!(
+        (first.status, &first.body["status"]),
+        (StatusCode::ACCEPTED, &json!("accepted"))
+    );
+    let replay = hook(signed("issue_comment", "d-3", HOOK_SECRET, comment), comment).await;
+    assert_eq!(
+        (replay.status, &replay.body["status"]),
+        (StatusCode::OK, &json!("duplicate"))
+    );
     let path = "/v1/forge-connections/ghe.example.com";
     let removed = h.send(Method::DELETE, path, Some(&h.admin), Payload::Empty).await;
     assert_eq!(removed.status, StatusCode::NO_CONTENT);

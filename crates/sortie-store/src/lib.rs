@@ -9,12 +9,14 @@
 //! callers see [`StoreError`], never `sqlx::Error`.
 
 mod error;
+pub mod evidence;
 pub mod keys;
 mod model;
 mod sql;
 pub mod testing;
 
 pub use error::StoreError;
+pub use evidence::{dashboard_link, session_evidence};
 pub use keys::{KeyError, KeyRing, Secret, workspace_forge_token, workspace_model_key};
 pub use model::*;
 pub use sql::{Backend, SqlStore};
@@ -30,9 +32,9 @@ pub type StoreResult<T> = Result<T, StoreError>;
 /// Methods that take a `workspace_id` never see another workspace's rows: a session of another
 /// workspace is [`StoreError::NotFound`]. A role holds the narrowest view it needs; the gateway's is
 /// [`GatewayStore`].
-pub trait Store: ControlPlane + Ledger + GatewayStore + Secrets {}
+pub trait Store: ControlPlane + Ledger + GatewayStore + Secrets + ForgeEvents {}
 
-impl<T: ControlPlane + Ledger + Transcripts + Tickets + Secrets> Store for T {}
+impl<T: ControlPlane + Ledger + Transcripts + Tickets + Secrets + ForgeEvents> Store for T {}
 
 /// What the gateway reads and claims: transcripts (and a chat's steer) and ticket nonces, nothing else.
 pub trait GatewayStore: Transcripts + Tickets {}
@@ -339,6 +341,36 @@ pub trait Secrets: Send + Sync + 'static {
     async fn forge_connections(&self, workspace_id: &str) -> StoreResult<Vec<ForgeConnectionRow>>;
     /// Forgets the workspace's connection to `host`; `false` if it had none.
     async fn delete_forge_connection(&self, workspace_id: &str, host: &str) -> StoreResult<bool>;
+}
+
+/// What a forge asks of sortie (webhook deliveries) and where sessions were asked for from it.
+#[async_trait]
+pub trait ForgeEvents: Send + Sync + 'static {
+    /// Sets the webhook secret (sealed: ciphertext, nonce) and the triggers (JSON) of the workspace's
+    /// connection to `host`, `None` clearing either; `false` if it has no such connection.
+    async fn set_forge_triggers(
+        &self,
+        workspace_id: &str,
+        host: &str,
+        webhook_secret: Option<(&str, &str)>,
+        triggers: Option<&str>,
+    ) -> StoreResult<bool>;
+    /// Every connection, of any workspace, acting as GitHub App `app_id` (any App with `None`) with a
+    /// webhook secret.
+    async fn app_connections(&self, app_id: Option<&str>) -> StoreResult<Vec<ForgeConnectionRow>>;
+    /// Records a delivery to be acted on; `false` (and nothing written) when its id was recorded before.
+    async fn record_forge_delivery(&self, delivery: &NewForgeDelivery) -> StoreResult<bool>;
+    /// Claims the oldest delivery not done and not claimed in the last `lease_ms`, for `worker_id`.
+    async fn claim_forge_delivery(&self, worker_id: &str, lease_ms: i64) -> StoreResult<Option<ForgeDeliveryRow>>;
+    /// Records what was made of a claimed delivery; it is never claimed again.
+    async fn finish_forge_delivery(&self, delivery_id: &str, outcome: &str) -> StoreResult<()>;
+    /// What became of a delivery: `None` while not done (or unknown), else its outcome.
+    async fn forge_delivery_outcome(&self, delivery_id: &str) -> StoreResult<Option<String>>;
+    /// Records where a session was asked for (JSON), replacing any earlier record.
+    async fn set_session_origin(&self, session_id: &SessionId, origin: &str) -> StoreResult<()>;
+    async fn session_origin(&self, session_id: &SessionId) -> StoreResult<Option<String>>;
+    /// The workspace's session whose pull request is `pr_url`.
+    async fn session_by_pr_url(&self, workspace_id: &str, pr_url: &str) -> StoreResult<Option<SessionId>>;
 }
 
 /// Milliseconds since the Unix epoch, from the system clock.

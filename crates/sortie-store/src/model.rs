@@ -263,6 +263,32 @@ pub struct ForgeConnectionRow {
     pub created_at: i64,
     /// A GitHub App's ID (or client ID): the sealed secret is then its private key.
     pub app_id: Option<String>,
+    /// The App's webhook secret, sealed (ciphertext, nonce) like the key.
+    pub webhook_secret: Option<(String, String)>,
+    /// The JSON of the connection's `sortie_protocol::api::ForgeTriggers`.
+    pub triggers: Option<String>,
+}
+
+/// A forge webhook delivery whose signature a connection's secret verified.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewForgeDelivery {
+    /// The forge's delivery id (`X-GitHub-Delivery`), the same on a redelivery.
+    pub delivery_id: String,
+    pub workspace_id: String,
+    pub host: String,
+    pub event: String,
+    pub payload: String,
+}
+
+/// A recorded delivery, as a worker claims it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ForgeDeliveryRow {
+    pub delivery_id: String,
+    pub workspace_id: String,
+    pub host: String,
+    pub event: String,
+    pub payload: String,
+    pub received_at: i64,
 }
 
 /// A token of a workspace, without its hash.

@@ -558,7 +558,8 @@ macro_rules! forge_connection_select {
     ($head:literal, $tail:literal) => {
         concat!(
             $head,
-            " workspace_id, host, kind, api_base, token_ciphertext, token_nonce, created_at, app_id ",
+            " workspace_id, host, kind, api_base, token_ciphertext, token_nonce, created_at, app_id, ",
+            "webhook_secret_ciphertext, webhook_secret_nonce, triggers ",
             $tail
         )
     };
@@ -576,6 +577,14 @@ fn forge_connection_from_row(row: &AnyRow) -> StoreResult<ForgeConnectionRow> {
         token_nonce: row.try_get("token_nonce")?,
         created_at: row.try_get("created_at")?,
         app_id: row.try_get("app_id")?,
+        webhook_secret: match (
+            row.try_get::<Option<String>, _>("webhook_secret_ciphertext")?,
+            row.try_get::<Option<String>, _>("webhook_secret_nonce")?,
+        ) {
+            (Some(ciphertext), Some(nonce)) => Some((ciphertext, nonce)),
+            _ => None,
+        },
+        triggers: row.try_get("triggers")?,
     })
 }
 
@@ -2456,5 +2465,143 @@ impl Secrets for SqlStore {
             .await?
             .rows_affected();
         Ok(deleted > 0)
+    }
+}
+
+#[async_trait]
+impl crate::ForgeEvents for SqlStore {
+    async fn set_forge_triggers(
+        &self,
+        workspace_id: &str,
+        host: &str,
+        webhook_secret: Option<(&str, &str)>,
+        triggers: Option<&str>,
+    ) -> StoreResult<bool> {
+        let updated = sqlx::query(
+            "UPDATE forge_connections SET webhook_secret_ciphertext = $3, webhook_secret_nonce = $4, triggers = $5 \
+             WHERE workspace_id = $1 AND host = $2",
+        )
+        .bind(workspace_id)
+        .bind(host)
+        .bind(webhook_secret.map(|(ciphertext, _)| ciphertext))
+        .bind(webhook_secret.map(|(_, nonce)| nonce))
+        .bind(triggers)
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(updated > 0)
+    }
+
+    async fn app_connections(&self, app_id: Option<&str>) -> StoreResult<Vec<ForgeConnectionRow>> {
+        let rows = sqlx::query(forge_connection_select!(
+            "SELECT",
+            "FROM forge_connections WHERE (CAST($1 AS TEXT) IS NULL OR app_id = $1) AND app_id IS NOT NULL \
+             AND webhook_secret_ciphertext IS NOT NULL ORDER BY created_at, workspace_id"
+        ))
+        .bind(app_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(forge_connection_from_row).collect()
+    }
+
+    async fn record_forge_delivery(&self, delivery: &NewForgeDelivery) -> StoreResult<bool> {
+        let inserted = sqlx::query(
+            "INSERT INTO forge_deliveries (delivery_id, workspace_id, host, event, payload, received_at) \
+             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (delivery_id) DO NOTHING",
+        )
+        .bind(&delivery.delivery_id)
+        .bind(&delivery.workspace_id)
+        .bind(&delivery.host)
+        .bind(&delivery.event)
+        .bind(&delivery.payload)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(inserted > 0)
+    }
+
+    async fn claim_forge_delivery(&self, worker_id: &str, lease_ms: i64) -> StoreResult<Option<ForgeDeliveryRow>> {
+        let now = now_ms();
+        // The UPDATE checks the claim again: of two workers picking the same row, one updates it.
+        let row = sqlx::query(
+            "UPDATE forge_deliveries SET claimed_by = $1, claimed_at = $2 WHERE delivery_id = ( \
+               SELECT delivery_id FROM forge_deliveries WHERE done_at IS NULL \
+               AND (claimed_at IS NULL OR claimed_at < $3) ORDER BY received_at, delivery_id LIMIT 1) \
+             AND done_at IS NULL AND (claimed_at IS NULL OR claimed_at < $3) \
+             RETURNING delivery_id, workspace_id, host, event, payload, received_at",
+        )
+        .bind(worker_id)
+        .bind(now)
+        .bind(now - lease_ms)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(|row| {
+            Ok(ForgeDeliveryRow {
+                delivery_id: row.try_get("delivery_id")?,
+                workspace_id: row.try_get("workspace_id")?,
+                host: row.try_get("host")?,
+                event: row.try_get("event")?,
+                payload: row.try_get("payload")?,
+                received_at: row.try_get("received_at")?,
+            })
+        })
+        .transpose()
+    }
+
+    async fn finish_forge_delivery(&self, delivery_id: &str, outcome: &str) -> StoreResult<()> {
+        sqlx::query("UPDATE forge_deliveries SET done_at = $2, outcome = $3 WHERE delivery_id = $1")
+            .bind(delivery_id)
+            .bind(now_ms())
+            .bind(outcome)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn forge_delivery_outcome(&self, delivery_id: &str) -> StoreResult<Option<String>> {
+        let row = sqlx::query("SELECT outcome FROM forge_deliveries WHERE delivery_id = $1 AND done_at IS NOT NULL")
+            .bind(delivery_id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row
+            .map(|row| row.try_get::<Option<String>, _>("outcome"))
+            .transpose()?
+            .flatten())
+    }
+
+    async fn set_session_origin(&self, session_id: &SessionId, origin: &str) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO session_origins (session_id, origin) VALUES ($1, $2) \
+             ON CONFLICT (session_id) DO UPDATE SET origin = $2",
+        )
+        .bind(session_id.as_str())
+        .bind(origin)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn session_origin(&self, session_id: &SessionId) -> StoreResult<Option<String>> {
+        let row = sqlx::query("SELECT origin FROM session_origins WHERE session_id = $1")
+            .bind(session_id.as_str())
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.map(|row| row.try_get("origin")).transpose()?)
+    }
+
+    async fn session_by_pr_url(&self, workspace_id: &str, pr_url: &str) -> StoreResult<Option<SessionId>> {
+        let row = sqlx::query(
+            "SELECT id FROM sessions WHERE workspace_id = $1 AND pr_url = $2 ORDER BY created_at DESC LIMIT 1",
+        )
+        .bind(workspace_id)
+        .bind(pr_url)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(|row| {
+            let id: String = row.try_get("id")?;
+            SessionId::parse(&id).map_err(|_| internal(format!("session id {id:?} in sessions is not one")))
+        })
+        .transpose()
     }
 }

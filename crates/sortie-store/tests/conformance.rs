@@ -103,11 +103,131 @@ on_both_databases!(
     model_keys_are_sealed_per_workspace_and_api,
     forge_connections_are_sealed_per_workspace_and_host,
     a_session_keeps_its_first_pull_request,
+    forge_deliveries_are_recorded_once_and_claimed_once,
     every_phase_and_status_change_is_an_event_in_commit_order,
     concurrent_writers_number_events_in_commit_order,
     webhook_deliveries_are_enqueued_and_claimed_once,
     a_turn_ends_with_its_session_in_one_call,
 );
+
+async fn forge_deliveries_are_recorded_once_and_claimed_once(backend: TestBackend) {
+    use sortie_protocol::api::ForgeKind;
+    use sortie_store::NewForgeDelivery;
+    let f = fixture(backend).await;
+    let ws = f.workspace.id.clone();
+    // The App's connections with a webhook secret are found by App, or all of them.
+    f.store
+        .put_forge_connection(
+            &ws,
+            "github.com",
+            ForgeKind::Github,
+            "https://api.github.com",
+            "c",
+            "n",
+            Some("42"),
+        )
+        .await
+        .expect("put");
+    assert!(
+        f.store.app_connections(Some("42")).await.expect("read").is_empty(),
+        "no secret yet"
+    );
+    assert!(
+        f.store
+            .set_forge_triggers(&ws, "github.com", Some(("sc", "sn")), Some("{\"repositories\":[]}"))
+            .await
+            .expect("set")
+    );
+    assert!(
+        !f.store
+            .set_forge_triggers(&ws, "elsewhere", None, None)
+            .await
+            .expect("none")
+    );
+    let found = f.store.app_connections(Some("42")).await.expect("read");
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].webhook_secret, Some(("sc".to_owned(), "sn".to_owned())));
+    assert_eq!(found[0].triggers.as_deref(), Some("{\"repositories\":[]}"));
+    assert_eq!(f.store.app_connections(None).await.expect("all").len(), 1);
+    assert!(f.store.app_connections(Some("43")).await.expect("other").is_empty());
+
+    let delivery = |id: &str| NewForgeDelivery {
+        delivery_id: id.to_owned(),
+        workspace_id: ws.clone(),
+        host: "github.com".into(),
+        event: "issue_comment".into(),
+        payload: "{}".into(),
+    };
+    assert!(f.store.record_forge_delivery(&delivery("d-1")).await.expect("first"));
+    assert!(!f.store.record_forge_delivery(&delivery("d-1")).await.expect("replay"));
+    assert!(f.store.record_forge_delivery(&delivery("d-2")).await.expect("second"));
+    // Two workers racing never claim one delivery both (on PostgreSQL the loser of a race may come away
+    // empty-handed and claims at its next poll).
+    let (a, b) = tokio::join!(
+        f.store.claim_forge_delivery("w1", 60_000),
+        f.store.claim_forge_delivery("w2", 60_000)
+    );
+    let mut claimed: Vec<String> = [a, b]
+        .into_iter()
+        .filter_map(|c| c.expect("claim").map(|row| row.delivery_id))
+        .collect();
+    while let Some(row) = f.store.claim_forge_delivery("w1", 60_000).await.expect("claim") {
+        claimed.push(row.delivery_id);
+    }
+    claimed.sort();
+    assert_eq!(claimed, vec!["d-1".to_owned(), "d-2".to_owned()]);
+    assert_eq!(
+        f.store.claim_forge_delivery("w3", 60_000).await.expect("none left"),
+        None
+    );
+    assert_eq!(f.store.forge_delivery_outcome("d-1").await.expect("read"), None);
+    f.store.finish_forge_delivery("d-1", "started s").await.expect("finish");
+    assert_eq!(
+        f.store.forge_delivery_outcome("d-1").await.expect("read").as_deref(),
+        Some("started s")
+    );
+    // A claim whose worker died is taken again after its lease; a finished one never.
+    let again = f.store.claim_forge_delivery("w3", 0).await.expect("lease over");
+    assert_eq!(again.map(|row| row.delivery_id).as_deref(), Some("d-2"));
+
+    // Where a session was asked for, and the session of a pull request.
+    let session = f
+        .store
+        .create_session(new_session(&ws, "https://github.com/o/r.git", "t"))
+        .await
+        .expect("create");
+    assert_eq!(f.store.session_origin(&session.id).await.expect("none"), None);
+    f.store
+        .set_session_origin(&session.id, "{\"n\":1}")
+        .await
+        .expect("origin");
+    f.store
+        .set_session_origin(&session.id, "{\"n\":2}")
+        .await
+        .expect("again");
+    assert_eq!(
+        f.store.session_origin(&session.id).await.expect("read").as_deref(),
+        Some("{\"n\":2}")
+    );
+    f.store
+        .set_session_pr(&session.id, "https://github.com/o/r/pull/3", 3)
+        .await
+        .expect("pr");
+    assert_eq!(
+        f.store
+            .session_by_pr_url(&ws, "https://github.com/o/r/pull/3")
+            .await
+            .expect("by pr"),
+        Some(session.id.clone())
+    );
+    assert_eq!(
+        f.store
+            .session_by_pr_url("another", "https://github.com/o/r/pull/3")
+            .await
+            .expect("other ws"),
+        None
+    );
+}
 
 async fn a_session_keeps_its_first_pull_request(backend: TestBackend) {
     let f = fixture(backend).await;

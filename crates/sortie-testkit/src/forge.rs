@@ -169,6 +169,51 @@ pub struct GitForge {
     pulls_delay_ms: std::sync::atomic::AtomicU64,
     /// A GitHub App installed here, whose installation tokens are taken too.
     app: Mutex<Option<FakeApp>>,
+    /// What the issue and pull request conversations hold.
+    talk: Mutex<Conversation>,
+}
+
+/// A comment made through the API.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FakeComment {
+    pub id: u64,
+    pub repo: String,
+    /// The issue or pull request it is in.
+    pub number: u64,
+    pub body: String,
+}
+
+/// A reaction to a comment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FakeReaction {
+    pub repo: String,
+    /// `issues` or `pulls` (a review comment).
+    pub on: String,
+    pub comment_id: u64,
+    pub content: String,
+}
+
+/// A check run, as last set.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FakeCheckRun {
+    pub id: u64,
+    pub repo: String,
+    pub name: String,
+    pub head_sha: String,
+    pub status: String,
+    pub conclusion: Option<String>,
+    pub title: Option<String>,
+}
+
+#[derive(Default)]
+struct Conversation {
+    /// `login` → `admin|write|read|none` (not listed: 404, as for someone who is no collaborator).
+    permissions: std::collections::BTreeMap<String, String>,
+    comments: Vec<FakeComment>,
+    reactions: Vec<FakeReaction>,
+    check_runs: Vec<FakeCheckRun>,
+    /// Every time a pull request's body was replaced: (number, body).
+    body_updates: Vec<(u64, String)>,
 }
 
 impl GitForge {
@@ -181,7 +226,50 @@ impl GitForge {
             pulls_forbidden: AtomicBool::new(false),
             pulls_delay_ms: std::sync::atomic::AtomicU64::new(0),
             app: Mutex::new(None),
+            talk: Mutex::new(Conversation::default()),
         })
+    }
+
+    /// From now on `login` has `permission` (`admin`, `write`, `read`, `none`) on every repository.
+    pub fn set_permission(&self, login: &str, permission: &str) {
+        self.conversation()
+            .permissions
+            .insert(login.to_owned(), permission.to_owned());
+    }
+
+    fn conversation(&self) -> std::sync::MutexGuard<'_, Conversation> {
+        self.talk.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn comments(&self) -> Vec<FakeComment> {
+        self.conversation().comments.clone()
+    }
+
+    pub fn reactions(&self) -> Vec<FakeReaction> {
+        self.conversation().reactions.clone()
+    }
+
+    pub fn check_runs(&self) -> Vec<FakeCheckRun> {
+        self.conversation().check_runs.clone()
+    }
+
+    /// Each replacement of a pull request's description, in order.
+    pub fn body_updates(&self) -> Vec<(u64, String)> {
+        self.conversation().body_updates.clone()
+    }
+
+    /// Whether the request's token may use `permission` at `level` on `repository`: the personal token
+    /// may do anything, an installation token what it was minted for.
+    fn allows(&self, headers: &HeaderMap, repository: &str, permission: &str, level: &str) -> bool {
+        let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+        if self.credentials.lock().is_ok_and(|c| given == Some(c.1.as_str())) {
+            return true;
+        }
+        let Some(token) = given.and_then(|g| g.strip_prefix("Bearer ")) else {
+            return false;
+        };
+        self.with_app(|app| app.grants(token, repository, permission, level, std::time::SystemTime::now()))
+            .unwrap_or(false)
     }
 
     /// From now on a call that opens a pull request is answered only after `delay`.
@@ -257,6 +345,27 @@ impl GitForge {
             .route(
                 "/app/installations/{id}/access_tokens",
                 axum::routing::post(installation_token),
+            )
+            .route(
+                "/repos/{owner}/{name}/collaborators/{login}/permission",
+                axum::routing::get(collaborator_permission),
+            )
+            .route(
+                "/repos/{owner}/{name}/issues/{number}/comments",
+                axum::routing::post(add_comment),
+            )
+            .route(
+                "/repos/{owner}/{name}/{on}/comments/{id}/reactions",
+                axum::routing::post(add_reaction),
+            )
+            .route(
+                "/repos/{owner}/{name}/pulls/{number}",
+                axum::routing::get(get_pull).patch(patch_pull),
+            )
+            .route("/repos/{owner}/{name}/check-runs", axum::routing::post(start_check_run))
+            .route(
+                "/repos/{owner}/{name}/check-runs/{id}",
+                axum::routing::patch(update_check_run),
             )
             .fallback(serve)
             .with_state(self.clone())
@@ -519,6 +628,220 @@ async fn http_backend(
         }
     }
     response.body(Body::from(rest.to_vec())).unwrap_or_default()
+}
+
+type RepoPath = axum::extract::Path<(String, String)>;
+
+fn refused_token() -> Response {
+    json_answer(
+        StatusCode::FORBIDDEN,
+        &serde_json::json!({"message": "Resource not accessible by integration", "status": "403"}),
+    )
+}
+
+/// `GET /repos/{o}/{r}/collaborators/{login}/permission`.
+async fn collaborator_permission(
+    State(forge): State<Arc<GitForge>>,
+    axum::extract::Path((owner, name, login)): axum::extract::Path<(String, String, String)>,
+    headers: HeaderMap,
+) -> Response {
+    let repository = format!("{owner}/{name}");
+    let allowed = forge.allows(&headers, &repository, "metadata", "read");
+    forge.record(
+        format!("GET /repos/{repository}/collaborators/{login}/permission"),
+        allowed,
+    );
+    if !allowed {
+        return refused_token();
+    }
+    match forge.conversation().permissions.get(&login) {
+        Some(permission) => json_answer(
+            StatusCode::OK,
+            &serde_json::json!({"permission": permission, "role_name": permission, "user": {"login": login}}),
+        ),
+        None => json_answer(
+            StatusCode::NOT_FOUND,
+            &serde_json::json!({"message": format!("{login} is not a user"), "status": "404"}),
+        ),
+    }
+}
+
+/// `POST /repos/{o}/{r}/issues/{number}/comments` (issues and pull requests alike).
+async fn add_comment(
+    State(forge): State<Arc<GitForge>>,
+    axum::extract::Path((owner, name, number)): axum::extract::Path<(String, String, u64)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let repository = format!("{owner}/{name}");
+    let allowed = forge.allows(&headers, &repository, "issues", "write");
+    forge.record(format!("POST /repos/{repository}/issues/{number}/comments"), allowed);
+    if !allowed {
+        return refused_token();
+    }
+    let asked: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let mut talk = forge.conversation();
+    let id = 9_000 + talk.comments.len() as u64;
+    talk.comments.push(FakeComment {
+        id,
+        repo: repository,
+        number,
+        body: asked["body"].as_str().unwrap_or_default().to_owned(),
+    });
+    json_answer(StatusCode::CREATED, &serde_json::json!({"id": id}))
+}
+
+/// `POST /repos/{o}/{r}/issues/comments/{id}/reactions` and `…/pulls/comments/{id}/reactions`.
+async fn add_reaction(
+    State(forge): State<Arc<GitForge>>,
+    axum::extract::Path((owner, name, on, id)): axum::extract::Path<(String, String, String, u64)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let repository = format!("{owner}/{name}");
+    let permission = if on == "pulls" { "pull_requests" } else { "issues" };
+    let allowed = (on == "issues" || on == "pulls") && forge.allows(&headers, &repository, permission, "write");
+    forge.record(
+        format!("POST /repos/{repository}/{on}/comments/{id}/reactions"),
+        allowed,
+    );
+    if !allowed {
+        return refused_token();
+    }
+    let asked: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    forge.conversation().reactions.push(FakeReaction {
+        repo: repository,
+        on,
+        comment_id: id,
+        content: asked["content"].as_str().unwrap_or_default().to_owned(),
+    });
+    json_answer(
+        StatusCode::CREATED,
+        &serde_json::json!({"id": 1, "content": asked["content"]}),
+    )
+}
+
+/// `GET /repos/{o}/{r}/pulls/{number}`.
+async fn get_pull(
+    State(forge): State<Arc<GitForge>>,
+    axum::extract::Path((owner, name, number)): axum::extract::Path<(String, String, u64)>,
+    headers: HeaderMap,
+) -> Response {
+    let repository = format!("{owner}/{name}");
+    let allowed = forge.allows(&headers, &repository, "pull_requests", "read");
+    forge.record(format!("GET /repos/{repository}/pulls/{number}"), allowed);
+    if !allowed {
+        return refused_token();
+    }
+    match forge
+        .pulls()
+        .iter()
+        .find(|p| p.repo == repository && p.number == number)
+    {
+        Some(pull) => json_answer(StatusCode::OK, &pull_json(pull)),
+        None => json_answer(StatusCode::NOT_FOUND, &serde_json::json!({"message": "Not Found"})),
+    }
+}
+
+/// `PATCH /repos/{o}/{r}/pulls/{number}`: the body (and title) are replaced; `draft` is ignored, as
+/// GitHub ignores it.
+async fn patch_pull(
+    State(forge): State<Arc<GitForge>>,
+    axum::extract::Path((owner, name, number)): axum::extract::Path<(String, String, u64)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let repository = format!("{owner}/{name}");
+    let allowed = forge.allows(&headers, &repository, "pull_requests", "write");
+    forge.record(format!("PATCH /repos/{repository}/pulls/{number}"), allowed);
+    if !allowed {
+        return refused_token();
+    }
+    let asked: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let Ok(mut pulls) = forge.pulls.lock() else {
+        return status(StatusCode::INTERNAL_SERVER_ERROR, None);
+    };
+    let Some(pull) = pulls.iter_mut().find(|p| p.repo == repository && p.number == number) else {
+        return json_answer(StatusCode::NOT_FOUND, &serde_json::json!({"message": "Not Found"}));
+    };
+    if let Some(text) = asked["body"].as_str() {
+        pull.body = text.to_owned();
+        forge.conversation().body_updates.push((number, text.to_owned()));
+    }
+    if let Some(title) = asked["title"].as_str() {
+        pull.title = title.to_owned();
+    }
+    json_answer(StatusCode::OK, &pull_json(pull))
+}
+
+/// `POST /repos/{o}/{r}/check-runs` (GitHub Apps only).
+async fn start_check_run(
+    State(forge): State<Arc<GitForge>>,
+    axum::extract::Path((owner, name)): RepoPath,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let repository = format!("{owner}/{name}");
+    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    let is_app = given.and_then(|g| g.strip_prefix("Bearer ")).is_some_and(|token| {
+        forge
+            .with_app(|app| app.grants(token, &repository, "checks", "write", std::time::SystemTime::now()))
+            .unwrap_or(false)
+    });
+    forge.record(format!("POST /repos/{repository}/check-runs"), is_app);
+    if !is_app {
+        return json_answer(
+            StatusCode::FORBIDDEN,
+            &serde_json::json!({"message": "You must authenticate via a GitHub App.", "status": "403"}),
+        );
+    }
+    let asked: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let mut talk = forge.conversation();
+    let id = 500 + talk.check_runs.len() as u64;
+    talk.check_runs.push(FakeCheckRun {
+        id,
+        repo: repository,
+        name: asked["name"].as_str().unwrap_or_default().to_owned(),
+        head_sha: asked["head_sha"].as_str().unwrap_or_default().to_owned(),
+        status: asked["status"].as_str().unwrap_or("queued").to_owned(),
+        conclusion: asked["conclusion"].as_str().map(str::to_owned),
+        title: None,
+    });
+    json_answer(StatusCode::CREATED, &serde_json::json!({"id": id}))
+}
+
+/// `PATCH /repos/{o}/{r}/check-runs/{id}`.
+async fn update_check_run(
+    State(forge): State<Arc<GitForge>>,
+    axum::extract::Path((owner, name, id)): axum::extract::Path<(String, String, u64)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let repository = format!("{owner}/{name}");
+    let allowed = forge.allows(&headers, &repository, "checks", "write");
+    forge.record(format!("PATCH /repos/{repository}/check-runs/{id}"), allowed);
+    if !allowed {
+        return refused_token();
+    }
+    let asked: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let mut talk = forge.conversation();
+    let Some(run) = talk
+        .check_runs
+        .iter_mut()
+        .find(|run| run.id == id && run.repo == repository)
+    else {
+        return json_answer(StatusCode::NOT_FOUND, &serde_json::json!({"message": "Not Found"}));
+    };
+    if let Some(status) = asked["status"].as_str() {
+        run.status = status.to_owned();
+    }
+    if let Some(conclusion) = asked["conclusion"].as_str() {
+        run.conclusion = Some(conclusion.to_owned());
+    }
+    if let Some(title) = asked["output"]["title"].as_str() {
+        run.title = Some(title.to_owned());
+    }
+    json_answer(StatusCode::OK, &serde_json::json!({"id": id}))
 }
 
 /// `GET /repos/{owner}/{repo}/installation`, with the App's JWT.

@@ -201,6 +201,19 @@ impl FakeApp {
         })
     }
 
+    /// Whether `token` is a live token of this App for `repository` that was granted `permission` at
+    /// `level` or above (`write` covers `read`).
+    pub fn grants(&self, token: &str, repository: &str, permission: &str, level: &str, now: SystemTime) -> bool {
+        self.accepts(token, repository, now)
+            && self.minted.iter().any(|minted| {
+                minted.token == token
+                    && minted
+                        .permissions
+                        .get(permission)
+                        .is_some_and(|granted| granted == level || granted == "write")
+            })
+    }
+
     /// Every token minted so far stops working (as an hour passing would do).
     pub fn expire_all(&mut self) {
         for minted in &mut self.minted {
@@ -212,4 +225,102 @@ impl FakeApp {
 /// `header.claims` of a JWT.
 fn parts_prefix(jwt: &str) -> &str {
     jwt.rsplit_once('.').map_or(jwt, |(signed, _)| signed)
+}
+
+/// `sha256=<hex>`: GitHub's `X-Hub-Signature-256` of `body` under `secret`.
+pub fn hub_signature(secret: &str, body: &[u8]) -> String {
+    use hmac::{KeyInit, Mac};
+    let mut mac = match <hmac::Hmac<sha2::Sha256> as KeyInit>::new_from_slice(secret.as_bytes()) {
+        Ok(mac) => mac,
+        Err(_) => return String::new(),
+    };
+    mac.update(body);
+    let hex: String = mac.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    format!("sha256={hex}")
+}
+
+/// A webhook delivery as GitHub's hookshot sends it.
+pub struct Delivery<'a> {
+    pub event: &'a str,
+    pub id: &'a str,
+    /// The App's ID (`X-GitHub-Hook-Installation-Target-ID`).
+    pub app_id: &'a str,
+    pub payload: serde_json::Value,
+}
+
+/// POSTs `delivery` to `url`, signed with `secret` (`None`: with no signature), with GitHub's headers;
+/// the answer's status and body.
+pub async fn deliver(url: &str, secret: Option<&str>, delivery: &Delivery<'_>) -> (u16, String) {
+    let body = delivery.payload.to_string();
+    let mut request = reqwest::Client::new()
+        .post(url)
+        .header("content-type", "application/json")
+        .header("user-agent", "GitHub-Hookshot/5a1c9e1")
+        .header("x-github-event", delivery.event)
+        .header("x-github-delivery", delivery.id)
+        .header("x-github-hook-id", "12345")
+        .header("x-github-hook-installation-target-type", "integration")
+        .header("x-github-hook-installation-target-id", delivery.app_id);
+    if let Some(secret) = secret {
+        request = request.header("x-hub-signature-256", hub_signature(secret, body.as_bytes()));
+    }
+    match request.body(body).send().await {
+        Ok(answer) => {
+            let status = answer.status().as_u16();
+            (status, answer.text().await.unwrap_or_default())
+        }
+        Err(error) => (0, error.to_string()),
+    }
+}
+
+/// The author of a comment in a payload.
+pub struct Author<'a> {
+    pub login: &'a str,
+    /// `User` or `Bot`.
+    pub kind: &'a str,
+}
+
+/// An `issue_comment` payload (after `@octokit/webhooks-examples`), on issue `number` of
+/// `repo_url` (`https://host/owner/name`); `pull_url` makes the issue a pull request.
+pub fn issue_comment_payload(
+    action: &str,
+    repo_url: &str,
+    number: u64,
+    pull_url: Option<&str>,
+    comment_id: u64,
+    author: &Author<'_>,
+    body: &str,
+) -> serde_json::Value {
+    let full_name = repo_url.splitn(4, '/').nth(3).unwrap_or_default();
+    let user = serde_json::json!({"login": author.login, "id": 1, "type": author.kind});
+    let mut issue = serde_json::json!({
+        "number": number, "title": "Keep a changelog", "body": "Every release should say what changed.",
+        "html_url": format!("{repo_url}/issues/{number}"), "state": "open", "user": user,
+    });
+    if let Some(pull_url) = pull_url {
+        issue["pull_request"] = serde_json::json!({"url": pull_url, "html_url": pull_url});
+    }
+    serde_json::json!({
+        "action": action,
+        "issue": issue,
+        "comment": {
+            "id": comment_id, "body": body, "user": user, "author_association": "MEMBER",
+            "html_url": format!("{repo_url}/issues/{number}#issuecomment-{comment_id}"),
+            "performed_via_github_app": null,
+        },
+        "repository": {"full_name": full_name, "html_url": repo_url, "private": true},
+        "sender": user,
+        "installation": {"id": 99},
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_hub_signature_is_githubs_test_vector() {
+        assert_eq!(
+            super::hub_signature("It's a Secret to Everybody", b"Hello, World!"),
+            "sha256=757107ea0eb2509fc211221cce984b8a37570b6d7586c22c46f4379c8b043e17"
+        );
+    }
 }

@@ -71,10 +71,62 @@ pub struct AppTokens {
 }
 
 /// `owner/name` of `https://host/owner/name(.git)`.
-fn repo_name(repo: &str) -> Option<RepoName> {
+pub fn repo_name(repo: &str) -> Option<RepoName> {
     let rest = repo.strip_prefix("https://")?;
     let (_, path) = rest.split_once('/')?;
     RepoName::parse(path.trim_end_matches('/')).ok()
+}
+
+/// The workspace's connection to `host` and its opened secret.
+async fn connection(
+    context: &Context,
+    workspace_id: &str,
+    host: &str,
+) -> Result<(ForgeConnectionRow, Secret), ForgeError> {
+    let ring = context
+        .config
+        .keyring
+        .as_ref()
+        .ok_or_else(|| ForgeError::NoConnection(host.to_owned()))?;
+    match sortie_store::workspace_forge_token(context.store.as_ref(), ring, workspace_id, host).await {
+        Ok(Some(found)) => Ok(found),
+        Ok(None) => Err(ForgeError::NoConnection(host.to_owned())),
+        Err(KeyError::Store(_)) => Err(ForgeError::Store),
+        Err(_) => Err(ForgeError::Sealed(host.to_owned())),
+    }
+}
+
+/// The token cache of an App connection (`connection` with its opened key), made once per setting of
+/// the connection.
+fn app_tokens(
+    context: &Context,
+    connection: &ForgeConnectionRow,
+    app_id: &str,
+    key: &Secret,
+) -> Result<Arc<TokenCache>, String> {
+    let mut caches = context.app_tokens.caches.lock().unwrap_or_else(|p| p.into_inner());
+    let cache_key = (connection.workspace_id.clone(), connection.host.clone());
+    // The sealed key's ciphertext names this setting of the connection: set again, a new cache.
+    let identity = connection.token_ciphertext.clone();
+    if let Some((held, tokens)) = caches.get(&cache_key)
+        && *held == identity
+    {
+        return Ok(tokens.clone());
+    }
+    let key_pem = AppKey::from_pem(key.expose()).map_err(|e| e.to_string())?;
+    let http = context
+        .config
+        .forge_http
+        .clone()
+        .ok_or_else(|| "this server cannot reach forges".to_owned())?;
+    let tokens = Arc::new(TokenCache::new(GitHubApp::new(
+        &connection.api_base,
+        app_id,
+        key_pem,
+        http,
+    )));
+    caches.insert(cache_key, (identity, tokens.clone()));
+    Ok(tokens)
 }
 
 /// The credential for `repo` (an `https://` URL on `host`) in `workspace_id`.
@@ -84,18 +136,7 @@ pub async fn credential(
     host: &str,
     repo: &str,
 ) -> Result<ForgeCredential, ForgeError> {
-    let ring = context
-        .config
-        .keyring
-        .as_ref()
-        .ok_or_else(|| ForgeError::NoConnection(host.to_owned()))?;
-    let (connection, secret) =
-        match sortie_store::workspace_forge_token(context.store.as_ref(), ring, workspace_id, host).await {
-            Ok(Some(found)) => found,
-            Ok(None) => return Err(ForgeError::NoConnection(host.to_owned())),
-            Err(KeyError::Store(_)) => return Err(ForgeError::Store),
-            Err(_) => return Err(ForgeError::Sealed(host.to_owned())),
-        };
+    let (connection, secret) = connection(context, workspace_id, host).await?;
     let Some(app_id) = connection.app_id.clone() else {
         return Ok(ForgeCredential {
             connection,
@@ -109,35 +150,36 @@ pub async fn credential(
         reason,
     };
     let name = repo_name(repo).ok_or_else(|| app_error("it is not an https://host/owner/name URL".into()))?;
-    let tokens = {
-        let mut caches = context.app_tokens.caches.lock().unwrap_or_else(|p| p.into_inner());
-        let key = (workspace_id.to_owned(), host.to_owned());
-        // The sealed key's ciphertext names this setting of the connection: set again, a new cache.
-        let identity = connection.token_ciphertext.clone();
-        match caches.get(&key) {
-            Some((held, tokens)) if *held == identity => tokens.clone(),
-            _ => {
-                let key_pem = AppKey::from_pem(secret.expose()).map_err(|e| app_error(e.to_string()))?;
-                let http = context
-                    .config
-                    .forge_http
-                    .clone()
-                    .ok_or_else(|| app_error("this server cannot reach forges".into()))?;
-                let tokens = Arc::new(TokenCache::new(GitHubApp::new(
-                    &connection.api_base,
-                    &app_id,
-                    key_pem,
-                    http,
-                )));
-                caches.insert(key, (identity, tokens.clone()));
-                tokens
-            }
-        }
-    };
+    let tokens = app_tokens(context, &connection, &app_id, &secret).map_err(app_error)?;
     let minted = tokens.token(&name).await.map_err(|e| app_error(e.to_string()))?;
     Ok(ForgeCredential {
         connection,
         token: Secret::new(minted.token().as_bytes().to_vec()),
         renewal: Some(Renewal { tokens, repo: name }),
     })
+}
+
+/// A token that may talk in `repo`'s issues and pull requests and report check runs (an App's
+/// conversation token, or the workspace's personal token), with the connection.
+pub async fn conversation(
+    context: &Context,
+    workspace_id: &str,
+    host: &str,
+    repo: &RepoName,
+) -> Result<(ForgeConnectionRow, Secret), ForgeError> {
+    let (connection, secret) = connection(context, workspace_id, host).await?;
+    let Some(app_id) = connection.app_id.clone() else {
+        return Ok((connection, secret));
+    };
+    let app_error = |reason: String| ForgeError::App {
+        host: host.to_owned(),
+        repo: repo.to_string(),
+        reason,
+    };
+    let tokens = app_tokens(context, &connection, &app_id, &secret).map_err(app_error)?;
+    let minted = tokens
+        .token_for(repo, sortie_github::tokens::Scope::Conversation)
+        .await
+        .map_err(|e| app_error(e.to_string()))?;
+    Ok((connection, Secret::new(minted.token().as_bytes().to_vec())))
 }

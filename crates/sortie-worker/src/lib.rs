@@ -11,6 +11,7 @@
 pub mod client;
 pub(crate) mod forge;
 pub mod git_proxy;
+mod github;
 pub mod host;
 pub mod meter;
 pub mod pods;
@@ -162,6 +163,8 @@ pub(crate) struct Context {
     pub releasing: std::sync::Mutex<HashMap<SessionId, tokio::sync::watch::Receiver<bool>>>,
     /// GitHub App connections' installation tokens.
     pub app_tokens: forge::AppTokens,
+    /// The check run each session's running turn reports on GitHub: the head it is on, and its id.
+    pub check_runs: std::sync::Mutex<HashMap<SessionId, (String, u64)>>,
 }
 
 impl Context {
@@ -248,6 +251,7 @@ impl Worker {
                 mirror_locks: tokio::sync::Mutex::new(HashMap::new()),
                 releasing: std::sync::Mutex::new(HashMap::new()),
                 app_tokens: forge::AppTokens::default(),
+                check_runs: std::sync::Mutex::new(HashMap::new()),
             }),
             adopted: std::sync::Mutex::new(Vec::new()),
             feed_url: None,
@@ -322,6 +326,10 @@ impl Worker {
                 });
             }
         }
+        let (triggers_stop, triggers_stopped) = tokio::sync::oneshot::channel::<()>();
+        let triggers = tokio::spawn(github::run_triggers(context.clone(), async move {
+            let _ = triggers_stopped.await;
+        }));
         let mut tick = tokio::time::interval(context.config.poll_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tokio::pin!(shutdown);
@@ -335,6 +343,8 @@ impl Worker {
         if let Some(server) = feed_server {
             server.abort();
         }
+        let _ = triggers_stop.send(());
+        let _ = triggers.await;
         // The sandboxes of turns still running outlive this process (their keepers wait the orphan grace)
         // for the next start to adopt; warm ones are cheap to make again and go now.
         for (session_id, slot) in slots {
@@ -490,7 +500,21 @@ fn spawn_turn(
     let events = events.clone();
     tokio::spawn(async move {
         let session_id = session.id.clone();
+        // The forge hears of the turn off its path: a slow forge holds up no turn.
+        let on_github = turn.as_ref().map(|turn| {
+            let (context, before) = (context.clone(), session.clone());
+            let started = tokio::spawn(async move { github::turn_started(&context, &before).await });
+            (session.clone(), turn.n, started)
+        });
         let keep = turn::run(&context, session, turn, sandbox).await;
+        if let Some((session, n, started)) = on_github {
+            let context = context.clone();
+            tokio::spawn(async move {
+                // Its check run is started (or not) before it is completed.
+                let _ = started.await;
+                github::turn_ended(&context, &session, n).await;
+            });
+        }
         if keep.is_none() {
             end_cancel(&context, &session_id).await;
         }

@@ -1532,7 +1532,17 @@ async fn a_github_app_connection_mints_a_token_per_repository_and_renews_a_refus
     let branch = format!("refs/heads/sortie/{id}");
     assert!(rev(&repo, &branch).is_some(), "the branch is on the forge");
     assert_eq!(session["pr"]["number"], 1, "{session:#}");
-    let minted = forge.with_app(|app| app.minted.clone()).expect("the app");
+    // The delivery tokens (the pull request's description and check runs use a conversation token of
+    // their own, minted beside the turn).
+    let delivery_tokens = || {
+        forge
+            .with_app(|app| app.minted.clone())
+            .expect("the app")
+            .into_iter()
+            .filter(|minted| minted.permissions.contains_key("contents"))
+            .collect::<Vec<_>>()
+    };
+    let minted = delivery_tokens();
     assert_eq!(minted.len(), 1, "one token for the session so far: {minted:?}");
     assert_eq!(minted[0].repositories, vec!["acme/upstream".to_owned()]);
     assert!(forge.requests().iter().all(|r| r.authorized), "{:?}", forge.requests());
@@ -1546,7 +1556,7 @@ async fn a_github_app_connection_mints_a_token_per_repository_and_renews_a_refus
     assert_eq!(status_of(&turns, 2), "completed", "{session:#}\n{turns:#?}");
     let files = git(&repo, &["diff", "--name-only", "refs/heads/main", &branch]);
     assert!(files.contains("after-expiry.txt"), "{files}");
-    let minted = forge.with_app(|app| app.minted.clone()).expect("the app");
+    let minted = delivery_tokens();
     assert_eq!(minted.len(), 2, "minted again once refused: {minted:?}");
 
     // No token it minted, and nothing of its key, is where the sandbox (or a reader) could see it.
@@ -1567,6 +1577,369 @@ async fn a_github_app_connection_mints_a_token_per_repository_and_renews_a_refus
         assert!(holding.is_empty(), "{what} is in {holding:?}");
         assert!(
             !world.server.as_ref().expect("server").log().contains(secret),
+            "{what} is in the server's log"
+        );
+    }
+}
+
+/// Issue 21's acceptance, against the fake GitHub: `@sortie` in an issue starts a session whose draft pull
+/// request is linked from an answering comment; `@sortie` on that pull request steers it, and the pull
+/// request gets a second commit and a description with the commands and their exit codes; a check run
+/// reports each turn. A reader is refused with a comment; a bot, an edit, a replayed delivery and a bad
+/// signature do nothing; no App key, installation token or webhook secret reaches a sandbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_sortie_in_an_issue_starts_a_session_and_on_its_pull_request_steers_it() {
+    use sortie_testkit::github_app::{Author, Delivery, FakeApp, deliver, issue_comment_payload, make_app_key};
+    use sortie_testkit::wait::eventually;
+    const SECRET: &str = "the-webhook-secret-of-the-App-0123";
+    const APP: &str = "424242";
+    let ForgeWorld {
+        world,
+        forge,
+        repo,
+        host,
+        _dir,
+    } = forge_world("a-personal-token-nobody-uses", "acme").await;
+    let keys = make_app_key(&_dir.path().join("app-key"));
+    let mut app = FakeApp::new(APP, "Iv23liCLIENTID", keys.public_der.clone());
+    app.install("acme/upstream", 99);
+    forge.install_app(app);
+    forge.set_permission("writer", "write");
+    forge.set_permission("reader", "read");
+    let secret_file = _dir.path().join("webhook-secret");
+    std::fs::write(&secret_file, format!("{SECRET}\n")).expect("secret");
+    let set = sortie(&world.root)
+        .args(["--server", &world.url(), "--data-dir"])
+        .arg(&world.data_dir)
+        .args(["forge", "set", &host, "--app-id", APP, "--private-key"])
+        .arg(&keys.pkcs1_pem)
+        .args(["--api-base", &format!("https://{host}"), "--webhook-secret-file"])
+        .arg(&secret_file)
+        .args(["--trigger-repo", "acme/upstream", "--trigger-agent", "scripted"])
+        .args(["--dashboard-url", "https://sortie.example.test"])
+        .output()
+        .expect("sortie forge set");
+    let said = String::from_utf8_lossy(&set.stdout);
+    assert!(set.status.success(), "{}", String::from_utf8_lossy(&set.stderr));
+    assert!(
+        said.contains("webhook secret set") && said.contains("@sortie in acme/upstream"),
+        "{said}"
+    );
+    let hook = format!("{}/v1/forges/github/webhook", world.url());
+    let repo_url = format!("https://{host}/acme/upstream");
+    let writer = Author {
+        login: "writer",
+        kind: "User",
+    };
+    let delivery = |event: &'static str, id: &'static str, payload: Value| Delivery {
+        event,
+        id,
+        app_id: APP,
+        payload,
+    };
+
+    let (status, answer) = deliver(
+        &hook,
+        Some(SECRET),
+        &delivery(
+            "ping",
+            "d-ping",
+            json!({"zen": "Keep it logically awesome.", "hook_id": 1}),
+        ),
+    )
+    .await;
+    assert_eq!((status, answer.contains("pong")), (200, true), "{answer}");
+
+    let ask = issue_comment_payload(
+        "created",
+        &repo_url,
+        7,
+        None,
+        1001,
+        &writer,
+        "@sortie add a CHANGELOG entry\n#!scripted\nwrite: CHANGELOG.md\n## Unreleased\n- A changelog.\n>>>\n\
+         run: grep -c Unreleased CHANGELOG.md\nsay: Added a CHANGELOG entry.",
+    );
+    // Signed with another secret, or not at all: refused, and nothing is recorded.
+    for secret in [Some("not-the-secret-of-any-App"), None] {
+        let (status, answer) = deliver(&hook, secret, &delivery("issue_comment", "d-1", ask.clone())).await;
+        assert_eq!(status, 401, "{answer}");
+        assert!(answer.contains("WEBHOOK_SIGNATURE_INVALID"), "{answer}");
+    }
+    let (status, answer) = deliver(&hook, Some(SECRET), &delivery("issue_comment", "d-1", ask.clone())).await;
+    assert_eq!(status, 202, "{answer}");
+    // A redelivery (same id) is not acted on again.
+    let (status, answer) = deliver(&hook, Some(SECRET), &delivery("issue_comment", "d-1", ask.clone())).await;
+    assert_eq!((status, answer.contains("duplicate")), (200, true), "{answer}");
+
+    let id = eventually("the comment starts a session", Duration::from_secs(30), || async {
+        let (_, list) = world.call(reqwest::Method::GET, "/v1/sessions", None).await;
+        match list["sessions"].as_array().map(Vec::as_slice) {
+            Some([one]) => Ok(one["id"].as_str().unwrap_or_default().to_owned()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(status_of(&turns, 1), "completed", "{session:#}\n{turns:#?}");
+    assert_eq!(session["title"], "#7: Keep a changelog", "{session:#}");
+    let branch = format!("refs/heads/sortie/{id}");
+    let first_head = rev(&repo, &branch).expect("the branch is on the forge");
+    let pr_url = session["pr"]["url"].as_str().expect("a draft pull request").to_owned();
+    let pr_number = session["pr"]["number"].as_u64().expect("number");
+    assert!(forge.pulls()[0].draft, "{:?}", forge.pulls());
+    // 👀 on the comment; the issue is answered with the session's link, then the pull request's.
+    assert!(
+        forge
+            .reactions()
+            .iter()
+            .any(|r| r.comment_id == 1001 && r.on == "issues" && r.content == "eyes"),
+        "{:?}",
+        forge.reactions()
+    );
+    let answers = eventually(
+        "the issue hears of the pull request",
+        Duration::from_secs(30),
+        || async {
+            let on_issue: Vec<String> = forge
+                .comments()
+                .into_iter()
+                .filter(|c| c.number == 7)
+                .map(|c| c.body)
+                .collect();
+            if on_issue.iter().any(|body| body.contains(&pr_url)) {
+                Ok(on_issue)
+            } else {
+                Err(on_issue)
+            }
+        },
+    )
+    .await;
+    assert!(
+        answers[0].contains(&id) && answers[0].contains(&format!("https://sortie.example.test/sessions/{id}")),
+        "{answers:?}"
+    );
+    // The description is the session's evidence: the command and its exit code.
+    let body = eventually("the description shows turn 1", Duration::from_secs(30), || async {
+        match forge.pulls().first().map(|p| p.body.clone()) {
+            Some(body) if body.contains("### Turn 1") => Ok(body),
+            other => Err(other),
+        }
+    })
+    .await;
+    assert!(body.contains("| `grep -c Unreleased CHANGELOG.md` | 0 |"), "{body}");
+    assert!(
+        body.contains("Added a CHANGELOG entry.") && body.contains("`CHANGELOG.md` +2"),
+        "{body}"
+    );
+    // The new head reports the turn as a finished check run.
+    eventually("a check run on the first head", Duration::from_secs(30), || async {
+        let runs = forge.check_runs();
+        if runs
+            .iter()
+            .any(|r| r.head_sha == first_head && r.conclusion.as_deref() == Some("success"))
+        {
+            Ok(())
+        } else {
+            Err(runs)
+        }
+    })
+    .await;
+
+    // `@sortie` on the pull request steers the session: a second commit, a new description.
+    let steer = issue_comment_payload(
+        "created",
+        &repo_url,
+        pr_number,
+        Some(&pr_url),
+        1002,
+        &writer,
+        "@sortie also add a test\n#!scripted\nwrite: tests/changelog.sh\ngrep -q Unreleased CHANGELOG.md\n>>>\n\
+         run: sh tests/changelog.sh\nrun: test -f NOTICE\nsay: Added a test.",
+    );
+    let (status, answer) = deliver(&hook, Some(SECRET), &delivery("issue_comment", "d-2", steer)).await;
+    assert_eq!(status, 202, "{answer}");
+    let (session, turns) = world.settled(&id, 2).await;
+    assert_eq!(status_of(&turns, 2), "completed", "{session:#}\n{turns:#?}");
+    let second_head = rev(&repo, &branch).expect("branch");
+    assert_ne!(second_head, first_head);
+    assert_eq!(
+        git(&repo, &["rev-list", "--count", &format!("refs/heads/main..{branch}")]).trim(),
+        "2"
+    );
+    assert!(
+        forge
+            .reactions()
+            .iter()
+            .any(|r| r.comment_id == 1002 && r.content == "eyes")
+    );
+    assert_eq!(forge.pulls().len(), 1, "the same pull request");
+    let body = eventually("the description shows turn 2", Duration::from_secs(30), || async {
+        match forge.pulls().first().map(|p| p.body.clone()) {
+            Some(body) if body.contains("### Turn 2") => Ok(body),
+            other => Err(other),
+        }
+    })
+    .await;
+    assert!(body.contains("| `sh tests/changelog.sh` | 0 |"), "{body}");
+    assert!(body.contains("| `test -f NOTICE` | 1 |"), "{body}");
+    assert!(
+        body.contains("### Turn 1") && body.contains("Files changed: 2"),
+        "{body}"
+    );
+    // Turn 2's check run went in progress on the first head and was completed, and the second head
+    // has its own; none is left working.
+    eventually("the check runs are completed", Duration::from_secs(30), || async {
+        let runs = forge.check_runs();
+        let done = runs.iter().all(|r| r.status == "completed")
+            && runs
+                .iter()
+                .any(|r| r.head_sha == second_head && r.conclusion.as_deref() == Some("success"))
+            && runs.iter().filter(|r| r.head_sha == first_head).count() == 2;
+        if done { Ok(()) } else { Err(runs) }
+    })
+    .await;
+    let (status, evidence) = world
+        .call(reqwest::Method::GET, &format!("/v1/sessions/{id}/evidence"), None)
+        .await;
+    assert_eq!(status, 200, "{evidence}");
+    let commands: Vec<(String, Option<i64>)> = evidence["turns"][1]["commands"]
+        .as_array()
+        .expect("commands")
+        .iter()
+        .map(|c| {
+            (
+                c["command"].as_str().unwrap_or_default().to_owned(),
+                c["exit_code"].as_i64(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        commands,
+        vec![
+            ("sh tests/changelog.sh".to_owned(), Some(0)),
+            ("test -f NOTICE".to_owned(), Some(1))
+        ],
+        "{evidence:#}"
+    );
+
+    // A reader is refused in the thread; a bot, an edit and a replay do nothing. The last delivery is a
+    // second reader's: deliveries are acted on in order, so once it is answered the others were read.
+    let reader = Author {
+        login: "reader",
+        kind: "User",
+    };
+    let bot = Author {
+        login: "helper[bot]",
+        kind: "Bot",
+    };
+    let ignored = [
+        (
+            "d-3",
+            issue_comment_payload(
+                "created",
+                &repo_url,
+                8,
+                None,
+                1003,
+                &reader,
+                "@sortie delete everything",
+            ),
+        ),
+        (
+            "d-4",
+            issue_comment_payload("created", &repo_url, 9, None, 1004, &bot, "@sortie bump deps"),
+        ),
+        (
+            "d-5",
+            issue_comment_payload(
+                "edited",
+                &repo_url,
+                10,
+                None,
+                1005,
+                &writer,
+                "@sortie add a CHANGELOG entry",
+            ),
+        ),
+        ("d-1", ask.clone()),
+        (
+            "d-6",
+            issue_comment_payload(
+                "created",
+                &repo_url,
+                11,
+                None,
+                1006,
+                &Author {
+                    login: "stranger",
+                    kind: "User",
+                },
+                "@sortie hi",
+            ),
+        ),
+    ];
+    for (delivery_id, payload) in ignored {
+        let (status, answer) = deliver(&hook, Some(SECRET), &delivery("issue_comment", delivery_id, payload)).await;
+        assert!(
+            status == 202 || (delivery_id == "d-1" && status == 200),
+            "{delivery_id}: {status} {answer}"
+        );
+    }
+    eventually("the last delivery is answered", Duration::from_secs(30), || async {
+        let comments = forge.comments();
+        if comments.iter().any(|c| c.number == 11) {
+            Ok(())
+        } else {
+            Err(comments)
+        }
+    })
+    .await;
+    let comments = forge.comments();
+    let refusal = comments.iter().find(|c| c.number == 8).expect("the reader is answered");
+    assert!(
+        refusal.body.contains("@reader") && refusal.body.contains("write access"),
+        "{refusal:?}"
+    );
+    assert!(comments.iter().all(|c| c.number != 9 && c.number != 10), "{comments:?}");
+    let reacted: Vec<u64> = forge.reactions().iter().map(|r| r.comment_id).collect();
+    assert_eq!(reacted, vec![1001, 1002], "only the accepted comments get 👀");
+    let (_, list) = world.call(reqwest::Method::GET, "/v1/sessions", None).await;
+    assert_eq!(list["sessions"].as_array().map(Vec::len), Some(1), "{list:#}");
+
+    // Nothing of the App's key, its tokens or the webhook secret is where a sandbox could see it.
+    let minted = forge.with_app(|app| app.minted.clone()).expect("the app");
+    assert!(
+        minted
+            .iter()
+            .any(|m| m.permissions.get("issues").is_some_and(|p| p == "write"))
+    );
+    assert!(
+        minted
+            .iter()
+            .filter(|m| m.permissions.contains_key("contents"))
+            .all(|m| !m.permissions.contains_key("issues")),
+        "the delivery token cannot talk: {minted:?}"
+    );
+    let key_line = std::fs::read_to_string(&keys.pkcs1_pem)
+        .expect("key")
+        .lines()
+        .nth(3)
+        .expect("a line of key material")
+        .to_owned();
+    let session_dir = world.data_dir.join("work/sessions").join(&id);
+    let mut secrets: Vec<(String, String)> = minted
+        .iter()
+        .map(|m| (m.token.clone(), format!("the installation token {:?}", m.permissions)))
+        .collect();
+    secrets.push((key_line, "the App's private key".into()));
+    secrets.push((SECRET.into(), "the webhook secret".into()));
+    for (secret, what) in &secrets {
+        support::assert_not_in_sandbox(&id, secret, what);
+        let holding = files_holding(&session_dir, secret.as_bytes());
+        assert!(holding.is_empty(), "{what} is in {holding:?}");
+        assert!(
+            !world.server.as_ref().expect("server").log().contains(secret.as_str()),
             "{what} is in the server's log"
         );
     }
