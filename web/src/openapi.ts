@@ -198,8 +198,8 @@ export interface paths {
         get?: never;
         put?: never;
         /**
-         * A delivery from a GitHub App: `ping` is answered, `issue_comment` and `pull_request_review_comment`
-         *     are recorded for a worker (once per delivery id), every other event is ignored.
+         * A delivery from a GitHub App: `ping` is answered; `issue_comment`, `pull_request_review_comment` and
+         *     an `issues` assignment are recorded for a worker (once per delivery id); every other event is ignored.
          */
         post: operations["github_webhook"];
         delete?: never;
@@ -903,6 +903,11 @@ export interface components {
         ForgeTriggers: {
             /** @description The agent of a session a comment starts; the server's default when absent. */
             agent?: string | null;
+            /**
+             * @description A login (the App's bot user, `<app-slug>[bot]`) whose assignment to an issue starts a session on
+             *     it, as `@sortie` in a comment would.
+             */
+            assignee?: string | null;
             /** @description The dashboard's address (`https://sortie.example.com`), for the links sortie answers with. */
             dashboard_url?: string | null;
             /** @description The egress allowlist of such a session. */

@@ -148,6 +148,9 @@ pub enum ForgeCommand {
         /// The dashboard's address, for the links sortie comments with.
         #[arg(long, requires = "trigger_repos")]
         dashboard_url: Option<String>,
+        /// A login (the App's bot user, `<app-slug>[bot]`) whose assignment to an issue starts a session.
+        #[arg(long, requires = "trigger_repos")]
+        trigger_assignee: Option<String>,
     },
     /// List the workspace's forge connections: host, kind, fingerprint; never a token.
     #[command(alias = "ls")]

@@ -407,6 +407,7 @@ async fn forge(client: &Client, command: ForgeCommand) -> anyhow::Result<ExitCod
             trigger_agent,
             trigger_others_prs,
             dashboard_url,
+            trigger_assignee,
         } => {
             let request = match (app_id, private_key) {
                 (Some(app_id), Some(path)) => {
@@ -424,6 +425,7 @@ async fn forge(client: &Client, command: ForgeCommand) -> anyhow::Result<ExitCod
                         agent: trigger_agent,
                         others_pull_requests: trigger_others_prs,
                         dashboard_url,
+                        assignee: trigger_assignee,
                         ..Default::default()
                     });
                     SetForgeConnectionRequest {

@@ -99,6 +99,9 @@ pub struct Comment {
     pub via_app: Option<u64>,
     pub installation: Option<u64>,
     pub on: Thread,
+    /// For an issue assigned (an `issues` delivery, `action: assigned`, no comment: `comment_id` 0 and
+    /// an empty body): who it was assigned to.
+    pub assignee: Option<String>,
 }
 
 /// Where a comment was made.
@@ -288,6 +291,7 @@ pub fn comment(event: &str, payload: &[u8]) -> Result<Option<Comment>, PayloadEr
                 on,
             )
         }
+        "issues" => return assignment(payload),
         _ => return Ok(None),
     };
     let repo = RepoName::parse(&repository.full_name).map_err(|e| PayloadError::Repository(e.to_string()))?;
@@ -304,13 +308,71 @@ pub fn comment(event: &str, payload: &[u8]) -> Result<Option<Comment>, PayloadEr
         via_app: comment.performed_via_github_app.map(|app| app.id),
         installation: installation.map(|i| i.id),
         on,
+        assignee: None,
+    }))
+}
+
+#[derive(Deserialize)]
+struct IssueEvent {
+    action: String,
+    issue: IssuePayload,
+    #[serde(default)]
+    assignee: Option<User>,
+    sender: User,
+    repository: Repository,
+    #[serde(default)]
+    installation: Option<Installation>,
+}
+
+/// An `issues` delivery: only an assignment is read, as a request without a comment.
+fn assignment(payload: &[u8]) -> Result<Option<Comment>, PayloadError> {
+    let delivery: IssueEvent =
+        serde_json::from_slice(payload).map_err(|e| PayloadError::Malformed("issues", e.to_string()))?;
+    let Some(assignee) = delivery.assignee.filter(|_| delivery.action == "assigned") else {
+        return Ok(None);
+    };
+    // An assignment on a pull request is not a request for a new session.
+    if delivery.issue.pull_request.is_some() {
+        return Ok(None);
+    }
+    let repo = RepoName::parse(&delivery.repository.full_name).map_err(|e| PayloadError::Repository(e.to_string()))?;
+    let issue = delivery.issue;
+    let by_bot = delivery.sender.kind.eq_ignore_ascii_case("bot") || delivery.sender.login.ends_with("[bot]");
+    Ok(Some(Comment {
+        repo,
+        repo_url: delivery.repository.html_url,
+        action: delivery.action,
+        comment_id: 0,
+        body: String::new(),
+        comment_url: issue.html_url.clone(),
+        sender: delivery.sender.login,
+        by_bot,
+        via_app: None,
+        installation: delivery.installation.map(|i| i.id),
+        on: Thread::Issue {
+            number: issue.number,
+            title: issue.title,
+            body: issue.body.unwrap_or_default(),
+            url: issue.html_url,
+        },
+        assignee: Some(assignee.login),
     }))
 }
 
 impl Comment {
     /// Why this comment asks nothing of sortie (the loop guards and the mention), or `None` when it is
-    /// a request, still subject to the sender's permission. `own_app` is sortie's App ID.
-    pub fn ignored(&self, own_app: &str) -> Option<&'static str> {
+    /// a request, still subject to the sender's permission. `own_app` is sortie's App ID; `assignee` the
+    /// login whose assignment to an issue asks for work (none: assignments are not taken).
+    pub fn ignored(&self, own_app: &str, assignee: Option<&str>) -> Option<&'static str> {
+        if let Some(assigned) = &self.assignee {
+            if self.by_bot {
+                return Some("assigned by a bot");
+            }
+            return match assignee {
+                Some(login) if login.eq_ignore_ascii_case(assigned) => None,
+                _ => Some("assigned to someone other than sortie"),
+            };
+        }
         if self.action != "created" {
             return Some("not a new comment");
         }
@@ -411,13 +473,13 @@ mod tests {
     fn an_issue_comment_reads_as_a_request_and_the_loop_guards_hold() {
         let read = |payload: Vec<u8>| comment("issue_comment", &payload).expect("parses").expect("a comment");
         let asked = read(issue_comment("created", "octocat", "User", "@sortie add it", None));
-        assert_eq!(asked.ignored("1"), None);
+        assert_eq!(asked.ignored("1", None), None);
         assert_eq!(asked.repo.to_string(), "acme/app");
         assert_eq!(asked.host().as_deref(), Some("github.com"));
         assert_eq!(asked.installation, Some(5));
         assert!(matches!(&asked.on, Thread::Issue { number: 7, title, .. } if title == "Changelog"));
         assert_eq!(
-            read(issue_comment("edited", "octocat", "User", "@sortie add it", None)).ignored("1"),
+            read(issue_comment("edited", "octocat", "User", "@sortie add it", None)).ignored("1", None),
             Some("not a new comment")
         );
         assert_eq!(
@@ -428,23 +490,57 @@ mod tests {
                 "@sortie add it",
                 None
             ))
-            .ignored("1"),
+            .ignored("1", None),
             Some("written by a bot")
         );
         assert_eq!(
-            read(issue_comment("created", "sneaky[bot]", "User", "@sortie add it", None)).ignored("1"),
+            read(issue_comment("created", "sneaky[bot]", "User", "@sortie add it", None)).ignored("1", None),
             Some("written by a bot")
         );
         assert_eq!(
-            read(issue_comment("created", "octocat", "User", "@sortie again", Some(1))).ignored("1"),
+            read(issue_comment("created", "octocat", "User", "@sortie again", Some(1))).ignored("1", None),
             Some("written through sortie's own App")
         );
         assert_eq!(
-            read(issue_comment("created", "octocat", "User", "just a remark", None)).ignored("1"),
+            read(issue_comment("created", "octocat", "User", "just a remark", None)).ignored("1", None),
             Some("does not mention @sortie")
         );
         assert_eq!(comment("push", b"{}"), Ok(None));
         assert!(comment("issue_comment", b"{\"action\":1}").is_err());
+    }
+
+    #[test]
+    fn an_issue_assigned_to_sortie_is_a_request() {
+        let assigned = |to: &str, by: &str, kind: &str| {
+            serde_json::json!({
+                "action": "assigned",
+                "issue": {"number": 9, "title": "Flaky test", "body": null, "html_url": "https://github.com/acme/app/issues/9"},
+                "assignee": {"login": to, "type": "Bot"},
+                "sender": {"login": by, "type": kind},
+                "repository": {"full_name": "acme/app", "html_url": "https://github.com/acme/app"},
+            })
+            .to_string()
+        };
+        let read = |payload: String| {
+            comment("issues", payload.as_bytes())
+                .expect("parses")
+                .expect("a request")
+        };
+        let ours = read(assigned("sortie-app[bot]", "octocat", "User"));
+        assert_eq!(ours.ignored("1", Some("Sortie-App[bot]")), None);
+        assert!(matches!(&ours.on, Thread::Issue { number: 9, .. }));
+        assert_eq!(ours.ignored("1", None), Some("assigned to someone other than sortie"));
+        assert_eq!(
+            read(assigned("octocat", "octocat", "User")).ignored("1", Some("sortie-app[bot]")),
+            Some("assigned to someone other than sortie")
+        );
+        assert_eq!(
+            read(assigned("sortie-app[bot]", "renovate[bot]", "Bot")).ignored("1", Some("sortie-app[bot]")),
+            Some("assigned by a bot")
+        );
+        let opened = serde_json::json!({"action": "opened", "issue": {"number": 1}, "sender": {"login": "o"},
+            "repository": {"full_name": "acme/app", "html_url": "https://github.com/acme/app"}});
+        assert_eq!(comment("issues", opened.to_string().as_bytes()), Ok(None));
     }
 
     #[test]

@@ -780,6 +780,10 @@ pub struct ForgeTriggers {
     /// The dashboard's address (`https://sortie.example.com`), for the links sortie answers with.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dashboard_url: Option<String>,
+    /// A login (the App's bot user, `<app-slug>[bot]`) whose assignment to an issue starts a session on
+    /// it, as `@sortie` in a comment would.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub assignee: Option<String>,
 }
 
 /// What `POST /v1/forges/github/webhook` made of a delivery: `pong`, `accepted`, `duplicate` or
@@ -838,6 +842,16 @@ impl ForgeTriggers {
                     "triggers.repositories: {:?} is not owner/name or owner/*",
                     pattern.chars().take(200).collect::<String>()
                 )));
+            }
+        }
+        if let Some(login) = &self.assignee {
+            let fine = !login.is_empty()
+                && login.len() <= 100
+                && login.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_[]".contains(&b));
+            if !fine {
+                return Err(refuse(
+                    "triggers.assignee must be a GitHub login (e.g. sortie-app[bot])".into(),
+                ));
             }
         }
         if let Some(url) = &self.dashboard_url {

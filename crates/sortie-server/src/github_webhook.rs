@@ -25,7 +25,7 @@ pub fn routes() -> OpenApiRouter<ApiState> {
 }
 
 /// The events a delivery of which is recorded for a worker to act on.
-const ACTED_ON: [&str; 2] = ["issue_comment", "pull_request_review_comment"];
+const ACTED_ON: [&str; 3] = ["issue_comment", "pull_request_review_comment", "issues"];
 /// The most connections named by client ID a delivery's signature is checked against (each check opens
 /// a sealed secret and hashes the body).
 const CLIENT_ID_CONNECTIONS_TRIED: usize = 16;
@@ -40,8 +40,8 @@ fn counted(result: &'static str) {
     metrics::counter!("sortie_webhook_deliveries_total", "result" => result).increment(1);
 }
 
-/// A delivery from a GitHub App: `ping` is answered, `issue_comment` and `pull_request_review_comment`
-/// are recorded for a worker (once per delivery id), every other event is ignored.
+/// A delivery from a GitHub App: `ping` is answered; `issue_comment`, `pull_request_review_comment` and
+/// an `issues` assignment are recorded for a worker (once per delivery id); every other event is ignored.
 #[utoipa::path(
     post, path = "/v1/forges/github/webhook", tag = "forge-connections",
     request_body(content = String, description = "GitHub's JSON payload, signed", content_type = "application/json"),
@@ -143,13 +143,14 @@ async fn github_webhook(
         counted("ignored");
         return answer(StatusCode::OK, "ignored");
     }
+    // Only what can be a request is kept (a comment, an issue assigned): not every issue event.
+    let Some(comment) = webhook::comment(event, &body).ok().flatten() else {
+        counted("ignored");
+        return answer(StatusCode::OK, "ignored");
+    };
     // The connection whose triggers take the repository, on the repository's host; else the first
     // (the worker answers there that the repository is not connected).
-    let comment = webhook::comment(event, &body).ok().flatten();
     let takes = |connection: &ForgeConnectionRow| {
-        let Some(comment) = &comment else {
-            return false;
-        };
         let triggers: Option<ForgeTriggers> = connection
             .triggers
             .as_deref()

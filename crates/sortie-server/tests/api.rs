@@ -378,7 +378,11 @@ async fn forge_connections_are_set_listed_and_removed_by_admins_only(h: Harness)
     );
     let push = hook(signed("push", "d-2", HOOK_SECRET, "{}"), "{}").await;
     assert_eq!((push.status, &push.body["status"]), (StatusCode::OK, &json!("ignored")));
-    let comment = "{\"action\":\"created\"}";
+    // What cannot be a request is not kept.
+    let junk = "{\"action\":\"created\"}";
+    let kept = hook(signed("issue_comment", "d-4", HOOK_SECRET, junk), junk).await;
+    assert_eq!((kept.status, &kept.body["status"]), (StatusCode::OK, &json!("ignored")));
+    let comment = r#"{"action":"created","issue":{"number":1},"comment":{"id":2,"body":"@sortie hi","user":{"login":"o","type":"User"}},"repository":{"full_name":"acme/app","html_url":"https://ghe.example.com/acme/app"}}"#;
     let first = hook(signed("issue_comment", "d-3", HOOK_SECRET, comment), comment).await;
     assert_eq!(
         (first.status, &first.body["status"]),

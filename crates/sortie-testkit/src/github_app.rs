@@ -314,6 +314,24 @@ pub fn issue_comment_payload(
     })
 }
 
+/// An `issues` payload for issue `number` of `repo_url` assigned to `assignee` by `sender`.
+pub fn issue_assigned_payload(repo_url: &str, number: u64, assignee: &str, sender: &Author<'_>) -> serde_json::Value {
+    let full_name = repo_url.splitn(4, '/').nth(3).unwrap_or_default();
+    let user = serde_json::json!({"login": sender.login, "id": 1, "type": sender.kind});
+    serde_json::json!({
+        "action": "assigned",
+        "issue": {
+            "number": number, "title": "Document the flags", "body": "Nobody knows what --quiet does.",
+            "html_url": format!("{repo_url}/issues/{number}"), "state": "open", "user": user,
+            "assignees": [{"login": assignee, "type": "Bot"}],
+        },
+        "assignee": {"login": assignee, "id": 2, "type": "Bot"},
+        "repository": {"full_name": full_name, "html_url": repo_url, "private": true},
+        "sender": user,
+        "installation": {"id": 99},
+    })
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

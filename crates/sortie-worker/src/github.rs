@@ -90,7 +90,12 @@ async fn act_on(context: &Arc<Context>, delivery: &ForgeDeliveryRow) -> String {
     let Some(app_id) = connection.app_id.clone() else {
         return "ignored: the connection is not a GitHub App".into();
     };
-    if let Some(reason) = comment.ignored(&app_id) {
+    let triggers: Option<ForgeTriggers> = connection
+        .triggers
+        .as_deref()
+        .and_then(|json| serde_json::from_str(json).ok());
+    let assignee = triggers.as_ref().and_then(|t| t.assignee.as_deref());
+    if let Some(reason) = comment.ignored(&app_id, assignee) {
         return format!("ignored: {reason}");
     }
     if comment.host().as_deref() != Some(connection.host.as_str()) {
@@ -111,10 +116,6 @@ async fn act_on(context: &Arc<Context>, delivery: &ForgeDeliveryRow) -> String {
         repo: &comment.repo,
         token: &token,
     };
-    let triggers: Option<ForgeTriggers> = connection
-        .triggers
-        .as_deref()
-        .and_then(|json| serde_json::from_str(json).ok());
     let Some(triggers) = triggers.filter(|t| t.takes(&comment.repo.owner, &comment.repo.name)) else {
         answer(
             &repo,
@@ -160,7 +161,10 @@ async fn act_on(context: &Arc<Context>, delivery: &ForgeDeliveryRow) -> String {
         Thread::ReviewLine { .. } => CommentKind::Review,
         _ => CommentKind::Issue,
     };
-    if let Err(error) = repo.react(kind, comment.comment_id, "eyes").await {
+    // An assignment has no comment to react to: the answer says it was taken.
+    if comment.comment_id != 0
+        && let Err(error) = repo.react(kind, comment.comment_id, "eyes").await
+    {
         tracing::warn!(%error, repo = %comment.repo, "cannot react to a comment");
     }
     let instruction = webhook::instruction(&comment.body).unwrap_or_default();
@@ -173,9 +177,14 @@ async fn act_on(context: &Arc<Context>, delivery: &ForgeDeliveryRow) -> String {
         } => {
             // The context first and the request last, as a person would write it.
             let task = format!(
-                "Issue #{number} of {} ({url}):\n\n## {title}\n\n{body}\n\n---\n\n@{} asks:\n\n{}",
+                "Issue #{number} of {} ({url}):\n\n## {title}\n\n{body}\n\n---\n\n@{} {}:\n\n{}",
                 comment.repo,
                 comment.sender,
+                if comment.assignee.is_some() {
+                    "assigned it to sortie"
+                } else {
+                    "asks"
+                },
                 if instruction.is_empty() {
                     "Resolve this issue."
                 } else {

@@ -1589,7 +1589,9 @@ async fn a_github_app_connection_mints_a_token_per_repository_and_renews_a_refus
 /// signature do nothing; no App key, installation token or webhook secret reaches a sandbox.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_sortie_in_an_issue_starts_a_session_and_on_its_pull_request_steers_it() {
-    use sortie_testkit::github_app::{Author, Delivery, FakeApp, deliver, issue_comment_payload, make_app_key};
+    use sortie_testkit::github_app::{
+        Author, Delivery, FakeApp, deliver, issue_assigned_payload, issue_comment_payload, make_app_key,
+    };
     use sortie_testkit::wait::eventually;
     const SECRET: &str = "the-webhook-secret-of-the-App-0123";
     const APP: &str = "424242";
@@ -1616,7 +1618,12 @@ async fn at_sortie_in_an_issue_starts_a_session_and_on_its_pull_request_steers_i
         .args(["--api-base", &format!("https://{host}"), "--webhook-secret-file"])
         .arg(&secret_file)
         .args(["--trigger-repo", "acme/upstream", "--trigger-agent", "scripted"])
-        .args(["--dashboard-url", "https://sortie.example.test"])
+        .args([
+            "--dashboard-url",
+            "https://sortie.example.test",
+            "--trigger-assignee",
+            "sortie-app[bot]",
+        ])
         .output()
         .expect("sortie forge set");
     let said = String::from_utf8_lossy(&set.stdout);
@@ -1906,6 +1913,52 @@ async fn at_sortie_in_an_issue_starts_a_session_and_on_its_pull_request_steers_i
     assert_eq!(reacted, vec![1001, 1002], "only the accepted comments get 👀");
     let (_, list) = world.call(reqwest::Method::GET, "/v1/sessions", None).await;
     assert_eq!(list["sessions"].as_array().map(Vec::len), Some(1), "{list:#}");
+
+    // An issue assigned to the App's bot user by a writer is a request too; assigned to someone else, not.
+    let elsewhere = issue_assigned_payload(&repo_url, 12, "octocat", &writer);
+    let (status, _) = deliver(&hook, Some(SECRET), &delivery("issues", "d-7", elsewhere)).await;
+    assert_eq!(status, 202);
+    let assigned = issue_assigned_payload(&repo_url, 13, "sortie-app[bot]", &writer);
+    let (status, answer) = deliver(&hook, Some(SECRET), &delivery("issues", "d-8", assigned)).await;
+    assert_eq!(status, 202, "{answer}");
+    let opened = json!({"action": "opened", "issue": {"number": 14}, "sender": {"login": "writer"},
+        "repository": {"full_name": "acme/upstream", "html_url": repo_url}});
+    let (status, answer) = deliver(&hook, Some(SECRET), &delivery("issues", "d-9", opened)).await;
+    assert_eq!((status, answer.contains("ignored")), (200, true), "not kept: {answer}");
+    let assigned_session = eventually("the assignment starts a session", Duration::from_secs(30), || async {
+        let (_, list) = world.call(reqwest::Method::GET, "/v1/sessions", None).await;
+        let titles: Vec<String> = list["sessions"]
+            .as_array()
+            .map(|l| {
+                l.iter()
+                    .map(|s| s["title"].as_str().unwrap_or_default().to_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        match list["sessions"]
+            .as_array()
+            .and_then(|l| l.iter().find(|s| s["title"] == "#13: Document the flags"))
+        {
+            Some(found) => Ok(found["id"].as_str().unwrap_or_default().to_owned()),
+            None => Err(titles),
+        }
+    })
+    .await;
+    let turns = world.turns(&assigned_session).await;
+    let task = turns[0]["prompt"].as_str().unwrap_or_default();
+    assert!(
+        task.contains("Nobody knows what --quiet does.") && task.contains("@writer assigned it to sortie"),
+        "{task}"
+    );
+    assert!(
+        forge.comments().iter().all(|c| c.number != 12),
+        "{:?}",
+        forge.comments()
+    );
+    let (_, list) = world.call(reqwest::Method::GET, "/v1/sessions", None).await;
+    assert_eq!(list["sessions"].as_array().map(Vec::len), Some(2), "{list:#}");
+    let (_, turns) = world.settled(&assigned_session, 1).await;
+    assert_eq!(status_of(&turns, 1), "completed", "{turns:#?}");
 
     // Nothing of the App's key, its tokens or the webhook secret is where a sandbox could see it.
     let minted = forge.with_app(|app| app.minted.clone()).expect("the app");
