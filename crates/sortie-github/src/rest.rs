@@ -15,11 +15,13 @@ pub const BODY_MAX_CHARS: usize = 65_536;
 
 /// One repository on GitHub, reached with `token`.
 pub struct Repo<'a> {
-    pub http: &'a reqwest::Client,
+    http: &'a reqwest::Client,
     /// `https://api.github.com`, or a GHES `https://HOST/api/v3`.
-    pub api_base: &'a str,
-    pub repo: &'a RepoName,
-    pub token: &'a str,
+    api_base: &'a str,
+    repo: &'a RepoName,
+    token: &'a str,
+    /// GitHub answered a call 401: the token is no longer good (revoked, or the App's key rotated).
+    refused: std::sync::atomic::AtomicBool,
 }
 
 /// What a sender may do in a repository, by the permission API.
@@ -86,7 +88,13 @@ struct Pull {
 struct Head {
     #[serde(rename = "ref")]
     name: String,
-    sha: Option<String>,
+    #[serde(default)]
+    repo: Option<HeadRepository>,
+}
+
+#[derive(Deserialize)]
+struct HeadRepository {
+    full_name: String,
 }
 
 /// `text` cut to GitHub's body cap.
@@ -94,7 +102,22 @@ fn capped(text: &str) -> String {
     text.chars().take(BODY_MAX_CHARS).collect()
 }
 
-impl Repo<'_> {
+impl<'a> Repo<'a> {
+    pub fn new(http: &'a reqwest::Client, api_base: &'a str, repo: &'a RepoName, token: &'a str) -> Self {
+        Self {
+            http,
+            api_base,
+            repo,
+            token,
+            refused: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Whether GitHub refused the token (401) in any call so far: its holder should not use it again.
+    pub fn token_refused(&self) -> bool {
+        self.refused.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     fn call(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
         self.http
             .request(
@@ -114,6 +137,9 @@ impl Repo<'_> {
     /// Sends, and reads a 2xx answer (else the refusal).
     async fn send(&self, request: reqwest::RequestBuilder) -> Result<Vec<u8>, GitHubError> {
         let (status, body) = read_answer(request).await?;
+        if status == 401 {
+            self.refused.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         if (200..300).contains(&status) {
             Ok(body)
         } else {
@@ -171,13 +197,14 @@ impl Repo<'_> {
         Ok(created.id)
     }
 
-    /// Pull request `number`'s head branch and commit.
+    /// Pull request `number`'s head branch and the repository it is in (`owner/name`; none when that
+    /// repository is gone).
     pub async fn pull_head(&self, number: u64) -> Result<(String, Option<String>), GitHubError> {
         let answer = self
             .send(self.call(reqwest::Method::GET, &format!("/pulls/{number}")))
             .await?;
         let pull: Pull = serde_json::from_slice(&answer).map_err(|e| GitHubError::Malformed(e.to_string()))?;
-        Ok((pull.head.name, pull.head.sha))
+        Ok((pull.head.name, pull.head.repo.map(|repo| repo.full_name)))
     }
 
     /// Replaces pull request `number`'s description.

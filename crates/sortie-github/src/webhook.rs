@@ -102,6 +102,9 @@ pub struct Comment {
     /// For an issue assigned (an `issues` delivery, `action: assigned`, no comment: `comment_id` 0 and
     /// an empty body): who it was assigned to.
     pub assignee: Option<String>,
+    /// For an issue assigned: when the issue was last changed (the assignment), to tell one assignment
+    /// from the next.
+    pub changed_at: Option<String>,
 }
 
 /// Where a comment was made.
@@ -122,6 +125,8 @@ pub enum Thread {
         number: u64,
         url: String,
         head_ref: String,
+        /// The repository the head branch is in (`owner/name`; another for a fork's pull request).
+        head_repo: Option<String>,
         path: String,
         line: Option<u64>,
         diff_hunk: String,
@@ -198,6 +203,8 @@ struct IssuePayload {
     html_url: String,
     #[serde(default)]
     pull_request: Option<IssuePullRequest>,
+    #[serde(default)]
+    updated_at: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -210,6 +217,13 @@ struct IssuePullRequest {
 struct Branch {
     #[serde(rename = "ref")]
     name: String,
+    #[serde(default)]
+    repo: Option<BranchRepository>,
+}
+
+#[derive(Deserialize)]
+struct BranchRepository {
+    full_name: String,
 }
 
 #[derive(Deserialize)]
@@ -278,6 +292,7 @@ pub fn comment(event: &str, payload: &[u8]) -> Result<Option<Comment>, PayloadEr
             let on = Thread::ReviewLine {
                 number: pull.number,
                 url: pull.html_url,
+                head_repo: pull.head.repo.map(|repo| repo.full_name),
                 head_ref: pull.head.name,
                 path: delivery.comment.path.clone().unwrap_or_default(),
                 line: delivery.comment.line,
@@ -309,6 +324,7 @@ pub fn comment(event: &str, payload: &[u8]) -> Result<Option<Comment>, PayloadEr
         installation: installation.map(|i| i.id),
         on,
         assignee: None,
+        changed_at: None,
     }))
 }
 
@@ -337,6 +353,7 @@ fn assignment(payload: &[u8]) -> Result<Option<Comment>, PayloadError> {
     }
     let repo = RepoName::parse(&delivery.repository.full_name).map_err(|e| PayloadError::Repository(e.to_string()))?;
     let issue = delivery.issue;
+    let changed_at = issue.updated_at.clone();
     let by_bot = delivery.sender.kind.eq_ignore_ascii_case("bot") || delivery.sender.login.ends_with("[bot]");
     Ok(Some(Comment {
         repo,
@@ -356,6 +373,7 @@ fn assignment(payload: &[u8]) -> Result<Option<Comment>, PayloadError> {
             url: issue.html_url,
         },
         assignee: Some(assignee.login),
+        changed_at,
     }))
 }
 
@@ -386,6 +404,21 @@ impl Comment {
             return Some("does not mention @sortie");
         }
         None
+    }
+
+    /// What this request is, from its signed body alone: the comment (ids are unique on a host), or the
+    /// assignment of an issue at the time it was made. The same body delivered again under another
+    /// delivery id has the same key.
+    pub fn request_key(&self, host: &str) -> String {
+        match &self.assignee {
+            None => format!("comment:{host}/{}#{}", self.repo, self.comment_id),
+            Some(assignee) => format!(
+                "assigned:{host}/{}#{}:{assignee}@{}",
+                self.repo,
+                self.on.number(),
+                self.changed_at.as_deref().unwrap_or_default()
+            ),
+        }
     }
 
     /// The comment's host: the authority of the repository's page.

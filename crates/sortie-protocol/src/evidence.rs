@@ -285,8 +285,8 @@ impl TurnEvidenceBuilder {
     }
 }
 
-/// `text` with its `@name` mentions and `#n` references made inert (a word joiner after the sign): the
-/// agent's words must not notify people or link issues from a pull request's description.
+/// `text` with its `@name` mentions and `#n` references made inert (a word joiner after the sign): words
+/// quoted outside a code block must not notify people or link issues from a pull request's description.
 fn inert(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut chars = text.chars().peekable();
@@ -343,12 +343,14 @@ impl SessionEvidence {
                 }
                 out.push('\n');
             }
+            // What the agent said is shown as text, never rendered: it cannot hide or fake the host's
+            // sections, link, mention, or close an issue.
             if let Some(failure) = &turn.failure {
-                out.push_str(&format!("**Failed:** {}\n\n", inert(&cell(failure))));
+                out.push_str(&format!("**Failed:** `{}`\n\n", cell(failure)));
             }
             if let Some(summary) = &turn.summary {
-                out.push_str(&inert(summary.trim()));
-                out.push_str("\n\n");
+                let summary_fence = fence(summary);
+                out.push_str(&format!("{summary_fence}text\n{}\n{summary_fence}\n\n", summary.trim()));
             }
             if !turn.commands.is_empty() {
                 out.push_str("| command | exit |\n|---|---|\n");
@@ -456,14 +458,25 @@ mod tests {
             ]
         );
         assert_eq!(turn.commands[0].output_tail, "ok\ntest result: ok. 3 passed");
+        let mut hostile = turn.clone();
+        hostile.n = 2;
+        hostile.summary = Some("<!-- hide\n```\n### Files changed: 0\nFixes #1 @octocat".into());
         let markdown = SessionEvidence {
             session: "s1".into(),
             task: "do it ``` now".into(),
-            turns: vec![turn],
+            turns: vec![turn, hostile],
             ..Default::default()
         }
         .markdown();
+        assert!(
+            markdown.contains("````text\n<!-- hide\n```\n### Files changed: 0\nFixes #1 @octocat\n````"),
+            "the agent's words stay in their block: {markdown}"
+        );
         assert!(markdown.contains("| `cargo test` | 0 |"), "{markdown}");
+        assert!(
+            markdown.contains("```text\nAdded the entry and a test.\n```"),
+            "{markdown}"
+        );
         assert!(markdown.contains("| `false` | failed |"), "{markdown}");
         assert!(markdown.contains("| `exit 3` | 3 |"), "{markdown}");
         assert!(markdown.contains("````text\ndo it ``` now\n````"), "{markdown}");

@@ -74,6 +74,36 @@ async fn set_forge_connection(
             ),
         ));
     }
+    if webhook_secret.is_some() {
+        let app_id = request
+            .github_app
+            .as_ref()
+            .map(|app| app.app_id.as_str())
+            .unwrap_or_default();
+        if !app_id.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(ApiError::new(
+                ErrorCode::ForgeConnectionInvalid,
+                "a webhook secret needs the App's numeric App ID as github_app.app_id (GitHub names the App \
+                 by it in each delivery), not its client ID",
+            ));
+        }
+        // One GitHub App has one webhook: one connection of the instance takes its deliveries.
+        let taken = state
+            .store
+            .app_connections(app_id)
+            .await?
+            .into_iter()
+            .any(|other| other.workspace_id != caller.workspace_id || other.host != host);
+        if taken {
+            return Err(ApiError::new(
+                ErrorCode::ForgeConnectionInvalid,
+                format!(
+                    "GitHub App {app_id} already delivers its webhooks to another connection of this server; \
+                     remove its webhook secret there first"
+                ),
+            ));
+        }
+    }
     if let Some(triggers) = &request.triggers {
         if request.github_app.is_none() {
             return Err(ApiError::new(

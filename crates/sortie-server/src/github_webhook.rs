@@ -12,7 +12,7 @@ use axum::http::{HeaderMap, StatusCode};
 use sortie_github::webhook;
 use sortie_protocol::api::{ForgeTriggers, ForgeWebhookAnswer};
 use sortie_protocol::{ApiErrorBody, ErrorCode};
-use sortie_store::{ForgeConnectionRow, NewForgeDelivery};
+use sortie_store::NewForgeDelivery;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -26,9 +26,6 @@ pub fn routes() -> OpenApiRouter<ApiState> {
 
 /// The events a delivery of which is recorded for a worker to act on.
 const ACTED_ON: [&str; 3] = ["issue_comment", "pull_request_review_comment", "issues"];
-/// The most connections named by client ID a delivery's signature is checked against (each check opens
-/// a sealed secret and hashes the body).
-const CLIENT_ID_CONNECTIONS_TRIED: usize = 16;
 /// The longest delivery id taken (GitHub's are GUIDs).
 const DELIVERY_ID_MAX: usize = 100;
 
@@ -93,79 +90,59 @@ async fn github_webhook(
         )
     };
     let signature = header(&headers, "x-hub-signature-256").ok_or_else(refused)?;
-    // The App it is for (GitHub names it by its numeric ID); connections that name their App by client
-    // ID (`Iv…`) cannot be matched on it and are tried too, a bounded number of them.
-    let app_id = header(&headers, "x-github-hook-installation-target-id").filter(|id| plain(id));
-    let mut candidates = match app_id {
-        Some(app_id) => state.store.app_connections(Some(app_id)).await?,
-        None => Vec::new(),
-    };
-    if candidates.is_empty() {
-        candidates = state
-            .store
-            .app_connections(None)
-            .await?
-            .into_iter()
-            .filter(|connection| {
-                connection
-                    .app_id
-                    .as_deref()
-                    .is_some_and(|id| !id.bytes().all(|b| b.is_ascii_digit()))
-            })
-            .take(CLIENT_ID_CONNECTIONS_TRIED)
-            .collect();
-    }
-    let signed_by: Vec<ForgeConnectionRow> = candidates
+    // The App it is for, by its numeric ID: one connection of the instance takes its deliveries, so one
+    // secret is opened and one digest computed, whoever sends what.
+    let app_id = header(&headers, "x-github-hook-installation-target-id")
+        .filter(|id| !id.is_empty() && id.len() <= 20 && id.bytes().all(|b| b.is_ascii_digit()))
+        .ok_or_else(refused)?;
+    let connection = state
+        .store
+        .app_connections(app_id)
+        .await?
         .into_iter()
-        .filter(|connection| {
-            let Some((ciphertext, nonce)) = &connection.webhook_secret else {
-                return false;
-            };
-            state
-                .keyring
-                .open_webhook_secret(
-                    &connection.workspace_id,
-                    &webhook_secret_binding(&connection.host),
-                    ciphertext,
-                    nonce,
-                )
-                .is_ok_and(|secret| webhook::signature_matches(secret.expose(), &body, signature))
-        })
-        .collect();
-    if signed_by.is_empty() {
+        .next()
+        .ok_or_else(refused)?;
+    let Some((ciphertext, nonce)) = &connection.webhook_secret else {
+        return Err(refused());
+    };
+    let signed = state
+        .keyring
+        .open_webhook_secret(
+            &connection.workspace_id,
+            &webhook_secret_binding(&connection.host),
+            ciphertext,
+            nonce,
+        )
+        .is_ok_and(|secret| webhook::signature_matches(secret.expose(), &body, signature));
+    if !signed {
         return Err(refused());
     }
     if event == "ping" {
         counted("ping");
         return answer(StatusCode::OK, "pong");
     }
-    if !ACTED_ON.contains(&event) {
-        counted("ignored");
-        return answer(StatusCode::OK, "ignored");
-    }
-    // Only what can be a request is kept (a comment, an issue assigned): not every issue event.
-    let Some(comment) = webhook::comment(event, &body).ok().flatten() else {
+    // Only a request is kept: a comment or an assignment that passes the loop guards, on the
+    // connection's host. Everything else is answered and forgotten.
+    let triggers: Option<ForgeTriggers> = connection
+        .triggers
+        .as_deref()
+        .and_then(|json| serde_json::from_str(json).ok());
+    let assignee = triggers.as_ref().and_then(|t| t.assignee.as_deref());
+    let request = ACTED_ON
+        .contains(&event)
+        .then(|| webhook::comment(event, &body).ok().flatten())
+        .flatten()
+        .filter(|comment| comment.ignored(app_id, assignee).is_none())
+        .filter(|comment| comment.host().as_deref() == Some(connection.host.as_str()));
+    let Some(request) = request else {
         counted("ignored");
         return answer(StatusCode::OK, "ignored");
     };
-    // The connection whose triggers take the repository, on the repository's host; else the first
-    // (the worker answers there that the repository is not connected).
-    let takes = |connection: &ForgeConnectionRow| {
-        let triggers: Option<ForgeTriggers> = connection
-            .triggers
-            .as_deref()
-            .and_then(|json| serde_json::from_str(json).ok());
-        comment.host().as_deref() == Some(connection.host.as_str())
-            && triggers.is_some_and(|t| t.takes(&comment.repo.owner, &comment.repo.name))
-    };
-    let connection = signed_by
-        .iter()
-        .find(|connection| takes(connection))
-        .unwrap_or(&signed_by[0]);
     let recorded = state
         .store
         .record_forge_delivery(&NewForgeDelivery {
             delivery_id: delivery_id.to_owned(),
+            request_key: request.request_key(&connection.host),
             workspace_id: connection.workspace_id.clone(),
             host: connection.host.clone(),
             event: event.to_owned(),

@@ -286,6 +286,10 @@ async fn forge_connections_are_set_listed_and_removed_by_admins_only(h: Harness)
     );
     for (body, code) in [
         (
+            json!({"github_app": app_with(json!({"app_id": "Iv23liCLIENT"}))}),
+            "FORGE_CONNECTION_INVALID",
+        ),
+        (
             json!({"github_app": app_with(json!({"webhook_secret": "short"}))}),
             "FORGE_CONNECTION_INVALID",
         ),

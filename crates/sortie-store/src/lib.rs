@@ -347,7 +347,8 @@ pub trait Secrets: Send + Sync + 'static {
 #[async_trait]
 pub trait ForgeEvents: Send + Sync + 'static {
     /// Sets the webhook secret (sealed: ciphertext, nonce) and the triggers (JSON) of the workspace's
-    /// connection to `host`, `None` clearing either; `false` if it has no such connection.
+    /// connection to `host`, `None` clearing either; `false` if it has no such connection. One connection
+    /// of the instance per App ID has a webhook secret: another is [`StoreError::Conflict`].
     async fn set_forge_triggers(
         &self,
         workspace_id: &str,
@@ -355,10 +356,10 @@ pub trait ForgeEvents: Send + Sync + 'static {
         webhook_secret: Option<(&str, &str)>,
         triggers: Option<&str>,
     ) -> StoreResult<bool>;
-    /// Every connection, of any workspace, acting as GitHub App `app_id` (any App with `None`) with a
-    /// webhook secret.
-    async fn app_connections(&self, app_id: Option<&str>) -> StoreResult<Vec<ForgeConnectionRow>>;
-    /// Records a delivery to be acted on; `false` (and nothing written) when its id was recorded before.
+    /// The connection, of any workspace, acting as GitHub App `app_id` with a webhook secret (at most one).
+    async fn app_connections(&self, app_id: &str) -> StoreResult<Vec<ForgeConnectionRow>>;
+    /// Records a delivery to be acted on; `false` (and nothing written) when its delivery id or its
+    /// request key was recorded before.
     async fn record_forge_delivery(&self, delivery: &NewForgeDelivery) -> StoreResult<bool>;
     /// Claims the oldest delivery not done and not claimed in the last `lease_ms`, for `worker_id`.
     async fn claim_forge_delivery(&self, worker_id: &str, lease_ms: i64) -> StoreResult<Option<ForgeDeliveryRow>>;

@@ -274,6 +274,9 @@ pub struct ForgeConnectionRow {
 pub struct NewForgeDelivery {
     /// The forge's delivery id (`X-GitHub-Delivery`), the same on a redelivery.
     pub delivery_id: String,
+    /// What the signed body asks, as a key of its own (`comment:<host>/<repo>#<id>`): the same request
+    /// under another delivery id is not recorded again.
+    pub request_key: String,
     pub workspace_id: String,
     pub host: String,
     pub event: String,

@@ -2487,16 +2487,22 @@ impl crate::ForgeEvents for SqlStore {
         .bind(webhook_secret.map(|(_, nonce)| nonce))
         .bind(triggers)
         .execute(&self.pool)
-        .await?
+        .await
+        .map_err(|error| match &error {
+            sqlx::Error::Database(db) if db.is_unique_violation() => {
+                StoreError::Conflict("another connection already takes this GitHub App's webhook deliveries".into())
+            }
+            _ => error.into(),
+        })?
         .rows_affected();
         Ok(updated > 0)
     }
 
-    async fn app_connections(&self, app_id: Option<&str>) -> StoreResult<Vec<ForgeConnectionRow>> {
+    async fn app_connections(&self, app_id: &str) -> StoreResult<Vec<ForgeConnectionRow>> {
         let rows = sqlx::query(forge_connection_select!(
             "SELECT",
-            "FROM forge_connections WHERE (CAST($1 AS TEXT) IS NULL OR app_id = $1) AND app_id IS NOT NULL \
-             AND webhook_secret_ciphertext IS NOT NULL ORDER BY created_at, workspace_id"
+            "FROM forge_connections WHERE app_id = $1 AND webhook_secret_ciphertext IS NOT NULL \
+             ORDER BY created_at, workspace_id"
         ))
         .bind(app_id)
         .fetch_all(&self.pool)
@@ -2506,10 +2512,11 @@ impl crate::ForgeEvents for SqlStore {
 
     async fn record_forge_delivery(&self, delivery: &NewForgeDelivery) -> StoreResult<bool> {
         let inserted = sqlx::query(
-            "INSERT INTO forge_deliveries (delivery_id, workspace_id, host, event, payload, received_at) \
-             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (delivery_id) DO NOTHING",
+            "INSERT INTO forge_deliveries (delivery_id, request_key, workspace_id, host, event, payload, received_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
         )
         .bind(&delivery.delivery_id)
+        .bind(&delivery.request_key)
         .bind(&delivery.workspace_id)
         .bind(&delivery.host)
         .bind(&delivery.event)
@@ -2550,7 +2557,8 @@ impl crate::ForgeEvents for SqlStore {
     }
 
     async fn finish_forge_delivery(&self, delivery_id: &str, outcome: &str) -> StoreResult<()> {
-        sqlx::query("UPDATE forge_deliveries SET done_at = $2, outcome = $3 WHERE delivery_id = $1")
+        // The payload has served: only the keys that refuse a replay stay.
+        sqlx::query("UPDATE forge_deliveries SET done_at = $2, outcome = $3, payload = '' WHERE delivery_id = $1")
             .bind(delivery_id)
             .bind(now_ms())
             .bind(outcome)

@@ -129,7 +129,7 @@ async fn forge_deliveries_are_recorded_once_and_claimed_once(backend: TestBacken
         .await
         .expect("put");
     assert!(
-        f.store.app_connections(Some("42")).await.expect("read").is_empty(),
+        f.store.app_connections("42").await.expect("read").is_empty(),
         "no secret yet"
     );
     assert!(
@@ -144,23 +144,80 @@ async fn forge_deliveries_are_recorded_once_and_claimed_once(backend: TestBacken
             .await
             .expect("none")
     );
-    let found = f.store.app_connections(Some("42")).await.expect("read");
+    let found = f.store.app_connections("42").await.expect("read");
     assert_eq!(found.len(), 1);
     assert_eq!(found[0].webhook_secret, Some(("sc".to_owned(), "sn".to_owned())));
     assert_eq!(found[0].triggers.as_deref(), Some("{\"repositories\":[]}"));
-    assert_eq!(f.store.app_connections(None).await.expect("all").len(), 1);
-    assert!(f.store.app_connections(Some("43")).await.expect("other").is_empty());
+    assert!(f.store.app_connections("43").await.expect("other").is_empty());
 
-    let delivery = |id: &str| NewForgeDelivery {
+    // One connection of the instance takes an App's webhook deliveries.
+    let other = f
+        .store
+        .create_workspace("other", RepoAccess::default())
+        .await
+        .expect("other workspace");
+    f.store
+        .put_forge_connection(
+            &other.id,
+            "github.com",
+            ForgeKind::Github,
+            "https://api.github.com",
+            "c",
+            "n",
+            Some("42"),
+        )
+        .await
+        .expect("put");
+    let taken = f
+        .store
+        .set_forge_triggers(&other.id, "github.com", Some(("x", "y")), None)
+        .await;
+    assert!(matches!(taken, Err(sortie_store::StoreError::Conflict(_))), "{taken:?}");
+    assert!(
+        f.store
+            .set_forge_triggers(&other.id, "github.com", None, None)
+            .await
+            .expect("no secret: fine")
+    );
+
+    let delivery = |id: &str, key: &str| NewForgeDelivery {
         delivery_id: id.to_owned(),
+        request_key: key.to_owned(),
         workspace_id: ws.clone(),
         host: "github.com".into(),
         event: "issue_comment".into(),
         payload: "{}".into(),
     };
-    assert!(f.store.record_forge_delivery(&delivery("d-1")).await.expect("first"));
-    assert!(!f.store.record_forge_delivery(&delivery("d-1")).await.expect("replay"));
-    assert!(f.store.record_forge_delivery(&delivery("d-2")).await.expect("second"));
+    assert!(
+        f.store
+            .record_forge_delivery(&delivery("d-1", "comment:1"))
+            .await
+            .expect("first")
+    );
+    assert!(
+        !f.store
+            .record_forge_delivery(&delivery("d-1", "comment:1"))
+            .await
+            .expect("redelivery")
+    );
+    assert!(
+        !f.store
+            .record_forge_delivery(&delivery("d-9", "comment:1"))
+            .await
+            .expect("same body, new id")
+    );
+    assert!(
+        !f.store
+            .record_forge_delivery(&delivery("d-1", "comment:9"))
+            .await
+            .expect("same id")
+    );
+    assert!(
+        f.store
+            .record_forge_delivery(&delivery("d-2", "comment:2"))
+            .await
+            .expect("second")
+    );
     // Two workers racing never claim one delivery both (on PostgreSQL the loser of a race may come away
     // empty-handed and claims at its next poll).
     let (a, b) = tokio::join!(

@@ -411,7 +411,7 @@ fn pull_json(pull: &FakePull) -> serde_json::Value {
         "state": "open",
         "draft": pull.draft,
         "title": pull.title,
-        "head": {"ref": pull.head},
+        "head": {"ref": pull.head, "repo": {"full_name": pull.repo}},
         "base": {"ref": pull.base},
     })
 }
@@ -632,11 +632,23 @@ async fn http_backend(
 
 type RepoPath = axum::extract::Path<(String, String)>;
 
-fn refused_token() -> Response {
-    json_answer(
-        StatusCode::FORBIDDEN,
-        &serde_json::json!({"message": "Resource not accessible by integration", "status": "403"}),
-    )
+impl GitForge {
+    /// GitHub's refusal of a call the token may not make: 401 for a token it does not know (or one that
+    /// expired), 403 for one that lacks the permission.
+    fn refusal(&self, headers: &HeaderMap, repository: &str) -> Response {
+        let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+        if self.bearer_ok(headers, repository) || given.is_some_and(|g| g.starts_with("Basic ")) {
+            json_answer(
+                StatusCode::FORBIDDEN,
+                &serde_json::json!({"message": "Resource not accessible by integration", "status": "403"}),
+            )
+        } else {
+            json_answer(
+                StatusCode::UNAUTHORIZED,
+                &serde_json::json!({"message": "Bad credentials", "status": "401"}),
+            )
+        }
+    }
 }
 
 /// `GET /repos/{o}/{r}/collaborators/{login}/permission`.
@@ -652,7 +664,7 @@ async fn collaborator_permission(
         allowed,
     );
     if !allowed {
-        return refused_token();
+        return forge.refusal(&headers, &repository);
     }
     match forge.conversation().permissions.get(&login) {
         Some(permission) => json_answer(
@@ -677,7 +689,7 @@ async fn add_comment(
     let allowed = forge.allows(&headers, &repository, "issues", "write");
     forge.record(format!("POST /repos/{repository}/issues/{number}/comments"), allowed);
     if !allowed {
-        return refused_token();
+        return forge.refusal(&headers, &repository);
     }
     let asked: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let mut talk = forge.conversation();
@@ -706,7 +718,7 @@ async fn add_reaction(
         allowed,
     );
     if !allowed {
-        return refused_token();
+        return forge.refusal(&headers, &repository);
     }
     let asked: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     forge.conversation().reactions.push(FakeReaction {
@@ -731,7 +743,7 @@ async fn get_pull(
     let allowed = forge.allows(&headers, &repository, "pull_requests", "read");
     forge.record(format!("GET /repos/{repository}/pulls/{number}"), allowed);
     if !allowed {
-        return refused_token();
+        return forge.refusal(&headers, &repository);
     }
     match forge
         .pulls()
@@ -755,7 +767,7 @@ async fn patch_pull(
     let allowed = forge.allows(&headers, &repository, "pull_requests", "write");
     forge.record(format!("PATCH /repos/{repository}/pulls/{number}"), allowed);
     if !allowed {
-        return refused_token();
+        return forge.refusal(&headers, &repository);
     }
     let asked: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let Ok(mut pulls) = forge.pulls.lock() else {
@@ -789,6 +801,9 @@ async fn start_check_run(
             .unwrap_or(false)
     });
     forge.record(format!("POST /repos/{repository}/check-runs"), is_app);
+    if !is_app && !forge.bearer_ok(&headers, &repository) {
+        return forge.refusal(&headers, &repository);
+    }
     if !is_app {
         return json_answer(
             StatusCode::FORBIDDEN,
@@ -821,7 +836,7 @@ async fn update_check_run(
     let allowed = forge.allows(&headers, &repository, "checks", "write");
     forge.record(format!("PATCH /repos/{repository}/check-runs/{id}"), allowed);
     if !allowed {
-        return refused_token();
+        return forge.refusal(&headers, &repository);
     }
     let asked: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let mut talk = forge.conversation();

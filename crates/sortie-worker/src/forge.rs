@@ -45,6 +45,11 @@ pub struct Renewal {
 }
 
 impl Renewal {
+    /// GitHub refused `token`: it is not handed out again.
+    pub async fn forget(&self, token: &str) {
+        self.tokens.refused(&self.repo, token).await;
+    }
+
     /// A token other than `refused`, minted if need be.
     pub async fn renew(&self, refused: &str) -> Option<Secret> {
         self.tokens.refused(&self.repo, refused).await;
@@ -166,10 +171,14 @@ pub async fn conversation(
     workspace_id: &str,
     host: &str,
     repo: &RepoName,
-) -> Result<(ForgeConnectionRow, Secret), ForgeError> {
+) -> Result<ForgeCredential, ForgeError> {
     let (connection, secret) = connection(context, workspace_id, host).await?;
     let Some(app_id) = connection.app_id.clone() else {
-        return Ok((connection, secret));
+        return Ok(ForgeCredential {
+            connection,
+            token: secret,
+            renewal: None,
+        });
     };
     let app_error = |reason: String| ForgeError::App {
         host: host.to_owned(),
@@ -181,5 +190,12 @@ pub async fn conversation(
         .token_for(repo, sortie_github::tokens::Scope::Conversation)
         .await
         .map_err(|e| app_error(e.to_string()))?;
-    Ok((connection, Secret::new(minted.token().as_bytes().to_vec())))
+    Ok(ForgeCredential {
+        connection,
+        token: Secret::new(minted.token().as_bytes().to_vec()),
+        renewal: Some(Renewal {
+            tokens,
+            repo: repo.clone(),
+        }),
+    })
 }

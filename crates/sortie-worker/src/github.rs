@@ -30,6 +30,38 @@ const DELIVERY_LEASE_MS: i64 = 5 * 60 * 1000;
 /// The name of sortie's check run.
 const CHECK_NAME: &str = "sortie";
 
+/// How long after answering a refusal to someone in a repository sortie stays silent to them there.
+const REFUSAL_QUIET: Duration = Duration::from_secs(10 * 60);
+/// The most people a worker remembers having refused.
+const REFUSALS_REMEMBERED: usize = 10_000;
+
+/// Whom a refusal was last answered to, so that anyone writing `@sortie` again and again on a public
+/// repository gets one answer in a while, not one each time.
+#[derive(Default)]
+pub(crate) struct Refusals(std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>);
+
+impl Refusals {
+    /// Whether to answer `who` now (and remember that it was).
+    fn answer_now(&self, who: String) -> bool {
+        let now = std::time::Instant::now();
+        let mut answered = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if answered
+            .get(&who)
+            .is_some_and(|at| now.duration_since(*at) < REFUSAL_QUIET)
+        {
+            return false;
+        }
+        if answered.len() >= REFUSALS_REMEMBERED {
+            answered.retain(|_, at| now.duration_since(*at) < REFUSAL_QUIET);
+            if answered.len() >= REFUSALS_REMEMBERED {
+                return false;
+            }
+        }
+        answered.insert(who, now);
+        true
+    }
+}
+
 /// Where a session was asked for, kept with it (`session_origins`) to answer there.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Origin {
@@ -104,22 +136,41 @@ async fn act_on(context: &Arc<Context>, delivery: &ForgeDeliveryRow) -> String {
     let Some(http) = context.config.forge_http.clone() else {
         return "failed: this worker cannot reach forges".into();
     };
-    let token =
+    let credential =
         match crate::forge::conversation(context, &connection.workspace_id, &connection.host, &comment.repo).await {
-            Ok((_, token)) => token,
+            Ok(credential) => credential,
             Err(error) => return format!("failed: {error}"),
         };
-    let token = String::from_utf8_lossy(token.expose()).into_owned();
-    let repo = Repo {
-        http: &http,
-        api_base: &connection.api_base,
-        repo: &comment.repo,
-        token: &token,
-    };
+    let token = String::from_utf8_lossy(credential.token.expose()).into_owned();
+    let repo = Repo::new(&http, &connection.api_base, &comment.repo, &token);
+    let outcome = act(context, &repo, &connection, &comment, triggers).await;
+    forget_if_refused(&repo, credential.renewal.as_ref(), &token).await;
+    outcome
+}
+
+/// A token GitHub refused is not used again: the next call mints another.
+async fn forget_if_refused(repo: &Repo<'_>, renewal: Option<&crate::forge::Renewal>, token: &str) {
+    if repo.token_refused()
+        && let Some(renewal) = renewal
+    {
+        tracing::warn!(repo = %renewal.repo, "GitHub refused the conversation token; the next call mints another");
+        renewal.forget(token).await;
+    }
+}
+
+/// Acts on a request from a repository the connection may take (`triggers` permitting).
+async fn act(
+    context: &Arc<Context>,
+    repo: &Repo<'_>,
+    connection: &ForgeConnectionRow,
+    comment: &Comment,
+    triggers: Option<ForgeTriggers>,
+) -> String {
     let Some(triggers) = triggers.filter(|t| t.takes(&comment.repo.owner, &comment.repo.name)) else {
-        answer(
-            &repo,
-            &comment,
+        refuse(
+            context,
+            repo,
+            comment,
             &format!(
                 "@{} this repository is not connected to a sortie workspace, so sortie cannot work on it. An \
                  admin adds `{}` to the triggers of the workspace's GitHub App connection.",
@@ -133,9 +184,10 @@ async fn act_on(context: &Arc<Context>, delivery: &ForgeDeliveryRow) -> String {
     match repo.permission(&comment.sender).await {
         Ok(permission) if permission.may_ask() => {}
         Ok(permission) => {
-            answer(
-                &repo,
-                &comment,
+            refuse(
+                context,
+                repo,
+                comment,
                 &format!(
                     "@{} only people with write access to {} can ask sortie for work.",
                     comment.sender, comment.repo
@@ -145,9 +197,10 @@ async fn act_on(context: &Arc<Context>, delivery: &ForgeDeliveryRow) -> String {
             return format!("refused: {} has {permission:?} permission", comment.sender);
         }
         Err(error) => {
-            answer(
-                &repo,
-                &comment,
+            refuse(
+                context,
+                repo,
+                comment,
                 &format!(
                     "@{} sortie could not confirm that you have write access to {}, so it did not start.",
                     comment.sender, comment.repo
@@ -156,16 +209,6 @@ async fn act_on(context: &Arc<Context>, delivery: &ForgeDeliveryRow) -> String {
             .await;
             return format!("refused: no permission answer ({error})");
         }
-    }
-    let kind = match comment.on {
-        Thread::ReviewLine { .. } => CommentKind::Review,
-        _ => CommentKind::Issue,
-    };
-    // An assignment has no comment to react to: the answer says it was taken.
-    if comment.comment_id != 0
-        && let Err(error) = repo.react(kind, comment.comment_id, "eyes").await
-    {
-        tracing::warn!(%error, repo = %comment.repo, "cannot react to a comment");
     }
     let instruction = webhook::instruction(&comment.body).unwrap_or_default();
     match &comment.on {
@@ -192,7 +235,7 @@ async fn act_on(context: &Arc<Context>, delivery: &ForgeDeliveryRow) -> String {
                 },
             );
             let title = format!("#{number}: {title}");
-            start(context, &repo, &connection, &triggers, &comment, task, title, None).await
+            start(context, repo, connection, &triggers, comment, task, title, None).await
         }
         Thread::PullRequest { url, number } | Thread::ReviewLine { url, number, .. } => {
             let prompt = match &comment.on {
@@ -207,18 +250,42 @@ async fn act_on(context: &Arc<Context>, delivery: &ForgeDeliveryRow) -> String {
             };
             let found = context.store.session_by_pr_url(&connection.workspace_id, url).await;
             match found {
-                Ok(Some(session)) => steer(context, &repo, &connection, &comment, &session, prompt).await,
+                Ok(Some(session)) => steer(context, repo, connection, comment, &session, prompt).await,
                 Ok(None) if triggers.others_pull_requests => {
                     let head = match &comment.on {
-                        Thread::ReviewLine { head_ref, .. } => Ok(head_ref.clone()),
-                        _ => repo.pull_head(*number).await.map(|(name, _)| name),
+                        Thread::ReviewLine {
+                            head_ref, head_repo, ..
+                        } => Ok((head_ref.clone(), head_repo.clone())),
+                        _ => repo.pull_head(*number).await,
+                    };
+                    let same_repo = |from: &Option<String>| {
+                        from.as_deref()
+                            .is_some_and(|from| from.eq_ignore_ascii_case(&comment.repo.to_string()))
                     };
                     let head = match head {
-                        Ok(head) => head,
+                        // A fork's branch is not this repository's: its name here may be another branch.
+                        Ok((_, from)) if !same_repo(&from) => {
+                            answer(
+                                repo,
+                                comment,
+                                &format!(
+                                    "@{} sortie works on pull requests whose branch is in {} itself; this one's is in {}.",
+                                    comment.sender,
+                                    comment.repo,
+                                    from.as_deref().unwrap_or("a repository that is gone")
+                                ),
+                            )
+                            .await;
+                            return "refused: a pull request from another repository".into();
+                        }
+                        Ok((head, _)) if sortie_protocol::validate::check_base(&head).is_err() => {
+                            return format!("refused: the branch {head:?} is not one sortie takes");
+                        }
+                        Ok((head, _)) => head,
                         Err(error) => {
                             answer(
-                                &repo,
-                                &comment,
+                                repo,
+                                comment,
                                 &format!(
                                     "@{} sortie could not read this pull request's branch: {error}",
                                     comment.sender
@@ -233,22 +300,12 @@ async fn act_on(context: &Arc<Context>, delivery: &ForgeDeliveryRow) -> String {
                         comment.repo, comment.sender
                     );
                     let title = format!("#{number}: {}", sortie_protocol::validate::default_title(&instruction));
-                    start(
-                        context,
-                        &repo,
-                        &connection,
-                        &triggers,
-                        &comment,
-                        task,
-                        title,
-                        Some(head),
-                    )
-                    .await
+                    start(context, repo, connection, &triggers, comment, task, title, Some(head)).await
                 }
                 Ok(None) => {
                     answer(
-                        &repo,
-                        &comment,
+                        repo,
+                        comment,
                         &format!(
                             "@{} sortie did not open this pull request, and this workspace does not take work on \
                              pull requests sortie did not open.",
@@ -261,6 +318,30 @@ async fn act_on(context: &Arc<Context>, delivery: &ForgeDeliveryRow) -> String {
                 Err(error) => format!("failed: {error}"),
             }
         }
+    }
+}
+
+/// 👀 on a comment whose request was taken. An assignment has no comment to react to: the answer says
+/// it was taken.
+async fn acknowledge(repo: &Repo<'_>, comment: &Comment) {
+    let kind = match comment.on {
+        Thread::ReviewLine { .. } => CommentKind::Review,
+        _ => CommentKind::Issue,
+    };
+    if comment.comment_id != 0
+        && let Err(error) = repo.react(kind, comment.comment_id, "eyes").await
+    {
+        tracing::warn!(%error, repo = %comment.repo, "cannot react to a comment");
+    }
+}
+
+/// Answers a refusal in the comment's thread, unless its author was answered one there a moment ago.
+async fn refuse(context: &Context, repo: &Repo<'_>, comment: &Comment, body: &str) {
+    if context
+        .github_refusals
+        .answer_now(format!("{}:{}", comment.repo, comment.sender.to_ascii_lowercase()))
+    {
+        answer(repo, comment, body).await;
     }
 }
 
@@ -313,11 +394,12 @@ async fn start(
         answer(
             repo,
             comment,
-            &format!("@{} sortie could not start: {error}", comment.sender),
+            &format!("@{} sortie could not start: {}", comment.sender, said(&error)),
         )
         .await;
         return format!("failed: {error}");
     }
+    acknowledge(repo, comment).await;
     let origin = Origin {
         host: connection.host.clone(),
         repo: comment.repo.to_string(),
@@ -347,6 +429,17 @@ async fn start(
     format!("started {id}")
 }
 
+/// What a thread on GitHub (perhaps public) is told of a refusal: the user's part of it, never the
+/// store's own words.
+fn said(error: &StoreError) -> String {
+    match error {
+        StoreError::NotSteerable(_) | StoreError::TurnQueueFull(_) | StoreError::PromptsTooLarge { .. } => {
+            error.to_string()
+        }
+        _ => "sortie could not record it; write the comment again in a while".to_owned(),
+    }
+}
+
 /// Another turn of the session whose pull request the comment is on.
 async fn steer(
     context: &Arc<Context>,
@@ -368,18 +461,15 @@ async fn steer(
         )
         .await;
     match turn {
-        Ok(turn) => format!("steered {session} (turn {})", turn.n),
+        Ok(turn) => {
+            acknowledge(repo, comment).await;
+            format!("steered {session} (turn {})", turn.n)
+        }
         Err(error) => {
-            let why = match &error {
-                StoreError::NotSteerable(_) | StoreError::TurnQueueFull(_) | StoreError::PromptsTooLarge { .. } => {
-                    error.to_string()
-                }
-                _ => "the store did not answer; write the comment again".to_owned(),
-            };
             answer(
                 repo,
                 comment,
-                &format!("@{} sortie could not take this: {why}", comment.sender),
+                &format!("@{} sortie could not take this: {}", comment.sender, said(&error)),
             )
             .await;
             format!("failed: {error}")
@@ -388,80 +478,78 @@ async fn steer(
 }
 
 /// A session's repository on GitHub, and a token to talk there, when it is on a GitHub connection.
-async fn github_repo(context: &Context, session: &SessionRow) -> Option<(ForgeConnectionRow, RepoName, String)> {
+async fn github_repo(context: &Context, session: &SessionRow) -> Option<Talk> {
     let host = sortie_protocol::api::repo_forge_host(&session.repo)?;
     let name = crate::forge::repo_name(&session.repo)?;
-    let (connection, token) = crate::forge::conversation(context, &session.workspace_id, &host, &name)
+    let credential = crate::forge::conversation(context, &session.workspace_id, &host, &name)
         .await
         .inspect_err(|error| tracing::debug!(%error, session = %session.id, "no GitHub conversation token"))
         .ok()?;
+    let connection = credential.connection;
     if connection.kind != sortie_protocol::api::ForgeKind::Github || connection.api_base.is_empty() {
         return None;
     }
-    Some((connection, name, String::from_utf8_lossy(token.expose()).into_owned()))
+    Some(Talk {
+        connection,
+        name,
+        token: String::from_utf8_lossy(credential.token.expose()).into_owned(),
+        renewal: credential.renewal,
+        http: context.config.forge_http.clone()?,
+    })
+}
+
+/// What talking in a session's repository takes.
+struct Talk {
+    connection: ForgeConnectionRow,
+    name: RepoName,
+    token: String,
+    renewal: Option<crate::forge::Renewal>,
+    http: reqwest::Client,
+}
+
+impl Talk {
+    fn repo(&self) -> Repo<'_> {
+        Repo::new(&self.http, &self.connection.api_base, &self.name, &self.token)
+    }
 }
 
 /// A turn of a session with a pull request starts: its check run goes in progress on the branch's
-/// head (GitHub Apps only: a personal token cannot make check runs).
-pub(crate) async fn turn_started(context: &Arc<Context>, session: &SessionRow) {
+/// head (GitHub Apps only: a personal token cannot make check runs). The head and the run's id, for
+/// [`turn_ended`].
+pub(crate) async fn turn_started(context: &Arc<Context>, session: &SessionRow) -> Option<(String, u64)> {
     let (Some(_), Some(head)) = (&session.pr, &session.head_sha) else {
-        return;
+        return None;
     };
-    let Some((connection, name, token)) = github_repo(context, session).await else {
-        return;
-    };
-    if connection.app_id.is_none() {
-        return;
-    }
-    let Some(http) = context.config.forge_http.clone() else {
-        return;
-    };
-    let repo = Repo {
-        http: &http,
-        api_base: &connection.api_base,
-        repo: &name,
-        token: &token,
-    };
+    let talk = github_repo(context, session).await?;
+    talk.connection.app_id.as_ref()?;
+    let repo = talk.repo();
     let link = sortie_store::dashboard_link(context.store.as_ref(), session).await;
-    match repo.start_check(CHECK_NAME, head, link.as_deref()).await {
-        Ok(id) => {
-            context
-                .check_runs
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(session.id.clone(), (head.clone(), id));
+    let started = match repo.start_check(CHECK_NAME, head, link.as_deref()).await {
+        Ok(id) => Some((head.clone(), id)),
+        Err(error) => {
+            tracing::warn!(%error, session = %session.id, "cannot start the check run");
+            None
         }
-        Err(error) => tracing::warn!(%error, session = %session.id, "cannot start the check run"),
-    }
+    };
+    forget_if_refused(&repo, talk.renewal.as_ref(), &talk.token).await;
+    started
 }
 
 /// A turn of `before` (the session as it was when the turn was claimed) ended: its pull request's
-/// description is made the session's evidence, the check run is completed (and reported on the new
-/// head), and an issue that asked for the session hears of a pull request opened by this turn.
-pub(crate) async fn turn_ended(context: &Arc<Context>, before: &SessionRow, n: u32) {
-    let started = context
-        .check_runs
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&before.id);
+/// description is made the session's evidence, the check run `started` is completed (and reported on
+/// the new head), and an issue that asked for the session hears of a pull request opened by this turn.
+pub(crate) async fn turn_ended(context: &Arc<Context>, before: &SessionRow, n: u32, started: Option<(String, u64)>) {
     let Ok(session) = context.store.session(&before.workspace_id, &before.id).await else {
         return;
     };
     let Some((pr_url, pr_number)) = session.pr.clone() else {
         return;
     };
-    let Some((connection, name, token)) = github_repo(context, &session).await else {
+    let Some(talk) = github_repo(context, &session).await else {
         return;
     };
-    let Some(http) = context.config.forge_http.clone() else {
-        return;
-    };
-    let repo = Repo {
-        http: &http,
-        api_base: &connection.api_base,
-        repo: &name,
-        token: &token,
-    };
+    let (connection, name) = (&talk.connection, &talk.name);
+    let repo = talk.repo();
     let link = sortie_store::dashboard_link(context.store.as_ref(), &session).await;
     match sortie_store::session_evidence(context.store.as_ref(), &session, link.clone()).await {
         Ok(evidence) => {
@@ -527,4 +615,5 @@ pub(crate) async fn turn_ended(context: &Arc<Context>, before: &SessionRow, n: u
             }
         }
     }
+    forget_if_refused(&repo, talk.renewal.as_ref(), &talk.token).await;
 }

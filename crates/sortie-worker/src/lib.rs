@@ -163,8 +163,8 @@ pub(crate) struct Context {
     pub releasing: std::sync::Mutex<HashMap<SessionId, tokio::sync::watch::Receiver<bool>>>,
     /// GitHub App connections' installation tokens.
     pub app_tokens: forge::AppTokens,
-    /// The check run each session's running turn reports on GitHub: the head it is on, and its id.
-    pub check_runs: std::sync::Mutex<HashMap<SessionId, (String, u64)>>,
+    /// Whom the worker last refused on GitHub, to answer each once in a while.
+    pub(crate) github_refusals: github::Refusals,
 }
 
 impl Context {
@@ -251,7 +251,7 @@ impl Worker {
                 mirror_locks: tokio::sync::Mutex::new(HashMap::new()),
                 releasing: std::sync::Mutex::new(HashMap::new()),
                 app_tokens: forge::AppTokens::default(),
-                check_runs: std::sync::Mutex::new(HashMap::new()),
+                github_refusals: github::Refusals::default(),
             }),
             adopted: std::sync::Mutex::new(Vec::new()),
             feed_url: None,
@@ -511,8 +511,8 @@ fn spawn_turn(
             let context = context.clone();
             tokio::spawn(async move {
                 // Its check run is started (or not) before it is completed.
-                let _ = started.await;
-                github::turn_ended(&context, &session, n).await;
+                let started = started.await.ok().flatten();
+                github::turn_ended(&context, &session, n, started).await;
             });
         }
         if keep.is_none() {

@@ -5,12 +5,19 @@ ALTER TABLE forge_connections ADD COLUMN webhook_secret_ciphertext TEXT;
 ALTER TABLE forge_connections ADD COLUMN webhook_secret_nonce TEXT;
 ALTER TABLE forge_connections ADD COLUMN triggers TEXT;
 
--- The forge's webhook deliveries a connection's secret verified, once each: the delivery id (GitHub's
--- X-GitHub-Delivery GUID, the same on a redelivery) is the key, so a replay finds its row and is not
--- acted on twice. A worker claims a pending one (claimed_by, claimed_at), acts on it, and records what
--- it did (outcome) when done; a claim older than a lease is taken again.
+-- One GitHub App's webhook goes to one place: one connection of the instance per App ID takes its
+-- deliveries (a delivery's signature is checked against that one secret, whoever sends it).
+CREATE UNIQUE INDEX forge_connections_webhook_app ON forge_connections (app_id)
+    WHERE webhook_secret_ciphertext IS NOT NULL;
+
+-- The requests (comments, assignments) in the forge's webhook deliveries a connection's secret verified,
+-- once each: by the delivery id (GitHub's X-GitHub-Delivery, the same on a redelivery), and by the
+-- request's own key from the signed body (the comment's id), so a signed body sent again under a new
+-- delivery id is not acted on twice either. A worker claims a pending one (claimed_by, claimed_at), acts
+-- on it and records what it did (outcome), emptying the payload; a claim older than a lease is taken again.
 CREATE TABLE forge_deliveries (
     delivery_id  TEXT PRIMARY KEY,
+    request_key  TEXT NOT NULL UNIQUE,
     workspace_id TEXT NOT NULL,
     host         TEXT NOT NULL,
     event        TEXT NOT NULL,
