@@ -105,6 +105,9 @@ error_codes! {
     /// A forge's webhook delivery is not signed by the secret of any connection of its App (or lacks
     /// the headers that name it).
     WebhookSignatureInvalid = 401,
+    /// The workspace has the most forge deliveries waiting for a worker that it may have; the forge
+    /// can deliver it again later.
+    WebhookBacklogFull = 429,
     /// The `Idempotency-Key` was used for a different request (another body or endpoint) in the last
     /// 24 h; use a new key.
     IdempotencyKeyReused = 422,
@@ -311,6 +314,7 @@ mod tests {
             (WebhookUrlRefused, 400),
             (WebhookNotFound, 404),
             (WebhookSignatureInvalid, 401),
+            (WebhookBacklogFull, 429),
             (IdempotencyKeyReused, 422),
             (IdempotencyKeyInUse, 409),
             (Internal, 500),

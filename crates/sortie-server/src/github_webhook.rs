@@ -26,6 +26,8 @@ pub fn routes() -> OpenApiRouter<ApiState> {
 
 /// The events a delivery of which is recorded for a worker to act on.
 const ACTED_ON: [&str; 3] = ["issue_comment", "pull_request_review_comment", "issues"];
+/// The most deliveries of one workspace that wait for a worker.
+const PENDING_MAX: u64 = 100;
 /// The longest delivery id taken (GitHub's are GUIDs).
 const DELIVERY_ID_MAX: usize = 100;
 
@@ -53,6 +55,7 @@ fn counted(result: &'static str) {
         (status = 202, description = "Recorded; a worker acts on it", body = ForgeWebhookAnswer),
         (status = 400, description = "INVALID_REQUEST: no event or delivery id", body = ApiErrorBody),
         (status = 401, description = "WEBHOOK_SIGNATURE_INVALID", body = ApiErrorBody),
+        (status = 429, description = "WEBHOOK_BACKLOG_FULL", body = ApiErrorBody),
         (status = 413, description = "BODY_TOO_LARGE", body = ApiErrorBody),
     )
 )]
@@ -138,6 +141,14 @@ async fn github_webhook(
         counted("ignored");
         return answer(StatusCode::OK, "ignored");
     };
+    // One workspace's flood waits in its own backlog, not in front of everyone's.
+    if state.store.pending_forge_deliveries(&connection.workspace_id).await? >= PENDING_MAX {
+        counted("backlog_full");
+        return Err(ApiError::new(
+            ErrorCode::WebhookBacklogFull,
+            format!("{PENDING_MAX} deliveries of this App already wait for a worker; redeliver it later"),
+        ));
+    }
     let recorded = state
         .store
         .record_forge_delivery(&NewForgeDelivery {

@@ -361,6 +361,8 @@ pub trait ForgeEvents: Send + Sync + 'static {
     /// Records a delivery to be acted on; `false` (and nothing written) when its delivery id or its
     /// request key was recorded before.
     async fn record_forge_delivery(&self, delivery: &NewForgeDelivery) -> StoreResult<bool>;
+    /// How many of the workspace's deliveries wait to be acted on (or are being acted on).
+    async fn pending_forge_deliveries(&self, workspace_id: &str) -> StoreResult<u64>;
     /// Claims the oldest delivery not done and not claimed in the last `lease_ms`, for `worker_id`.
     async fn claim_forge_delivery(&self, worker_id: &str, lease_ms: i64) -> StoreResult<Option<ForgeDeliveryRow>>;
     /// Records what was made of a claimed delivery; it is never claimed again.

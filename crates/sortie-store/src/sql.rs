@@ -2528,6 +2528,15 @@ impl crate::ForgeEvents for SqlStore {
         Ok(inserted > 0)
     }
 
+    async fn pending_forge_deliveries(&self, workspace_id: &str) -> StoreResult<u64> {
+        let row = sqlx::query("SELECT COUNT(*) AS n FROM forge_deliveries WHERE done_at IS NULL AND workspace_id = $1")
+            .bind(workspace_id)
+            .fetch_one(&self.pool)
+            .await?;
+        let n: i64 = row.try_get("n")?;
+        Ok(u64::try_from(n).unwrap_or_default())
+    }
+
     async fn claim_forge_delivery(&self, worker_id: &str, lease_ms: i64) -> StoreResult<Option<ForgeDeliveryRow>> {
         let now = now_ms();
         // The UPDATE checks the claim again: of two workers picking the same row, one updates it.

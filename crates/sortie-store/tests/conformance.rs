@@ -218,6 +218,8 @@ async fn forge_deliveries_are_recorded_once_and_claimed_once(backend: TestBacken
             .await
             .expect("second")
     );
+    assert_eq!(f.store.pending_forge_deliveries(&ws).await.expect("count"), 2);
+    assert_eq!(f.store.pending_forge_deliveries(&other.id).await.expect("count"), 0);
     // Two workers racing never claim one delivery both (on PostgreSQL the loser of a race may come away
     // empty-handed and claims at its next poll).
     let (a, b) = tokio::join!(
@@ -239,6 +241,7 @@ async fn forge_deliveries_are_recorded_once_and_claimed_once(backend: TestBacken
     );
     assert_eq!(f.store.forge_delivery_outcome("d-1").await.expect("read"), None);
     f.store.finish_forge_delivery("d-1", "started s").await.expect("finish");
+    assert_eq!(f.store.pending_forge_deliveries(&ws).await.expect("count"), 1);
     assert_eq!(
         f.store.forge_delivery_outcome("d-1").await.expect("read").as_deref(),
         Some("started s")
