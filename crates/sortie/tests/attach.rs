@@ -339,7 +339,8 @@ async fn clients_joining_at_any_moment_get_the_whole_turn_exactly_once() {
             tokio::time::sleep(delay).await;
             let published = world.parts_so_far(1).await;
             // Every third client comes back having seen half of what was published (a resume).
-            let last_seen = (trial % 3 == 0 && published > 1).then_some(published / 2 - 1);
+            // `then`, not `then_some`: the argument of `then_some` is computed even when the condition fails.
+            let last_seen = (trial % 3 == 0 && published > 1).then(|| published / 2 - 1);
             let (status, body) = world.attach_after(&format!("trial-{trial}"), last_seen).await;
             (trial, delay, published, last_seen, status, body)
         }));
