@@ -2,13 +2,14 @@
 //! repository's host, opened with the keyring — a personal token as it was set, or, for a GitHub App,
 //! an installation token minted for that one repository ([`sortie_github::tokens::TokenCache`], one per
 //! connection, kept by the worker) and minted again when the forge refuses it. Only the gateway's git
-//! proxy, the mirror fetch and the pull-request calls ever hold it.
+//! proxy, the mirror fetch and the pull-request calls ever hold it. Talking on GitHub (comments,
+//! reactions, check runs) takes a token of its own ([`conversation`]): the App's two scopes never mix.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use sortie_github::app::AppKey;
-use sortie_github::tokens::{GitHubApp, RepoName, TokenCache};
+use sortie_github::tokens::{GitHubApp, RepoName, Scope, TokenCache};
 use sortie_store::{ForgeConnectionRow, KeyError, Secret};
 
 use crate::Context;
@@ -37,11 +38,12 @@ pub struct ForgeCredential {
     pub renewal: Option<Renewal>,
 }
 
-/// An App connection's tokens for one repository.
+/// An App connection's tokens of one scope for one repository.
 #[derive(Clone)]
 pub struct Renewal {
     pub tokens: Arc<TokenCache>,
     pub repo: RepoName,
+    pub scope: Scope,
 }
 
 impl Renewal {
@@ -53,7 +55,7 @@ impl Renewal {
     /// A token other than `refused`, minted if need be.
     pub async fn renew(&self, refused: &str) -> Option<Secret> {
         self.tokens.refused(&self.repo, refused).await;
-        match self.tokens.token(&self.repo).await {
+        match self.tokens.token_for(&self.repo, self.scope).await {
             Ok(token) => Some(Secret::new(token.token().as_bytes().to_vec())),
             Err(error) => {
                 tracing::warn!(%error, repo = %self.repo, "no fresh installation token");
@@ -134,34 +136,15 @@ fn app_tokens(
     Ok(tokens)
 }
 
-/// The credential for `repo` (an `https://` URL on `host`) in `workspace_id`.
+/// The credential for `repo` (an `https://` URL on `host`) in `workspace_id`: for an App, a delivery
+/// token.
 pub async fn credential(
     context: &Context,
     workspace_id: &str,
     host: &str,
     repo: &str,
 ) -> Result<ForgeCredential, ForgeError> {
-    let (connection, secret) = connection(context, workspace_id, host).await?;
-    let Some(app_id) = connection.app_id.clone() else {
-        return Ok(ForgeCredential {
-            connection,
-            token: secret,
-            renewal: None,
-        });
-    };
-    let app_error = |reason: String| ForgeError::App {
-        host: host.to_owned(),
-        repo: repo.to_owned(),
-        reason,
-    };
-    let name = repo_name(repo).ok_or_else(|| app_error("it is not an https://host/owner/name URL".into()))?;
-    let tokens = app_tokens(context, &connection, &app_id, &secret).map_err(app_error)?;
-    let minted = tokens.token(&name).await.map_err(|e| app_error(e.to_string()))?;
-    Ok(ForgeCredential {
-        connection,
-        token: Secret::new(minted.token().as_bytes().to_vec()),
-        renewal: Some(Renewal { tokens, repo: name }),
-    })
+    scoped(context, workspace_id, host, repo, || repo_name(repo), Scope::Delivery).await
 }
 
 /// A token that may talk in `repo`'s issues and pull requests and report check runs (an App's
@@ -172,6 +155,28 @@ pub async fn conversation(
     host: &str,
     repo: &RepoName,
 ) -> Result<ForgeCredential, ForgeError> {
+    let shown = repo.to_string();
+    scoped(
+        context,
+        workspace_id,
+        host,
+        &shown,
+        || Some(repo.clone()),
+        Scope::Conversation,
+    )
+    .await
+}
+
+/// The workspace's credential for a repository on `host` (`shown` in errors; `name` read only for an
+/// App): the personal token, or an installation token of `scope` for that one repository.
+async fn scoped(
+    context: &Context,
+    workspace_id: &str,
+    host: &str,
+    shown: &str,
+    name: impl FnOnce() -> Option<RepoName>,
+    scope: Scope,
+) -> Result<ForgeCredential, ForgeError> {
     let (connection, secret) = connection(context, workspace_id, host).await?;
     let Some(app_id) = connection.app_id.clone() else {
         return Ok(ForgeCredential {
@@ -182,12 +187,13 @@ pub async fn conversation(
     };
     let app_error = |reason: String| ForgeError::App {
         host: host.to_owned(),
-        repo: repo.to_string(),
+        repo: shown.to_owned(),
         reason,
     };
+    let name = name().ok_or_else(|| app_error("it is not an https://host/owner/name URL".into()))?;
     let tokens = app_tokens(context, &connection, &app_id, &secret).map_err(app_error)?;
     let minted = tokens
-        .token_for(repo, sortie_github::tokens::Scope::Conversation)
+        .token_for(&name, scope)
         .await
         .map_err(|e| app_error(e.to_string()))?;
     Ok(ForgeCredential {
@@ -195,7 +201,8 @@ pub async fn conversation(
         token: Secret::new(minted.token().as_bytes().to_vec()),
         renewal: Some(Renewal {
             tokens,
-            repo: repo.clone(),
+            repo: name,
+            scope,
         }),
     })
 }
