@@ -1204,14 +1204,15 @@ async fn a_session_on_a_github_forge_opens_one_draft_pull_request() {
     let (session, turns) = world.settled(&id, 3).await;
     assert_eq!(status_of(&turns, 3), "completed", "{session:#}");
     assert_eq!(session["pr"]["number"], 1);
-    let calls: Vec<_> = forge
-        .requests()
-        .into_iter()
-        .filter(|r| r.line.contains("/pulls"))
+    // (Each turn after the PR opened also replaces its description: `PATCH …/pulls/1`.)
+    let requests = forge.requests();
+    let opened: Vec<_> = requests
+        .iter()
+        .filter(|r| r.line.starts_with("POST /repos/acme/upstream/pulls"))
         .collect();
     assert!(
-        calls.len() == 2 && calls.iter().all(|c| c.authorized),
-        "the refused call and the one that opened it, both authorized: {calls:?}"
+        opened.len() == 2 && requests.iter().all(|c| c.authorized),
+        "the refused call and the one that opened it, both authorized: {requests:?}"
     );
 }
 
