@@ -1,6 +1,7 @@
 //! The receive-pack decision on arbitrary bytes: it never panics; an `Allow` names only
-//! `refs/heads/sortie/<the session>`, and git's own reading of the same bytes (a model of
-//! receive-pack's `read_head_info`) would update nothing else; a refusal is well-formed pkt-lines.
+//! `refs/heads/sortie/<the session>` (never deleting it) and the session's `refs/sortie/wip/<the
+//! session>`, and git's own reading of the same bytes (a model of receive-pack's `read_head_info`) would
+//! update nothing else; a refusal is well-formed pkt-lines.
 //!
 //! The first byte picks how the rest is used: raw, or as pkt-line payloads separated by 0xFE with
 //! the last piece after the flush (0xFD stands for the session's ref, 0xFC for an object id, and
@@ -181,12 +182,16 @@ fuzz_target!(|data: &[u8]| {
     };
     let complete = mode & 2 == 2;
     let own = format!("refs/heads/sortie/{SESSION}");
+    // The session's work kept when a delivery fails: it may be written, forced and deleted.
+    let wip = format!("refs/sortie/wip/{SESSION}");
     match decide(&body, SESSION, complete) {
         Decision::Allow { updates, .. } => {
             assert!(!updates.is_empty());
             for update in &updates {
-                assert_eq!(update.refname, own);
-                assert!(update.new.bytes().any(|b| b != b'0'), "a delete was allowed");
+                assert!(update.refname == own || update.refname == wip, "{}", update.refname);
+                if update.refname == own {
+                    assert!(update.new.bytes().any(|b| b != b'0'), "a delete of the branch was allowed");
+                }
             }
             let git = git_reading(&body);
             assert!(git.ended, "allowed before the command section ended");
@@ -198,8 +203,10 @@ fuzz_target!(|data: &[u8]| {
             };
             assert_eq!(git_updates.len(), updates.len());
             for (old, new, refname) in git_updates {
-                assert_eq!(refname, own, "git would update another ref");
-                assert!(new.bytes().any(|b| b != b'0'), "git would delete");
+                assert!(refname == own || refname == wip, "git would update another ref: {refname}");
+                if refname == own {
+                    assert!(new.bytes().any(|b| b != b'0'), "git would delete the branch");
+                }
                 assert!(updates.iter().any(|u| u.old == old && u.new == new));
             }
         }

@@ -158,8 +158,10 @@ pub fn decide(body: &[u8], session_id: &str, complete: bool) -> Decision {
         });
     }
     if updates.is_empty() {
-        // Only the probe (`0000`, nothing else) is a push without commands.
-        return match (offset == body.len(), complete) {
+        // Only the probe (`0000`, nothing else) is a push without commands: shallow lines and no command
+        // are not one.
+        let bare_flush = offset == pktline::FLUSH.len();
+        return match (offset == body.len() && bare_flush, complete) {
             (true, true) => Decision::Probe,
             (true, false) => Decision::NeedMore,
             (false, _) => refuse("a push without commands".into(), &updates, side_band),
@@ -378,6 +380,15 @@ mod tests {
             refused(&decide(b"0000PACK", SESSION, true)).is_some(),
             "a flush followed by data is no probe"
         );
+        // Found by the fuzzer: shallow lines and no command are no probe either.
+        let mut shallow_only = pktline::encode(format!("shallow {A}").as_bytes());
+        shallow_only.extend_from_slice(pktline::FLUSH);
+        for complete in [true, false] {
+            assert!(
+                refused(&decide(&shallow_only, SESSION, complete)).is_some(),
+                "complete: {complete}"
+            );
+        }
     }
 
     #[test]
