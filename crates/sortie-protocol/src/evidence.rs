@@ -353,7 +353,8 @@ impl SessionEvidence {
                 out.push_str(&format!("{summary_fence}text\n{}\n{summary_fence}\n\n", summary.trim()));
             }
             if !turn.commands.is_empty() {
-                out.push_str("| command | exit |\n|---|---|\n");
+                // The agent's own account: its stream said it ran these and how they ended.
+                out.push_str("| command (as the agent reported it) | exit |\n|---|---|\n");
                 for command in &turn.commands {
                     let exit = match (command.exit_code, command.failed) {
                         (Some(code), _) => code.to_string(),
