@@ -28,8 +28,11 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** Prometheus text exposition. */
-        get: operations["metrics_text"];
+        /**
+         * Prometheus text exposition; the store's queue depth (`sortie_turns_queued`) is read at each scrape,
+         *     so every api replica reports the same, true figure.
+         */
+        get: operations["api_metrics_text"];
         put?: never;
         post?: never;
         delete?: never;
@@ -64,6 +67,23 @@ export interface paths {
         };
         /** List the agents sessions may use, and the default. */
         get: operations["list_agents"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/audit": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** What the workspace's admins did, newest first. */
+        get: operations["audit_log"];
         put?: never;
         post?: never;
         delete?: never;
@@ -654,6 +674,27 @@ export interface components {
         AttachTicketRequest: {
             action?: components["schemas"]["TicketAction"] | null;
         };
+        /** @description One admin action. */
+        AuditEntry: {
+            /**
+             * @description `token.create`, `token.revoke`, `model_key.set`, `model_key.remove`, `forge.set`, `forge.remove`,
+             *     `webhook.create`, `webhook.delete`.
+             */
+            action: string;
+            /** @description The token that did it (`tok_…`), or `cli` for the admin commands run on the server's host. */
+            actor: string;
+            /** @description RFC 3339 UTC. */
+            at: string;
+            id: string;
+            /** @description What it was done to: a token id, a model API, a forge host, a webhook id. */
+            target: string;
+        };
+        /** @description `GET /v1/audit`: what admins did, newest first. */
+        AuditLog: {
+            entries: components["schemas"]["AuditEntry"][];
+            /** @description Pass as `before` for the next page; null on the last page. */
+            next_cursor?: string | null;
+        };
         /**
          * @description `GET /v1/sessions/{id}/diff`: one page of the files a session's branch changes against the commit the
          *     session started from (what `git diff --name-status <base>...sortie/<id>` lists), with each file's
@@ -720,6 +761,11 @@ export interface components {
         };
         /** @description `POST /v1/tokens`. */
         CreateTokenRequest: {
+            /**
+             * Format: int64
+             * @description Seconds until it expires (60 to ten years); absent: it never does.
+             */
+            expires_in_seconds?: number | null;
             /** @description Who or what the token is for (≤ 100 characters). */
             label?: string | null;
             role: components["schemas"]["Role"];
@@ -1064,6 +1110,8 @@ export interface components {
             model?: string | null;
             phase: components["schemas"]["SessionPhase"];
             pr?: components["schemas"]["PullRequest"] | null;
+            /** @description When retention pruned its transcript and directories (`sortie gc`); the session and its turns stay. */
+            pruned_at?: string | null;
             /** @description Why a queued session waits, e.g. `SANDBOX_CAPACITY_LIMIT`; null otherwise. */
             queued_reason?: string | null;
             repo: string;
@@ -1229,8 +1277,12 @@ export interface components {
             created_at: string;
             /** @description The token this request was made with. */
             current: boolean;
+            /** @description When it stops signing anything in; null: never. */
+            expires_at?: string | null;
             id: string;
             label?: string | null;
+            /** @description When it was last used, within a minute; null: never. */
+            last_used_at?: string | null;
             /** @description Set once revoked: the token no longer signs anything in. */
             revoked_at?: string | null;
             role: components["schemas"]["Role"];
@@ -1261,6 +1313,7 @@ export interface components {
             timings?: {
                 [key: string]: number;
             } | null;
+            usage?: components["schemas"]["TurnUsage"];
         };
         /** @description One turn of the evidence. */
         TurnEvidence: {
@@ -1298,6 +1351,24 @@ export interface components {
          * @enum {string}
          */
         TurnStatus: "accepted" | "running" | "completed" | "failed" | "stopped" | "canceled" | "lost";
+        /**
+         * @description What one turn used, measured by the host: wall time from its start to its end, and its sandbox's
+         *     CPU and peak memory read from the sandbox's cgroups when it ended.
+         */
+        TurnUsage: {
+            /** Format: int64 */
+            cpu_ms: number;
+            /**
+             * Format: int64
+             * @description The sandbox's peak memory up to the turn's end, in bytes.
+             */
+            peak_memory_bytes: number;
+            /**
+             * Format: int64
+             * @description Null until the turn has started and ended.
+             */
+            wall_ms?: number | null;
+        };
         /** @description An AI SDK `UIMessage`, as `GET /v1/sessions/{id}/messages` returns them. */
         UiMessage: {
             id: string;
@@ -1312,12 +1383,20 @@ export interface components {
         UiRole: "user" | "assistant";
         /** @description What a session has used so far. */
         Usage: {
-            /** Format: int64 */
+            /**
+             * Format: int64
+             * @description CPU seconds its sandboxes used, metered at the end of every turn.
+             */
             compute_seconds: number;
             /** Format: int64 */
             input_tokens: number;
             /** Format: int64 */
             output_tokens: number;
+            /**
+             * Format: int64
+             * @description The largest peak memory of its sandboxes, in bytes.
+             */
+            peak_memory_bytes?: number;
         };
         UsageData: {
             /** @description `anthropic`, `openai` or `gemini`. */
@@ -1417,7 +1496,7 @@ export interface operations {
             };
         };
     };
-    metrics_text: {
+    api_metrics_text: {
         parameters: {
             query?: never;
             header?: never;
@@ -1484,6 +1563,57 @@ export interface operations {
             };
             /** @description UNAUTHORIZED */
             401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+        };
+    };
+    audit_log: {
+        parameters: {
+            query?: {
+                /** @description Entries older than this cursor (a page's `next_cursor`). */
+                before?: string;
+                /** @description At most this many (1–500, default 100). */
+                limit?: number;
+            };
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AuditLog"];
+                };
+            };
+            /** @description INVALID_REQUEST */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description UNAUTHORIZED */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description FORBIDDEN: only an admin token */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -3193,6 +3323,8 @@ export interface operations {
             query?: {
                 /** @description Only this session. */
                 session?: string;
+                /** @description `json` (the default) or `csv`: one line per session, day and model, for a spreadsheet. */
+                format?: "json" | "csv";
             };
             header?: never;
             path?: never;
@@ -3200,6 +3332,7 @@ export interface operations {
         };
         requestBody?: never;
         responses: {
+            /** @description JSON, or with `format=csv` text/csv: `session_id,day,model,input_tokens,output_tokens,compute_seconds` (compute on the line with an empty model) */
             200: {
                 headers: {
                     [name: string]: unknown;

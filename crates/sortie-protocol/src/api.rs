@@ -150,6 +150,9 @@ pub struct Session {
     pub egress: Egress,
     pub usage: Usage,
     pub archived: bool,
+    /// When retention pruned its transcript and directories (`sortie gc`); the session and its turns stay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pruned_at: Option<String>,
     /// RFC 3339 UTC.
     pub created_at: String,
     /// RFC 3339 UTC.
@@ -319,9 +322,25 @@ pub struct Egress {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Usage {
+    /// CPU seconds its sandboxes used, metered at the end of every turn.
     pub compute_seconds: u64,
+    /// The largest peak memory of its sandboxes, in bytes.
+    #[serde(default)]
+    pub peak_memory_bytes: u64,
     pub input_tokens: u64,
     pub output_tokens: u64,
+}
+
+/// What one turn used, measured by the host: wall time from its start to its end, and its sandbox's
+/// CPU and peak memory read from the sandbox's cgroups when it ended.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct TurnUsage {
+    /// Null until the turn has started and ended.
+    pub wall_ms: Option<u64>,
+    pub cpu_ms: u64,
+    /// The sandbox's peak memory up to the turn's end, in bytes.
+    pub peak_memory_bytes: u64,
 }
 
 /// One turn of a session's ledger.
@@ -344,6 +363,8 @@ pub struct Turn {
     /// Milliseconds by phase: queued, sandbox, clone, setup, agent_ready, first_part, agent_turn, delivery.
     #[serde(default)]
     pub timings: Option<std::collections::BTreeMap<String, u64>>,
+    #[serde(default)]
+    pub usage: TurnUsage,
 }
 
 /// `GET /v1/sessions`.
@@ -365,9 +386,43 @@ pub struct TokenInfo {
     pub created_at: String,
     /// Set once revoked: the token no longer signs anything in.
     pub revoked_at: Option<String>,
+    /// When it stops signing anything in; null: never.
+    #[serde(default)]
+    pub expires_at: Option<String>,
+    /// When it was last used, within a minute; null: never.
+    #[serde(default)]
+    pub last_used_at: Option<String>,
     /// The token this request was made with.
     pub current: bool,
 }
+
+/// `GET /v1/audit`: what admins did, newest first.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AuditLog {
+    pub entries: Vec<AuditEntry>,
+    /// Pass as `before` for the next page; null on the last page.
+    pub next_cursor: Option<String>,
+}
+
+/// One admin action.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AuditEntry {
+    pub id: String,
+    /// RFC 3339 UTC.
+    pub at: String,
+    /// The token that did it (`tok_…`), or `cli` for the admin commands run on the server's host.
+    pub actor: String,
+    /// `token.create`, `token.revoke`, `model_key.set`, `model_key.remove`, `forge.set`, `forge.remove`,
+    /// `webhook.create`, `webhook.delete`.
+    pub action: String,
+    /// What it was done to: a token id, a model API, a forge host, a webhook id.
+    pub target: String,
+}
+
+/// The longest a token may live: ten years, in seconds.
+pub const TOKEN_EXPIRY_MAX_SECONDS: u64 = 10 * 366 * 86_400;
 
 /// `GET /v1/tokens`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -385,6 +440,9 @@ pub struct CreateTokenRequest {
     /// Who or what the token is for (≤ 100 characters).
     #[serde(default)]
     pub label: Option<String>,
+    /// Seconds until it expires (60 to ten years); absent: it never does.
+    #[serde(default)]
+    pub expires_in_seconds: Option<u64>,
 }
 
 /// A new token: the secret is in this answer and nowhere else, ever.

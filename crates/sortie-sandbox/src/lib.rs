@@ -195,6 +195,12 @@ pub trait SandboxRuntime: Send + Sync {
         )))
     }
 
+    /// What the sandbox has used since it was made, as its cgroups count it now (cumulative: the
+    /// caller meters the difference since its last reading). A runtime that cannot tell says zero.
+    async fn usage(&self, _name: &str) -> Result<Usage, SandboxError> {
+        Ok(Usage::default())
+    }
+
     /// The processes of a running sandbox now (for [`SandboxRuntime::kill_newer`]).
     async fn processes(&self, _name: &str) -> Result<Vec<ProcessStamp>, SandboxError> {
         Ok(Vec::new())

@@ -53,7 +53,7 @@ async fn measure(backend: TestBackend, requests: usize) -> (Figures, Figures) {
         .expect("workspace");
     let (token, hash) = tokens::generate_token().expect("token");
     store
-        .create_token(&workspace.id, Role::Operator, &hash, None)
+        .create_token(&workspace.id, Role::Operator, &hash, None, None)
         .await
         .expect("token");
     let repo = dir.path().join("repo");

@@ -110,7 +110,7 @@ pub async fn first_start(
     };
     let (token, hash) = tokens::generate_token().map_err(|_| BootstrapError::Randomness("the admin token"))?;
     store
-        .create_token(&workspace.id, Role::Admin, &hash, Some("first admin"))
+        .create_token(&workspace.id, Role::Admin, &hash, Some("first admin"), None)
         .await
         .map_err(|source| BootstrapError::Store {
             what: "cannot store the admin token",

@@ -1,6 +1,9 @@
 //! Extractors that turn every malformed input into an [`ApiError`] with a stable code: the caller's
 //! token and role, the session id in the path, JSON bodies and query strings.
 
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex, PoisonError};
+
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request};
 use axum::http::header::{AUTHORIZATION, CONTENT_TYPE};
@@ -8,7 +11,7 @@ use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
 use sortie_protocol::api::{ModelApi, Role};
 use sortie_protocol::{ErrorCode, SessionId};
-use sortie_store::{Principal, StoreError};
+use sortie_store::{Principal, StoreError, now_ms};
 
 use crate::ApiState;
 use crate::error::ApiError;
@@ -50,16 +53,44 @@ fn token_hash(parts: &Parts, state: &ApiState) -> Result<String, ApiError> {
     Ok(hash_token(token))
 }
 
+/// When each token's use was last written, so a busy token costs the store one write a minute, not one
+/// a request. Holds only tokens that signed in.
+static USES_WRITTEN: LazyLock<Mutex<HashMap<String, i64>>> = LazyLock::new(Default::default);
+const USE_WRITTEN_EVERY_MS: i64 = 60_000;
+
+/// Notes a token's use in the store, off the request path.
+fn note_use(state: &ApiState, token_id: &str) {
+    let now = now_ms();
+    {
+        let mut written = USES_WRITTEN.lock().unwrap_or_else(PoisonError::into_inner);
+        if written.get(token_id).is_some_and(|at| now - at < USE_WRITTEN_EVERY_MS) {
+            return;
+        }
+        written.insert(token_id.to_owned(), now);
+    }
+    let store = state.store.clone();
+    let token_id = token_id.to_owned();
+    tokio::spawn(async move {
+        if let Err(error) = store.touch_token(&token_id, now).await {
+            tracing::debug!(%error, token = %token_id, "cannot note the token's use");
+        }
+    });
+}
+
 /// Authenticates the caller (bearer token or session cookie) and checks that its role is at least `needed`.
 async fn authenticate(parts: &Parts, state: &ApiState, needed: Role) -> Result<Principal, ApiError> {
     let hash = token_hash(parts, state)?;
     let principal = match state.store.principal_by_token_hash(&hash).await {
         Ok(principal) => principal,
         Err(StoreError::NotFound) => {
-            return Err(ApiError::new(ErrorCode::Unauthorized, "unknown or revoked token"));
+            return Err(ApiError::new(
+                ErrorCode::Unauthorized,
+                "unknown, revoked or expired token",
+            ));
         }
         Err(other) => return Err(other.into()),
     };
+    note_use(state, &principal.token_id);
     if principal.role < needed {
         return Err(ApiError::new(
             ErrorCode::Forbidden,

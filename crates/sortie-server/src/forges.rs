@@ -19,7 +19,7 @@ use utoipa_axum::routes;
 
 use crate::error::ApiError;
 use crate::extract::{Admin, ApiJson, ForgeHostPath};
-use crate::{ApiState, Secret};
+use crate::{ApiState, Secret, audit};
 
 pub fn routes() -> OpenApiRouter<ApiState> {
     OpenApiRouter::new()
@@ -206,6 +206,7 @@ async fn set_forge_connection(
         ..row
     };
     tracing::info!(workspace = %caller.workspace_name, host = %host, token = %caller.token_id, app = app_id.is_some(), "forge connection set");
+    audit::record(&state, &caller, "forge.set", &host).await;
     Ok(Json(view(&row, Some(fingerprint(&row, secret.expose())))))
 }
 
@@ -267,6 +268,7 @@ async fn delete_forge_connection(
 ) -> Result<StatusCode, ApiError> {
     if state.store.delete_forge_connection(&caller.workspace_id, &host).await? {
         tracing::info!(workspace = %caller.workspace_name, host = %host, token = %caller.token_id, "forge connection removed");
+        audit::record(&state, &caller, "forge.remove", &host).await;
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::new(

@@ -18,7 +18,7 @@ pub fn routes() -> OpenApiRouter<ApiState> {
     OpenApiRouter::new()
         .routes(routes!(healthz))
         .routes(routes!(readyz))
-        .routes(routes!(metrics_text))
+        .routes(routes!(api_metrics_text))
 }
 
 /// `/healthz` and `/metrics` for a process that serves no api (a worker on its feed listener): metrics
@@ -47,8 +47,18 @@ async fn readyz(State(state): State<ApiState>) -> Result<Json<Health>, ApiError>
     Ok(Json(Health { status: "ready" }))
 }
 
-/// Prometheus text exposition.
+/// Prometheus text exposition; the store's queue depth (`sortie_turns_queued`) is read at each scrape,
+/// so every api replica reports the same, true figure.
 #[utoipa::path(get, path = "/metrics", tag = "operations", responses((status = 200, description = "Prometheus text format", content_type = "text/plain")))]
+async fn api_metrics_text(State(state): State<ApiState>) -> impl IntoResponse {
+    match state.store.queued_turns().await {
+        Ok(queued) => metrics::gauge!("sortie_turns_queued").set(queued as f64),
+        Err(error) => tracing::debug!(%error, "cannot count the queued turns"),
+    }
+    metrics_text().await
+}
+
+/// What this process recorded (a worker's, on its feed listener).
 async fn metrics_text() -> impl IntoResponse {
     let body = crate::metrics_layer::render();
     (

@@ -6,6 +6,7 @@
 //! input makes it answer 500: faults of its own are logged with detail and answered with `INTERNAL`.
 
 mod agents;
+mod audit;
 pub mod bootstrap;
 pub mod error;
 pub mod events;
@@ -227,6 +228,7 @@ fn api_routes() -> OpenApiRouter<ApiState> {
         .merge(webhooks::routes())
         .merge(model_keys::routes())
         .merge(settings::routes())
+        .merge(audit::routes())
         .merge(forges::routes())
         .merge(github_webhook::routes())
         .merge(signin::routes())

@@ -18,7 +18,7 @@ use utoipa_axum::routes;
 
 use crate::error::ApiError;
 use crate::extract::{Admin, ApiJson, ModelApiPath};
-use crate::{ApiState, Secret};
+use crate::{ApiState, Secret, audit};
 
 pub fn routes() -> OpenApiRouter<ApiState> {
     OpenApiRouter::new()
@@ -66,6 +66,7 @@ async fn set_model_key(
         )
         .await?;
     tracing::info!(workspace = %caller.workspace_name, api = %api, token = %caller.token_id, "model key set");
+    audit::record(&state, &caller, "model_key.set", api.as_str()).await;
     Ok(Json(view(&row, Some(model_key_fingerprint(key.expose())))))
 }
 
@@ -121,6 +122,7 @@ async fn delete_model_key(
 ) -> Result<StatusCode, ApiError> {
     if state.store.delete_model_key(&caller.workspace_id, api).await? {
         tracing::info!(workspace = %caller.workspace_name, api = %api, token = %caller.token_id, "model key removed");
+        audit::record(&state, &caller, "model_key.remove", api.as_str()).await;
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::new(

@@ -3,7 +3,7 @@
 
 use axum::Json;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use sortie_protocol::api::{
@@ -688,18 +688,29 @@ async fn attach_ticket(
 struct UsageQuery {
     /// Only this session.
     session: Option<String>,
+    /// `json` (the default) or `csv`: one line per session, day and model, for a spreadsheet.
+    #[param(inline)]
+    format: Option<UsageFormat>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+enum UsageFormat {
+    #[default]
+    Json,
+    Csv,
 }
 
 /// Usage by session and UTC day: compute seconds and tokens by model.
 #[utoipa::path(
     get, path = "/v1/usage", tag = "usage", params(UsageQuery), security(("bearer" = [])),
-    responses((status = 200, body = UsageReport), (status = 400, body = ApiErrorBody), (status = 401, body = ApiErrorBody), (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody))
+    responses((status = 200, body = UsageReport, description = "JSON, or with `format=csv` text/csv: `session_id,day,model,input_tokens,output_tokens,compute_seconds` (compute on the line with an empty model)"), (status = 400, body = ApiErrorBody), (status = 401, body = ApiErrorBody), (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody))
 )]
 async fn usage(
     State(state): State<ApiState>,
     Viewer(caller): Viewer,
     ApiQuery(query): ApiQuery<UsageQuery>,
-) -> Result<Json<UsageReport>, ApiError> {
+) -> Result<Response, ApiError> {
     let session = match query.session {
         Some(text) => {
             let id = SessionId::parse(&text).map_err(|_| ApiError::session_not_found())?;
@@ -738,5 +749,48 @@ async fn usage(
         });
     }
     rows.sort_by(|a, b| b.day.cmp(&a.day).then_with(|| a.session_id.cmp(&b.session_id)));
-    Ok(Json(UsageReport { rows }))
+    let report = UsageReport { rows };
+    Ok(match query.format.unwrap_or_default() {
+        UsageFormat::Json => Json(report).into_response(),
+        UsageFormat::Csv => (
+            [
+                (header::CONTENT_TYPE, "text/csv; charset=utf-8"),
+                (header::CONTENT_DISPOSITION, "attachment; filename=\"sortie-usage.csv\""),
+            ],
+            usage_csv(&report),
+        )
+            .into_response(),
+    })
+}
+
+/// The report as CSV (RFC 4180): a line per session, day and model, and one with an empty model for the
+/// day's compute. A model name is the caller's text, so it is quoted and cannot start a formula.
+fn usage_csv(report: &UsageReport) -> String {
+    let mut out = String::from("session_id,day,model,input_tokens,output_tokens,compute_seconds\r\n");
+    for row in &report.rows {
+        out.push_str(&format!(
+            "{},{},,0,0,{}\r\n",
+            row.session_id, row.day, row.compute_seconds
+        ));
+        for model in &row.models {
+            out.push_str(&format!(
+                "{},{},{},{},{},0\r\n",
+                row.session_id,
+                row.day,
+                csv_text(&model.model),
+                model.input_tokens,
+                model.output_tokens
+            ));
+        }
+    }
+    out
+}
+
+fn csv_text(text: &str) -> String {
+    let inert = if text.starts_with(['=', '+', '-', '@', '\t', '\r']) {
+        format!("'{text}")
+    } else {
+        text.to_owned()
+    };
+    format!("\"{}\"", inert.replace('"', "\"\""))
 }

@@ -8,8 +8,8 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use serde::Deserialize;
 use sortie_protocol::api::{
-    CreateTokenRequest, CreatedToken, RepoPreset, RepoPresetList, SetRepoPresetRequest, TokenInfo, TokenList,
-    check_model_key_label, rfc3339_from_epoch_ms,
+    CreateTokenRequest, CreatedToken, RepoPreset, RepoPresetList, SetRepoPresetRequest, TOKEN_EXPIRY_MAX_SECONDS,
+    TokenInfo, TokenList, check_model_key_label, rfc3339_from_epoch_ms,
 };
 use sortie_protocol::validate::{self, RepoLocation};
 use sortie_protocol::{ApiErrorBody, ErrorCode};
@@ -17,10 +17,10 @@ use sortie_store::{PresetRow, TokenRow, now_ms};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::ApiState;
 use crate::error::ApiError;
 use crate::extract::{Admin, ApiJson, ApiQuery, Viewer};
 use crate::tokens::generate_token;
+use crate::{ApiState, audit};
 
 pub fn routes() -> OpenApiRouter<ApiState> {
     OpenApiRouter::new()
@@ -36,6 +36,8 @@ fn token_view(row: &TokenRow, caller_token: &str) -> TokenInfo {
         label: row.label.clone(),
         created_at: rfc3339_from_epoch_ms(row.created_at),
         revoked_at: row.revoked_at.map(rfc3339_from_epoch_ms),
+        expires_at: row.expires_at.map(rfc3339_from_epoch_ms),
+        last_used_at: row.last_used_at.map(rfc3339_from_epoch_ms),
         current: row.id == caller_token,
     }
 }
@@ -50,7 +52,7 @@ fn token_view(row: &TokenRow, caller_token: &str) -> TokenInfo {
     )
 )]
 async fn list_tokens(State(state): State<ApiState>, Admin(caller): Admin) -> Result<Json<TokenList>, ApiError> {
-    let rows = state.store.tokens(&caller.workspace_id).await?;
+    let rows = state.store.tokens(Some(&caller.workspace_id)).await?;
     Ok(Json(TokenList {
         tokens: rows.iter().map(|row| token_view(row, &caller.token_id)).collect(),
     }))
@@ -75,16 +77,27 @@ async fn create_token(
     if let Some(label) = &label {
         check_model_key_label(label)?;
     }
+    let now = now_ms();
+    let expires_at = match request.expires_in_seconds {
+        None => None,
+        Some(seconds @ 60..=TOKEN_EXPIRY_MAX_SECONDS) => Some(now + i64::try_from(seconds * 1000).unwrap_or(i64::MAX)),
+        Some(_) => {
+            return Err(ApiError::new(
+                ErrorCode::InvalidRequest,
+                "expires_in_seconds must be between 60 and ten years",
+            ));
+        }
+    };
     let (token, hash) = generate_token().map_err(|error| {
         tracing::error!(%error, "no randomness for a token");
         ApiError::new(ErrorCode::Internal, "the server failed; the log has the detail")
     })?;
     let id = state
         .store
-        .create_token(&caller.workspace_id, request.role, &hash, label.as_deref())
+        .create_token(&caller.workspace_id, request.role, &hash, label.as_deref(), expires_at)
         .await?;
     tracing::info!(workspace = %caller.workspace_name, token = %id, role = %request.role.as_str(), by = %caller.token_id, "token created");
-    let now = now_ms();
+    audit::record(&state, &caller, "token.create", &id).await;
     Ok((
         StatusCode::CREATED,
         Json(CreatedToken {
@@ -95,6 +108,8 @@ async fn create_token(
                 label,
                 created_at: rfc3339_from_epoch_ms(now),
                 revoked_at: None,
+                expires_at: expires_at.map(rfc3339_from_epoch_ms),
+                last_used_at: None,
                 current: false,
             },
         }),
@@ -127,6 +142,7 @@ async fn revoke_token(
     }
     if state.store.revoke_token(&caller.workspace_id, &id).await? {
         tracing::info!(workspace = %caller.workspace_name, token = %id, by = %caller.token_id, "token revoked");
+        audit::record(&state, &caller, "token.revoke", &id).await;
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::new(

@@ -162,6 +162,8 @@ mod tests {
             created_at: 0,
             started_at: None,
             completed_at: None,
+            cpu_ms: 0,
+            peak_memory_bytes: 0,
         }
     }
 

@@ -40,10 +40,12 @@ pub fn session(row: &SessionRow) -> api::Session {
         },
         usage: Usage {
             compute_seconds: row.compute_ms / 1000,
+            peak_memory_bytes: row.peak_memory_bytes,
             input_tokens: row.input_tokens,
             output_tokens: row.output_tokens,
         },
         archived: row.archived,
+        pruned_at: row.pruned_at.map(rfc3339_from_epoch_ms),
         created_at: rfc3339_from_epoch_ms(row.created_at),
         updated_at: rfc3339_from_epoch_ms(row.updated_at),
     }
@@ -62,5 +64,13 @@ pub fn turn(row: &TurnRow) -> api::Turn {
         failure: failure(&row.failure),
         priming: row.priming.clone(),
         timings: row.timings.clone(),
+        usage: api::TurnUsage {
+            wall_ms: row
+                .started_at
+                .zip(row.completed_at)
+                .map(|(started, ended)| u64::try_from(ended - started).unwrap_or(0)),
+            cpu_ms: row.cpu_ms,
+            peak_memory_bytes: row.peak_memory_bytes,
+        },
     }
 }

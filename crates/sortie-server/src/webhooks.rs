@@ -16,9 +16,9 @@ use sortie_store::{DeliveryRow, DeliveryState, NewWebhook, WebhookRow};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::ApiState;
 use crate::error::ApiError;
 use crate::extract::{Admin, ApiJson, ApiQuery};
+use crate::{ApiState, audit};
 
 /// The most webhooks a workspace may have.
 pub const WEBHOOKS_MAX: usize = 20;
@@ -79,7 +79,7 @@ async fn create_webhook(
         .store
         .create_webhook(NewWebhook {
             id,
-            workspace_id: caller.workspace_id,
+            workspace_id: caller.workspace_id.clone(),
             url: url.to_string(),
             secret_ciphertext: sealed.ciphertext,
             secret_nonce: sealed.nonce,
@@ -87,6 +87,7 @@ async fn create_webhook(
             cursor: state.store.latest_event().await?,
         })
         .await?;
+    audit::record(&state, &caller, "webhook.create", &row.id).await;
     Ok((StatusCode::CREATED, Json(webhook(&row))))
 }
 
@@ -123,6 +124,7 @@ async fn delete_webhook(
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     if state.store.delete_webhook(&caller.workspace_id, &id).await? {
+        audit::record(&state, &caller, "webhook.delete", &id).await;
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(not_found())

@@ -13,7 +13,7 @@ use sortie_protocol::limits::{
 };
 use sortie_protocol::{SessionId, SessionPhase, TurnStatus};
 use sortie_store::{
-    ControlPlane, Ledger, NewPart, Secrets, TokenUsage, Transcripts, TurnOutcome, testing::TestBackend,
+    ControlPlane, Ledger, NewPart, SandboxReading, Secrets, TokenUsage, Transcripts, TurnOutcome, testing::TestBackend,
 };
 
 /// One test per (transport, database) for each story.
@@ -509,6 +509,110 @@ async fn tokens_are_listed_created_once_and_revoked_by_admins_only(h: Harness) {
         StatusCode::OK,
         "the admin still works"
     );
+
+    // A token may expire: it says when, and says when it was last used (written off the request path).
+    let expiring = h
+        .post(
+            "/v1/tokens",
+            &h.admin,
+            json!({"role": "viewer", "expires_in_seconds": 3600}),
+        )
+        .await;
+    assert_eq!(expiring.status, StatusCode::CREATED, "{}", expiring.body);
+    let expiring_id = expiring.body["info"]["id"].as_str().expect("id").to_owned();
+    let expires_at = expiring.body["info"]["expires_at"].as_str().expect("expiry").to_owned();
+    let expiring_secret = expiring.body["token"].as_str().expect("secret").to_owned();
+    assert_eq!(h.get("/v1/sessions", &expiring_secret).await.status, StatusCode::OK);
+    let listed_token =
+        sortie_testkit::wait::eventually("the token's last use", std::time::Duration::from_secs(10), || async {
+            let listed = h.get("/v1/tokens", &h.admin).await;
+            listed.body["tokens"]
+                .as_array()
+                .and_then(|tokens| {
+                    tokens
+                        .iter()
+                        .find(|t| t["id"] == expiring_id.as_str() && t["last_used_at"].is_string())
+                        .cloned()
+                })
+                .ok_or(listed.body)
+        })
+        .await;
+    assert_eq!(listed_token["expires_at"], expires_at.as_str());
+    for bad in [json!(59), json!(400_000_000), json!("1h")] {
+        let refused = h
+            .post(
+                "/v1/tokens",
+                &h.admin,
+                json!({"role": "viewer", "expires_in_seconds": bad}),
+            )
+            .await;
+        assert_error(&refused, StatusCode::BAD_REQUEST, "INVALID_REQUEST");
+    }
+    // One that expired gets 401 on its next request, like a revoked one.
+    let (lapsed, lapsed_hash) = sortie_server::tokens::generate_token().expect("token");
+    let workspace = h.store.workspace_by_name("default").await.expect("workspace");
+    h.store
+        .create_token(
+            &workspace.id,
+            sortie_protocol::api::Role::Admin,
+            &lapsed_hash,
+            None,
+            Some(sortie_store::now_ms() - 1),
+        )
+        .await
+        .expect("token");
+    assert_error(
+        &h.get("/v1/sessions", &lapsed).await,
+        StatusCode::UNAUTHORIZED,
+        "UNAUTHORIZED",
+    );
+
+    // Every admin action above is in the audit log, newest first, with the token that did it.
+    let audit = h.get("/v1/audit", &h.admin).await;
+    assert_eq!(audit.status, StatusCode::OK, "{}", audit.body);
+    let actions: Vec<(String, String)> = audit.body["entries"]
+        .as_array()
+        .expect("entries")
+        .iter()
+        .map(|e| {
+            (
+                e["action"].as_str().unwrap_or("").to_owned(),
+                e["target"].as_str().unwrap_or("").to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        actions,
+        [
+            ("token.create".to_owned(), expiring_id.clone()),
+            ("token.revoke".to_owned(), id.clone()),
+            ("token.create".to_owned(), id.clone()),
+        ]
+    );
+    assert!(
+        audit.body["entries"]
+            .as_array()
+            .expect("entries")
+            .iter()
+            .all(|e| e["actor"] == own.as_str() && e["at"].is_string()),
+        "{}",
+        audit.body
+    );
+    let page = h.get("/v1/audit?limit=2", &h.admin).await;
+    let cursor = page.body["next_cursor"].as_str().expect("a next page").to_owned();
+    let rest = h.get(&format!("/v1/audit?limit=2&before={cursor}"), &h.admin).await;
+    assert_eq!(rest.body["entries"][0]["target"], id.as_str());
+    assert_eq!(rest.body["next_cursor"], Value::Null);
+    assert_error(
+        &h.get("/v1/audit", &h.operator).await,
+        StatusCode::FORBIDDEN,
+        "FORBIDDEN",
+    );
+    assert_error(
+        &h.get("/v1/audit?before=x", &h.admin).await,
+        StatusCode::BAD_REQUEST,
+        "INVALID_REQUEST",
+    );
 }
 
 async fn presets_are_kept_per_repository_checked_like_a_session(h: Harness) {
@@ -965,7 +1069,7 @@ async fn create_accepts_a_valid_session(h: Harness) {
     assert_eq!(session["egress"], json!({"allow": ["github.com", "example.org"]}));
     assert_eq!(
         session["usage"],
-        json!({"compute_seconds": 0, "input_tokens": 0, "output_tokens": 0})
+        json!({"compute_seconds": 0, "peak_memory_bytes": 0, "input_tokens": 0, "output_tokens": 0})
     );
     assert_eq!(
         (
@@ -1236,7 +1340,7 @@ async fn create_checks_repository_access(h: Harness) {
         .expect("scoped");
     let (token, hash) = sortie_server::tokens::generate_token().expect("token");
     h.store
-        .create_token(&scoped.id, sortie_protocol::api::Role::Operator, &hash, None)
+        .create_token(&scoped.id, sortie_protocol::api::Role::Operator, &hash, None, None)
         .await
         .expect("token");
     std::os::unix::fs::symlink(&h.repo, root.join("escape")).expect("symlink");
@@ -2085,7 +2189,7 @@ async fn usage_sums_by_session_and_day(h: Harness) {
     let id = h.create("t").await;
     let session_id = SessionId::parse(&id).expect("id");
     let at = 1_796_219_431_000; // 2026-12-02
-    for (model, input, output) in [("m-a", 10, 1), ("m-a", 5, 1), ("m-b", 3, 2)] {
+    for (model, input, output) in [("m-a", 10, 1), ("m-a", 5, 1), ("=m-b,\"x\"", 3, 2)] {
         let usage = TokenUsage {
             session_id: session_id.clone(),
             turn: 1,
@@ -2097,21 +2201,47 @@ async fn usage_sums_by_session_and_day(h: Harness) {
         h.store.record_token_usage(&usage).await.expect("usage");
     }
     h.store
-        .record_compute(&session_id, 1, at, 12_345)
+        .meter_sandbox(
+            &session_id,
+            1,
+            at,
+            SandboxReading {
+                cpu_ms: 12_345,
+                peak_memory_bytes: 7 << 20,
+            },
+        )
         .await
         .expect("compute");
     let report = h.get(&format!("/v1/usage?session={id}"), &h.viewer).await;
     assert_eq!(
         report.body,
         json!({"rows": [{"session_id": id, "day": "2026-12-02", "compute_seconds": 12, "models": [
+            {"model": "=m-b,\"x\"", "input_tokens": 3, "output_tokens": 2},
             {"model": "m-a", "input_tokens": 15, "output_tokens": 2},
-            {"model": "m-b", "input_tokens": 3, "output_tokens": 2},
         ]}]})
+    );
+    // The same as CSV: a model name is quoted and cannot start a spreadsheet formula.
+    let csv = h.get(&format!("/v1/usage?session={id}&format=csv"), &h.viewer).await;
+    assert_eq!(csv.status, StatusCode::OK);
+    assert_eq!(csv.headers["content-type"], "text/csv; charset=utf-8");
+    assert_eq!(
+        String::from_utf8(csv.raw).expect("utf-8"),
+        format!(
+            "session_id,day,model,input_tokens,output_tokens,compute_seconds\r\n\
+             {id},2026-12-02,,0,0,12\r\n\
+             {id},2026-12-02,\"'=m-b,\"\"x\"\"\",3,2,0\r\n\
+             {id},2026-12-02,\"m-a\",15,2,0\r\n"
+        )
+    );
+    assert_error(
+        &h.get("/v1/usage?format=xml", &h.viewer).await,
+        StatusCode::BAD_REQUEST,
+        "INVALID_REQUEST",
     );
     let session = h.get(&format!("/v1/sessions/{id}"), &h.viewer).await;
     assert_eq!(
         session.body["usage"],
-        json!({"compute_seconds": 12, "input_tokens": 18, "output_tokens": 4})
+        json!({"compute_seconds": 12, "peak_memory_bytes": 7 << 20, "input_tokens": 18, "output_tokens": 4})
     );
     assert_error(
         &h.get(&format!("/v1/usage?session={}", SessionId::generate()), &h.viewer)

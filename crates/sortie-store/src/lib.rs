@@ -32,9 +32,9 @@ pub type StoreResult<T> = Result<T, StoreError>;
 /// Methods that take a `workspace_id` never see another workspace's rows: a session of another
 /// workspace is [`StoreError::NotFound`]. A role holds the narrowest view it needs; the gateway's is
 /// [`GatewayStore`].
-pub trait Store: ControlPlane + Ledger + GatewayStore + Secrets + ForgeEvents {}
+pub trait Store: ControlPlane + Ledger + GatewayStore + Secrets + ForgeEvents + Retention {}
 
-impl<T: ControlPlane + Ledger + Transcripts + Tickets + Secrets + ForgeEvents> Store for T {}
+impl<T: ControlPlane + Ledger + Transcripts + Tickets + Secrets + ForgeEvents + Retention> Store for T {}
 
 /// What the gateway reads and claims: transcripts (and a chat's steer) and ticket nonces, nothing else.
 pub trait GatewayStore: Transcripts + Tickets {}
@@ -47,20 +47,30 @@ impl<T: Transcripts + Tickets> GatewayStore for T {}
 pub trait ControlPlane: Send + Sync + 'static {
     /// Succeeds when the database answers and migrations are applied.
     async fn ping(&self) -> StoreResult<()>;
+    /// Turns accepted and waiting for a worker, in every workspace.
+    async fn queued_turns(&self) -> StoreResult<u64>;
     /// Creates a workspace; [`StoreError::Conflict`] if the name is taken.
     async fn create_workspace(&self, name: &str, repo_access: RepoAccess) -> StoreResult<WorkspaceRow>;
     async fn workspace_by_name(&self, name: &str) -> StoreResult<WorkspaceRow>;
     async fn workspace(&self, workspace_id: &str) -> StoreResult<WorkspaceRow>;
-    /// Stores a token's hash (never the token) with its role; returns the token's public id.
+    /// Stores a token's hash (never the token) with its role and its expiry (epoch ms, `None`: never);
+    /// returns the token's public id.
     async fn create_token(
         &self,
         workspace_id: &str,
         role: Role,
         token_hash: &str,
         label: Option<&str>,
+        expires_at: Option<i64>,
     ) -> StoreResult<String>;
-    /// The workspace and role of an unrevoked token, by the hash of its secret.
+    /// The workspace and role of a token neither revoked nor expired, by the hash of its secret.
     async fn principal_by_token_hash(&self, token_hash: &str) -> StoreResult<Principal>;
+    /// Notes that a token was used at `at` (epoch ms).
+    async fn touch_token(&self, token_id: &str, at: i64) -> StoreResult<()>;
+    /// Appends an admin action to the workspace's audit log.
+    async fn record_audit(&self, entry: &AuditEntry) -> StoreResult<()>;
+    /// The workspace's audit log, newest first: at most `limit` entries older than entry `before`.
+    async fn audit_log(&self, workspace_id: &str, before: Option<i64>, limit: u32) -> StoreResult<Vec<AuditRow>>;
     /// Writes the session (phase `queued`) and its turn 1 (`accepted`) in one transaction.
     async fn create_session(&self, new: NewSession) -> StoreResult<SessionRow>;
     /// Newest first; pages with [`SessionFilter::before`].
@@ -82,8 +92,8 @@ pub trait ControlPlane: Send + Sync + 'static {
     ) -> StoreResult<SessionRow>;
     async fn set_archived(&self, workspace_id: &str, session_id: &SessionId, archived: bool)
     -> StoreResult<SessionRow>;
-    /// The workspace's tokens, newest first, revoked ones included.
-    async fn tokens(&self, workspace_id: &str) -> StoreResult<Vec<TokenRow>>;
+    /// The tokens of a workspace (or of every workspace), newest first, revoked and expired ones included.
+    async fn tokens(&self, workspace_id: Option<&str>) -> StoreResult<Vec<TokenRow>>;
     /// Revokes a token of the workspace: `false` if it has none with this id or it was revoked already.
     async fn revoke_token(&self, workspace_id: &str, token_id: &str) -> StoreResult<bool>;
     /// The workspace's repository presets, by repository.
@@ -240,12 +250,15 @@ pub trait Ledger: Send + Sync + 'static {
     /// Says where worker `worker_id` serves the live copies of the turns it claims (`None`: nowhere),
     /// replacing what it said before; gateways of other processes route attaches there.
     async fn register_worker(&self, worker_id: &str, feed_url: Option<&str>) -> StoreResult<()>;
-    async fn record_compute(
+    /// Meters a sandbox's cumulative `reading` for turn `turn`: what it used since the last reading
+    /// of the same sandbox is added to the turn, the session and the day's usage (a reading taken
+    /// twice counts once); the peak memory is the largest seen.
+    async fn meter_sandbox(
         &self,
         session_id: &SessionId,
         turn: u32,
         epoch_ms: i64,
-        compute_ms: u64,
+        reading: SandboxReading,
     ) -> StoreResult<()>;
 }
 
@@ -344,6 +357,23 @@ pub trait Secrets: Send + Sync + 'static {
 }
 
 /// What a forge asks of sortie (webhook deliveries) and where sessions were asked for from it.
+#[async_trait]
+/// What retention may take (DESIGN §16): the records of sessions that ended or were archived before a
+/// cutoff and hold no sandbox. Never a queued, running or idle session's.
+#[async_trait]
+pub trait Retention: Send + Sync + 'static {
+    /// Sessions retention may prune at `cutoff` (epoch ms), oldest first, with what their transcripts hold.
+    async fn prunable_sessions(&self, cutoff: i64, limit: u32) -> StoreResult<Vec<PrunableSession>>;
+    /// Prunes one session's transcript, diff and home snapshot if it is still prunable at `cutoff`
+    /// (checked and done in one transaction); `false` if it is not (steered meanwhile, say).
+    async fn prune_session(&self, session_id: &SessionId, cutoff: i64) -> StoreResult<bool>;
+    /// The repositories of sessions not pruned: their mirrors are borrowed by workspaces that stay.
+    async fn kept_repos(&self) -> StoreResult<Vec<String>>;
+    /// Gives free space back to the filesystem when it is worth it (SQLite: `VACUUM` when a quarter
+    /// of the file is free); the bytes the file shrank by.
+    async fn compact(&self) -> StoreResult<u64>;
+}
+
 #[async_trait]
 pub trait ForgeEvents: Send + Sync + 'static {
     /// Sets the webhook secret (sealed: ciphertext, nonce) and the triggers (JSON) of the workspace's

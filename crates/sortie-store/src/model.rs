@@ -77,6 +77,10 @@ pub struct SessionRow {
     pub resume_requested: bool,
     pub prompts_bytes: u64,
     pub compute_ms: u64,
+    /// When retention pruned its transcript.
+    pub pruned_at: Option<i64>,
+    /// The largest peak memory of any of its sandboxes.
+    pub peak_memory_bytes: u64,
     pub input_tokens: u64,
     pub output_tokens: u64,
     pub created_at: i64,
@@ -117,6 +121,9 @@ impl StopRequest {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TurnRow {
+    /// CPU its sandbox used during it, in milliseconds, and the sandbox's peak memory up to its end.
+    pub cpu_ms: u64,
+    pub peak_memory_bytes: u64,
     pub session_id: SessionId,
     pub n: u32,
     pub prompt: String,
@@ -298,10 +305,15 @@ pub struct ForgeDeliveryRow {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TokenRow {
     pub id: String,
+    pub workspace_id: String,
+    pub workspace_name: String,
     pub role: Role,
     pub label: Option<String>,
     pub created_at: i64,
     pub revoked_at: Option<i64>,
+    pub expires_at: Option<i64>,
+    /// Within a minute: uses are written at most once a minute per token.
+    pub last_used_at: Option<i64>,
 }
 
 /// A repository's preset for new sessions (`repo_presets`).
@@ -478,4 +490,44 @@ pub enum AttemptOutcome {
     },
     /// No more attempts.
     GaveUp { status: Option<u16>, error: String },
+}
+
+/// A sandbox's usage as its cgroups count it since it was made (cumulative).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SandboxReading {
+    pub cpu_ms: u64,
+    pub peak_memory_bytes: u64,
+}
+
+/// An admin action to record: who (`tok_…`, or `cli` for the local admin commands) did what to which.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AuditEntry {
+    pub workspace_id: String,
+    pub actor: String,
+    /// `token.create`, `token.revoke`, `model_key.set`, `model_key.remove`, `forge.set`, `forge.remove`,
+    /// `webhook.create`, `webhook.delete`.
+    pub action: String,
+    /// What it was done to: a token id, a key's vendor, a forge host, a webhook id.
+    pub target: String,
+}
+
+/// A recorded admin action.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AuditRow {
+    pub id: i64,
+    pub at: i64,
+    pub actor: String,
+    pub action: String,
+    pub target: String,
+}
+
+/// A session retention may prune, and what its transcript holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrunableSession {
+    pub id: SessionId,
+    pub repo: String,
+    pub phase: SessionPhase,
+    pub updated_at: i64,
+    pub parts: u64,
+    pub parts_bytes: u64,
 }

@@ -18,7 +18,9 @@ use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{Any, AnyPool, Executor, Row, Transaction};
 
 use crate::model::*;
-use crate::{ControlPlane, Ledger, Secrets, StoreError, StoreResult, Tickets, Transcripts, TurnOutcome, now_ms};
+use crate::{
+    ControlPlane, Ledger, Retention, Secrets, StoreError, StoreResult, Tickets, Transcripts, TurnOutcome, now_ms,
+};
 
 /// The database behind a [`SqlStore`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -255,7 +257,7 @@ macro_rules! session_select {
             "SELECT s.id, s.workspace_id, w.name AS workspace_name, s.repo, s.base, s.agent, s.model, s.title, ",
             "s.phase, s.queued_reason, s.n_turns, s.n_waiting, s.current_turn, s.head_sha, s.pr_url, s.pr_number, ",
             "s.failure_code, s.failure_reason, s.egress_allow, s.setup, s.archived, s.resume_requested, ",
-            "s.prompts_bytes, s.compute_ms, s.input_tokens, s.output_tokens, s.created_at, s.updated_at, ",
+            "s.prompts_bytes, s.compute_ms, s.peak_memory_bytes, s.pruned_at, s.input_tokens, s.output_tokens, s.created_at, s.updated_at, ",
             "(SELECT COUNT(*) FROM sandboxes x WHERE x.session_id = s.id) AS sandboxes ",
             "FROM sessions s JOIN workspaces w ON w.id = s.workspace_id ",
             $tail
@@ -268,7 +270,8 @@ macro_rules! turn_select {
     ($tail:literal) => {
         concat!(
             "SELECT session_id, n, prompt, status, mode, stop_requested, priming, head_sha, failure_code, ",
-            "failure_reason, timings, claimed_by, driver_nonce, created_at, started_at, completed_at FROM turns ",
+            "failure_reason, timings, claimed_by, driver_nonce, created_at, started_at, completed_at, cpu_ms, ",
+            "peak_memory_bytes FROM turns ",
             $tail
         )
     };
@@ -491,6 +494,8 @@ fn session_from_row(row: &AnyRow) -> StoreResult<SessionRow> {
         resume_requested: row.try_get::<i64, _>("resume_requested")? != 0,
         prompts_bytes: get_u64(row, "prompts_bytes")?,
         compute_ms: get_u64(row, "compute_ms")?,
+        peak_memory_bytes: get_u64(row, "peak_memory_bytes")?,
+        pruned_at: row.try_get("pruned_at")?,
         input_tokens: get_u64(row, "input_tokens")?,
         output_tokens: get_u64(row, "output_tokens")?,
         created_at: row.try_get("created_at")?,
@@ -523,6 +528,8 @@ fn turn_from_row(row: &AnyRow) -> StoreResult<TurnRow> {
         created_at: row.try_get("created_at")?,
         started_at: row.try_get("started_at")?,
         completed_at: row.try_get("completed_at")?,
+        cpu_ms: get_u64(row, "cpu_ms")?,
+        peak_memory_bytes: get_u64(row, "peak_memory_bytes")?,
     })
 }
 
@@ -606,6 +613,13 @@ fn prefixed_ulid(prefix: &str) -> String {
 
 #[async_trait]
 impl ControlPlane for SqlStore {
+    async fn queued_turns(&self) -> StoreResult<u64> {
+        let row = sqlx::query("SELECT COUNT(*) AS n FROM turns WHERE status = 'accepted'")
+            .fetch_one(&self.pool)
+            .await?;
+        get_u64(&row, "n")
+    }
+
     async fn ping(&self) -> StoreResult<()> {
         sqlx::query("SELECT 1 FROM workspaces LIMIT 1")
             .fetch_optional(&self.pool)
@@ -657,26 +671,76 @@ impl ControlPlane for SqlStore {
         role: Role,
         token_hash: &str,
         label: Option<&str>,
+        expires_at: Option<i64>,
     ) -> StoreResult<String> {
         let id = prefixed_ulid("tok_");
-        sqlx::query("INSERT INTO tokens (id, workspace_id, role, token_hash, label, created_at) VALUES ($1, $2, $3, $4, $5, $6)")
-            .bind(&id)
-            .bind(workspace_id)
-            .bind(role.as_str())
-            .bind(token_hash)
-            .bind(label)
-            .bind(now_ms())
+        sqlx::query(
+            "INSERT INTO tokens (id, workspace_id, role, token_hash, label, created_at, expires_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .bind(&id)
+        .bind(workspace_id)
+        .bind(role.as_str())
+        .bind(token_hash)
+        .bind(label)
+        .bind(now_ms())
+        .bind(expires_at)
+        .execute(&self.pool)
+        .await?;
+        Ok(id)
+    }
+
+    async fn touch_token(&self, token_id: &str, at: i64) -> StoreResult<()> {
+        sqlx::query("UPDATE tokens SET last_used_at = $2 WHERE id = $1")
+            .bind(token_id)
+            .bind(at)
             .execute(&self.pool)
             .await?;
-        Ok(id)
+        Ok(())
+    }
+
+    async fn record_audit(&self, entry: &AuditEntry) -> StoreResult<()> {
+        sqlx::query("INSERT INTO audit_log (workspace_id, at, actor, action, target) VALUES ($1, $2, $3, $4, $5)")
+            .bind(&entry.workspace_id)
+            .bind(now_ms())
+            .bind(&entry.actor)
+            .bind(&entry.action)
+            .bind(&entry.target)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn audit_log(&self, workspace_id: &str, before: Option<i64>, limit: u32) -> StoreResult<Vec<AuditRow>> {
+        let rows = sqlx::query(
+            "SELECT id, at, actor, action, target FROM audit_log WHERE workspace_id = $1 AND id < $2 \
+             ORDER BY id DESC LIMIT $3",
+        )
+        .bind(workspace_id)
+        .bind(before.unwrap_or(i64::MAX))
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(AuditRow {
+                    id: row.try_get("id")?,
+                    at: row.try_get("at")?,
+                    actor: row.try_get("actor")?,
+                    action: row.try_get("action")?,
+                    target: row.try_get("target")?,
+                })
+            })
+            .collect()
     }
 
     async fn principal_by_token_hash(&self, token_hash: &str) -> StoreResult<Principal> {
         let row = sqlx::query(
             "SELECT t.id, t.workspace_id, w.name, t.role FROM tokens t JOIN workspaces w ON w.id = t.workspace_id \
-             WHERE t.token_hash = $1 AND t.revoked_at IS NULL",
+             WHERE t.token_hash = $1 AND t.revoked_at IS NULL AND (t.expires_at IS NULL OR t.expires_at > $2)",
         )
         .bind(token_hash)
+        .bind(now_ms())
         .fetch_optional(&self.pool)
         .await?
         .ok_or(StoreError::NotFound)?;
@@ -950,23 +1014,39 @@ impl ControlPlane for SqlStore {
         ))
     }
 
-    async fn tokens(&self, workspace_id: &str) -> StoreResult<Vec<TokenRow>> {
-        let rows = sqlx::query(
-            "SELECT id, role, label, created_at, revoked_at FROM tokens WHERE workspace_id = $1 \
-             ORDER BY created_at DESC, id DESC",
-        )
-        .bind(workspace_id)
-        .fetch_all(&self.pool)
-        .await?;
+    async fn tokens(&self, workspace_id: Option<&str>) -> StoreResult<Vec<TokenRow>> {
+        macro_rules! token_select {
+            ($where:literal) => {
+                concat!(
+                    "SELECT t.id, t.workspace_id, w.name, t.role, t.label, t.created_at, t.revoked_at, ",
+                    "t.expires_at, t.last_used_at FROM tokens t JOIN workspaces w ON w.id = t.workspace_id ",
+                    $where,
+                    " ORDER BY t.created_at DESC, t.id DESC"
+                )
+            };
+        }
+        let rows = match workspace_id {
+            Some(workspace_id) => {
+                sqlx::query(token_select!("WHERE t.workspace_id = $1"))
+                    .bind(workspace_id)
+                    .fetch_all(&self.pool)
+                    .await?
+            }
+            None => sqlx::query(token_select!("")).fetch_all(&self.pool).await?,
+        };
         rows.iter()
             .map(|row| {
                 let role: String = row.try_get("role")?;
                 Ok(TokenRow {
                     id: row.try_get("id")?,
+                    workspace_id: row.try_get("workspace_id")?,
+                    workspace_name: row.try_get("name")?,
                     role: Role::from_str(&role).map_err(internal)?,
                     label: row.try_get("label")?,
                     created_at: row.try_get("created_at")?,
                     revoked_at: row.try_get("revoked_at")?,
+                    expires_at: row.try_get("expires_at")?,
+                    last_used_at: row.try_get("last_used_at")?,
                 })
             })
             .collect()
@@ -1897,7 +1977,8 @@ impl Ledger for SqlStore {
         sqlx::query(
             "INSERT INTO sandboxes (session_id, backend, handle, state, worker_id, created_at, updated_at) \
              VALUES ($1, $2, $3, 'live', $4, $5, $5) ON CONFLICT (session_id) DO UPDATE SET backend = $2, \
-             handle = $3, state = 'live', worker_id = $4, updated_at = $5",
+             handle = $3, state = 'live', worker_id = $4, updated_at = $5, \
+             cpu_ms = CASE WHEN sandboxes.handle = $3 THEN sandboxes.cpu_ms ELSE 0 END",
         )
         .bind(session_id.as_str())
         .bind(backend)
@@ -1983,31 +2064,70 @@ impl Ledger for SqlStore {
         Ok(())
     }
 
-    async fn record_compute(
+    async fn meter_sandbox(
         &self,
         session_id: &SessionId,
         turn: u32,
         epoch_ms: i64,
-        compute_ms: u64,
+        reading: SandboxReading,
     ) -> StoreResult<()> {
         let day = sortie_protocol::api::utc_day_from_epoch_ms(epoch_ms);
-        let compute = i64::try_from(compute_ms).map_err(internal)?;
+        let cumulative = i64::try_from(reading.cpu_ms).map_err(internal)?;
+        let peak = i64::try_from(reading.peak_memory_bytes).map_err(internal)?;
         let mut tx = self.begin_write().await?;
+        let metered = sqlx::query("SELECT cpu_ms FROM sandboxes WHERE session_id = $1")
+            .bind(session_id.as_str())
+            .fetch_optional(&mut *tx)
+            .await?
+            .map(|row| row.try_get::<i64, _>("cpu_ms"))
+            .transpose()?
+            .unwrap_or(0);
+        // A reading below what was metered is a new sandbox's (its cgroup counts from zero).
+        let used = if cumulative >= metered {
+            cumulative - metered
+        } else {
+            cumulative
+        };
         sqlx::query(
-            "INSERT INTO usage_compute (session_id, turn, day, compute_ms) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT (session_id, turn, day) DO UPDATE SET compute_ms = usage_compute.compute_ms + $4",
+            "UPDATE sandboxes SET cpu_ms = $2, peak_memory_bytes = CASE WHEN peak_memory_bytes < $3 THEN $3 \
+             ELSE peak_memory_bytes END WHERE session_id = $1",
+        )
+        .bind(session_id.as_str())
+        .bind(cumulative)
+        .bind(peak)
+        .execute(&mut *tx)
+        .await?;
+        if used > 0 {
+            sqlx::query(
+                "INSERT INTO usage_compute (session_id, turn, day, compute_ms) VALUES ($1, $2, $3, $4) \
+                 ON CONFLICT (session_id, turn, day) DO UPDATE SET compute_ms = usage_compute.compute_ms + $4",
+            )
+            .bind(session_id.as_str())
+            .bind(i64::from(turn))
+            .bind(day)
+            .bind(used)
+            .execute(&mut *tx)
+            .await?;
+        }
+        sqlx::query(
+            "UPDATE sessions SET compute_ms = compute_ms + $2, peak_memory_bytes = CASE WHEN \
+             peak_memory_bytes < $3 THEN $3 ELSE peak_memory_bytes END WHERE id = $1",
+        )
+        .bind(session_id.as_str())
+        .bind(used)
+        .bind(peak)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE turns SET cpu_ms = cpu_ms + $3, peak_memory_bytes = CASE WHEN peak_memory_bytes < $4 \
+             THEN $4 ELSE peak_memory_bytes END WHERE session_id = $1 AND n = $2",
         )
         .bind(session_id.as_str())
         .bind(i64::from(turn))
-        .bind(day)
-        .bind(compute)
+        .bind(used)
+        .bind(peak)
         .execute(&mut *tx)
         .await?;
-        sqlx::query("UPDATE sessions SET compute_ms = compute_ms + $2 WHERE id = $1")
-            .bind(session_id.as_str())
-            .bind(compute)
-            .execute(&mut *tx)
-            .await?;
         tx.commit().await?;
         Ok(())
     }
@@ -2620,5 +2740,102 @@ impl crate::ForgeEvents for SqlStore {
             SessionId::parse(&id).map_err(|_| internal(format!("session id {id:?} in sessions is not one")))
         })
         .transpose()
+    }
+}
+
+/// A session retention may prune at cutoff `$1`: ended (canceled, failed) or archived while idle or
+/// hibernated, untouched since the cutoff, holding no sandbox, not pruned yet.
+macro_rules! prunable {
+    () => {
+        "s.pruned_at IS NULL AND s.updated_at < $1 \
+         AND (s.phase IN ('canceled', 'failed') OR (s.archived = 1 AND s.phase IN ('idle', 'hibernated'))) \
+         AND NOT EXISTS (SELECT 1 FROM sandboxes b WHERE b.session_id = s.id)"
+    };
+}
+
+#[async_trait]
+impl Retention for SqlStore {
+    async fn prunable_sessions(&self, cutoff: i64, limit: u32) -> StoreResult<Vec<PrunableSession>> {
+        let rows = sqlx::query(concat!(
+            "SELECT s.id, s.repo, s.phase, s.updated_at, s.part_count, s.part_bytes FROM sessions s WHERE ",
+            prunable!(),
+            " ORDER BY s.updated_at, s.id LIMIT $2"
+        ))
+        .bind(cutoff)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                let phase: String = row.try_get("phase")?;
+                let id: String = row.try_get("id")?;
+                Ok(PrunableSession {
+                    id: SessionId::parse(&id).map_err(internal)?,
+                    repo: row.try_get("repo")?,
+                    phase: SessionPhase::from_str(&phase).map_err(internal)?,
+                    updated_at: row.try_get("updated_at")?,
+                    parts: get_u64(row, "part_count")?,
+                    parts_bytes: get_u64(row, "part_bytes")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn prune_session(&self, session_id: &SessionId, cutoff: i64) -> StoreResult<bool> {
+        let mut tx = self.begin_write().await?;
+        let marked = sqlx::query(concat!(
+            "UPDATE sessions SET pruned_at = $3 WHERE id = $2 AND id IN (SELECT s.id FROM sessions s WHERE ",
+            prunable!(),
+            ")"
+        ))
+        .bind(cutoff)
+        .bind(session_id.as_str())
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if marked == 0 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        for table in [
+            "DELETE FROM parts WHERE session_id = $1",
+            "DELETE FROM branch_diffs WHERE session_id = $1",
+            "DELETE FROM home_snapshots WHERE session_id = $1",
+        ] {
+            sqlx::query(table).bind(session_id.as_str()).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    async fn kept_repos(&self) -> StoreResult<Vec<String>> {
+        let rows = sqlx::query("SELECT DISTINCT repo FROM sessions WHERE pruned_at IS NULL")
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(|row| Ok(row.try_get("repo")?)).collect()
+    }
+
+    async fn compact(&self) -> StoreResult<u64> {
+        if self.backend != Backend::Sqlite {
+            // PostgreSQL's autovacuum reuses the space; `VACUUM FULL` would lock every table.
+            return Ok(0);
+        }
+        let pages = |row: &AnyRow, column: &str| get_u64(row, column);
+        let size = |row: &AnyRow| -> StoreResult<(u64, u64)> {
+            Ok((pages(row, "page_count")?, pages(row, "freelist_count")?))
+        };
+        let read = "SELECT p.page_count, f.freelist_count, s.page_size FROM pragma_page_count() p, \
+                    pragma_freelist_count() f, pragma_page_size() s";
+        let before = sqlx::query(read).fetch_one(&self.pool).await?;
+        let (count, free) = size(&before)?;
+        let page_size = pages(&before, "page_size")?;
+        if free == 0 || free * 4 < count {
+            return Ok(0);
+        }
+        sqlx::query("VACUUM").execute(&self.pool).await?;
+        let after = sqlx::query(read).fetch_one(&self.pool).await?;
+        let (count_after, _) = size(&after)?;
+        Ok(count.saturating_sub(count_after) * page_size)
     }
 }

@@ -834,7 +834,7 @@ async fn workspaces_and_tokens(backend: TestBackend) {
 
     let token_id = f
         .store
-        .create_token(&team.id, Role::Viewer, "hash-1", Some("ci"))
+        .create_token(&team.id, Role::Viewer, "hash-1", Some("ci"), None)
         .await
         .expect("token");
     let principal = f.store.principal_by_token_hash("hash-1").await.expect("principal");
@@ -851,9 +851,63 @@ async fn workspaces_and_tokens(backend: TestBackend) {
         f.store.principal_by_token_hash("hash-2").await,
         Err(StoreError::NotFound)
     ));
-    let duplicate = f.store.create_token(&team.id, Role::Admin, "hash-1", None).await;
+    let duplicate = f.store.create_token(&team.id, Role::Admin, "hash-1", None, None).await;
     assert!(matches!(duplicate, Err(StoreError::Conflict(_))), "{duplicate:?}");
     f.store.ping().await.expect("ping");
+
+    // An expired token signs nothing in; one that expires later does; uses and expiry are listed.
+    let expired = f
+        .store
+        .create_token(&team.id, Role::Admin, "hash-old", None, Some(now_ms() - 1))
+        .await
+        .expect("token");
+    assert!(matches!(
+        f.store.principal_by_token_hash("hash-old").await,
+        Err(StoreError::NotFound)
+    ));
+    let later = now_ms() + 60_000;
+    f.store
+        .create_token(&team.id, Role::Admin, "hash-new", None, Some(later))
+        .await
+        .expect("token");
+    f.store
+        .principal_by_token_hash("hash-new")
+        .await
+        .expect("not expired yet");
+    f.store.touch_token(&expired, 1_234).await.expect("touch");
+    let listed = f.store.tokens(Some(&team.id)).await.expect("tokens");
+    let old = listed.iter().find(|t| t.id == expired).expect("listed");
+    assert_eq!((old.last_used_at, old.workspace_name.as_str()), (Some(1_234), "team"));
+    assert!(listed.iter().any(|t| t.expires_at == Some(later)));
+    f.store
+        .create_token(&f.workspace.id, Role::Viewer, "hash-elsewhere", None, None)
+        .await
+        .expect("token");
+    let everywhere = f.store.tokens(None).await.expect("tokens");
+    assert!(everywhere.len() > listed.len(), "the default workspace's too");
+
+    // The audit log: newest first, a page at a time, one workspace's only.
+    for n in 0..3 {
+        let entry = AuditEntry {
+            workspace_id: team.id.clone(),
+            actor: "cli".into(),
+            action: "token.create".into(),
+            target: format!("tok_{n}"),
+        };
+        f.store.record_audit(&entry).await.expect("audit");
+    }
+    let page = f.store.audit_log(&team.id, None, 2).await.expect("audit");
+    let targets: Vec<&str> = page.iter().map(|e| e.target.as_str()).collect();
+    assert_eq!(targets, ["tok_2", "tok_1"]);
+    let rest = f.store.audit_log(&team.id, Some(page[1].id), 2).await.expect("audit");
+    assert_eq!(rest.iter().map(|e| e.target.as_str()).collect::<Vec<_>>(), ["tok_0"]);
+    assert!(
+        f.store
+            .audit_log(&f.workspace.id, None, 10)
+            .await
+            .expect("audit")
+            .is_empty()
+    );
 }
 
 async fn create_writes_session_and_first_turn(backend: TestBackend) {
@@ -1831,12 +1885,31 @@ async fn usage_is_summed_by_session_and_day(backend: TestBackend) {
         };
         f.store.record_token_usage(&usage).await.expect("tokens");
     }
+    // Readings are the sandbox's cumulative count: each is metered for what it adds, once.
     f.store
-        .record_compute(&session.id, 1, day_one, 1_500)
+        .put_sandbox(&session.id, "local", "sbx-1", "w1")
         .await
-        .expect("compute");
+        .expect("sandbox");
+    let reading = |cpu_ms, peak_memory_bytes| SandboxReading {
+        cpu_ms,
+        peak_memory_bytes,
+    };
+    for (turn, cumulative, peak) in [(1, 1_500, 30 << 20), (1, 1_500, 30 << 20), (2, 2_000, 20 << 20)] {
+        f.store
+            .meter_sandbox(&session.id, turn, day_one, reading(cumulative, peak))
+            .await
+            .expect("compute");
+    }
+    let turns = f.store.turns(&f.workspace.id, &session.id).await.expect("turns");
+    let metered: Vec<(u64, u64)> = turns.iter().map(|t| (t.cpu_ms, t.peak_memory_bytes)).collect();
+    assert_eq!(&metered[..1], &[(1_500, 30 << 20)], "turn 1 counted once");
+    // A new sandbox counts from zero again; the session's peak is the largest of any.
     f.store
-        .record_compute(&session.id, 2, day_one, 500)
+        .put_sandbox(&session.id, "local", "sbx-2", "w1")
+        .await
+        .expect("sandbox");
+    f.store
+        .meter_sandbox(&session.id, 2, day_one + 1, reading(0, 10 << 20))
         .await
         .expect("compute");
     let records = f.store.usage(&f.workspace.id, None).await.expect("usage");
@@ -1850,8 +1923,13 @@ async fn usage_is_summed_by_session_and_day(backend: TestBackend) {
     assert_eq!(records.compute, vec![(session.id.clone(), "2026-12-02".into(), 2_000)]);
     let totals = f.store.session(&f.workspace.id, &session.id).await.expect("session");
     assert_eq!(
-        (totals.input_tokens, totals.output_tokens, totals.compute_ms),
-        (157, 18, 2_000)
+        (
+            totals.input_tokens,
+            totals.output_tokens,
+            totals.compute_ms,
+            totals.peak_memory_bytes
+        ),
+        (157, 18, 2_000, 30 << 20)
     );
 }
 

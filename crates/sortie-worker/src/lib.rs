@@ -19,6 +19,7 @@ pub mod prepare;
 pub mod priming;
 pub mod pull_request;
 pub mod recorder;
+pub mod retention;
 pub mod settings;
 pub mod transcript;
 mod turn;
@@ -64,6 +65,8 @@ pub struct WorkerConfig {
     pub turn_timeout: Duration,
     /// A warm sandbox idle this long is destroyed and its session `hibernated`.
     pub idle_grace: Duration,
+    /// Retention's age, applied every [`RETENTION_EVERY`]; `None`: nothing is pruned but by `sortie gc`.
+    pub retention: Option<Duration>,
     pub setup_timeout: Duration,
     /// Hosts allowed during the setup phase only (package registries, from config or the host's settings).
     pub setup_hosts: Vec<String>,
@@ -107,6 +110,7 @@ impl WorkerConfig {
             sandboxes_per_workspace: 4,
             turn_timeout: Duration::from_secs(30 * 60),
             idle_grace: Duration::from_secs(10 * 60),
+            retention: None,
             setup_timeout: Duration::from_secs(10 * 60),
             setup_hosts: Vec::new(),
             egress_exempt: Vec::new(),
@@ -330,6 +334,11 @@ impl Worker {
         let triggers = tokio::spawn(github::run_triggers(context.clone(), async move {
             let _ = triggers_stopped.await;
         }));
+        let retention = context.config.retention.map(|age| {
+            let store = context.store.clone();
+            let work_dir = context.config.work_dir.clone();
+            tokio::spawn(retain(store, work_dir, age))
+        });
         let mut tick = tokio::time::interval(context.config.poll_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tokio::pin!(shutdown);
@@ -339,9 +348,15 @@ impl Worker {
                 _ = tick.tick() => on_tick(&context, &mut slots, &events_tx).await,
                 Some(event) = events.recv() => on_event(&mut slots, event),
             }
+            // Provisioning, running or warm: each holds (or is making) a sandbox of this worker.
+            metrics::gauge!("sortie_sandboxes_live").set(slots.len() as f64);
         }
+        metrics::gauge!("sortie_sandboxes_live").set(0.0);
         if let Some(server) = feed_server {
             server.abort();
+        }
+        if let Some(retention) = retention {
+            retention.abort();
         }
         let _ = triggers_stop.send(());
         let _ = triggers.await;
@@ -351,6 +366,28 @@ impl Worker {
             if let Some(sandbox) = slot.warm {
                 turn::destroy(&context, &session_id, &sandbox).await;
             }
+        }
+    }
+}
+
+/// How often the worker applies retention when it is configured.
+pub const RETENTION_EVERY: Duration = Duration::from_secs(60 * 60);
+
+/// Retention on a timer: what `sortie gc --older-than age` does, every [`RETENTION_EVERY`].
+async fn retain(store: Arc<dyn Store>, work_dir: PathBuf, age: Duration) {
+    let mut every = tokio::time::interval(RETENTION_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        match retention::collect(store.as_ref(), &work_dir, age, false).await {
+            Ok(report) if report.sessions.is_empty() && report.mirrors.is_empty() => {}
+            Ok(report) => tracing::info!(
+                sessions = report.sessions.len(),
+                mirrors = report.mirrors.len(),
+                freed_bytes = report.freed_bytes(),
+                "retention freed what ended before its age"
+            ),
+            Err(error) => tracing::warn!(%error, "retention could not run"),
         }
     }
 }

@@ -29,6 +29,8 @@ pub mod env {
     pub const TURN_TIMEOUT: &str = "SORTIE_TURN_TIMEOUT";
     /// Seconds a warm sandbox may idle before its session is hibernated (`--idle-grace`).
     pub const IDLE_GRACE: &str = "SORTIE_IDLE_GRACE";
+    /// What ended longer ago than this is pruned every hour (`--retention`, `30d`); unset: never.
+    pub const RETENTION: &str = "SORTIE_RETENTION";
     /// Seconds a sandbox outlives `serve`, waiting to be adopted (`--sandbox-orphan-grace`).
     pub const SANDBOX_ORPHAN_GRACE: &str = "SORTIE_SANDBOX_ORPHAN_GRACE";
     /// MiB of each session's own disk, its `/workspace` and `$HOME` together (`--sandbox-disk-mib`);
@@ -78,6 +80,10 @@ pub struct WorkerSettings {
     /// Seconds a warm sandbox may idle before its session is hibernated.
     #[arg(long, env = env::IDLE_GRACE, default_value_t = 600)]
     pub idle_grace: u64,
+    /// Prune, every hour, the transcripts and directories of sessions that ended (or were archived)
+    /// longer ago than this (`30d`), and mirrors unused as long: `sortie gc` on a timer. Unset: never.
+    #[arg(long, env = env::RETENTION, value_parser = humantime::parse_duration)]
+    pub retention: Option<Duration>,
     /// Seconds a setup script may run.
     #[arg(long, env = env::SETUP_TIMEOUT, default_value_t = 600)]
     pub setup_timeout: u64,
@@ -241,6 +247,7 @@ impl WorkerSettings {
         config.sandboxes_per_workspace = self.sandboxes_per_workspace.max(1);
         config.turn_timeout = Duration::from_secs(self.turn_timeout.max(1));
         config.idle_grace = Duration::from_secs(self.idle_grace);
+        config.retention = self.retention;
         config.setup_timeout = Duration::from_secs(self.setup_timeout.max(1));
         config.limits.disk_bytes = self.sandbox_disk_mib << 20;
         config.agent_profiles = self.agent_profiles.clone();

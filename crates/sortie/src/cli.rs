@@ -61,6 +61,9 @@ pub enum Command {
     /// Manage tokens (works on the store directly).
     #[command(subcommand)]
     Token(TokenCommand),
+    /// Free what ended sessions left (transcripts, workspaces, homes) and mirrors unused for the age;
+    /// never a queued, running or idle session's. Prints what it freed.
+    Gc(GcArgs),
     /// Install and list coding agents (their pinned npm packages, under the data dir).
     #[command(subcommand)]
     Agents(AgentsCommand),
@@ -112,6 +115,21 @@ pub struct StoreArgs {
     /// `sqlite://…` or `postgres://…`; default: SQLite in the data dir.
     #[arg(long, env = env::DATABASE_URL)]
     pub database_url: Option<String>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct GcArgs {
+    /// Only what ended (or was archived) longer ago than this (`30d`, `12h`, `0s`).
+    #[arg(long, default_value = "30d", value_parser = humantime::parse_duration)]
+    pub older_than: std::time::Duration,
+    /// Say what would be freed, free nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// The worker's directory of mirrors and sessions; default `<data dir>/work`.
+    #[arg(long, env = sortie_worker::settings::env::WORK_DIR)]
+    pub work_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub store: StoreArgs,
 }
 
 #[derive(Debug, Subcommand)]
@@ -235,7 +253,8 @@ pub enum WorkspaceCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum TokenCommand {
-    /// Create a token and print it (only the token, once; the store keeps its hash).
+    /// Create a token and print it (only the token, once; the store keeps its hash). With `--json`:
+    /// `{"id", "token"}`.
     Create {
         #[arg(long)]
         workspace: String,
@@ -244,9 +263,35 @@ pub enum TokenCommand {
         /// A note saying who or what the token is for.
         #[arg(long)]
         label: Option<String>,
+        /// It stops working after this long (`90d`, `12h`; at least a minute); it never does without.
+        #[arg(long, value_parser = parse_expiry)]
+        expires_in: Option<std::time::Duration>,
         #[command(flatten)]
         store: StoreArgs,
     },
+    /// List tokens: id, workspace, role, label, created, last used, expiry, state. Never a token's value.
+    List {
+        /// Only this workspace's (default: every workspace's).
+        #[arg(long)]
+        workspace: Option<String>,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Revoke a token by its id (`tok_…`): its next request gets 401.
+    Revoke {
+        id: String,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+}
+
+fn parse_expiry(text: &str) -> Result<std::time::Duration, String> {
+    let duration = humantime::parse_duration(text).map_err(|e| format!("{e} (try 90d or 12h)"))?;
+    let max = std::time::Duration::from_secs(sortie_protocol::api::TOKEN_EXPIRY_MAX_SECONDS);
+    if duration < std::time::Duration::from_secs(60) || duration > max {
+        return Err("between a minute and ten years".into());
+    }
+    Ok(duration)
 }
 
 fn parse_role(text: &str) -> Result<Role, String> {

@@ -47,6 +47,7 @@ fn main() -> ExitCode {
             Command::Doctor(args) => doctor::run(&cli.client, args).await,
             Command::Workspace(command) => admin::workspace(&cli.client, command).await,
             Command::Token(command) => admin::token(&cli.client, command).await,
+            Command::Gc(args) => admin::gc(&cli.client, args).await,
             Command::Agents(command) => agents::run(&cli.client, command).await,
             Command::Client(command) => {
                 let target = sortie_client::Target {

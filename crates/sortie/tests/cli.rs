@@ -4,7 +4,7 @@ mod support;
 
 use std::os::unix::fs::PermissionsExt;
 
-use serde_json::Value;
+use serde_json::{Value, json};
 use support::{Server, git_repo, sortie, stderr, stdout};
 
 #[test]
@@ -260,6 +260,90 @@ fn admin_commands_make_workspaces_and_tokens() {
     );
     let listed: Value = serde_json::from_slice(&as_team(&["--json", "ls"]).stdout).expect("json");
     assert_eq!(listed["sessions"].as_array().map(Vec::len), Some(1));
+
+    // A token's life from the host: created with an expiry as JSON, listed without its value, revoked.
+    let created = admin(&[
+        "--json",
+        "token",
+        "create",
+        "--workspace",
+        "team",
+        "--role",
+        "viewer",
+        "--expires-in",
+        "1h",
+    ]);
+    assert!(created.status.success(), "{}", stderr(&created));
+    let created: Value = serde_json::from_slice(&created.stdout).expect("json");
+    let (id, secret) = (
+        created["id"].as_str().expect("id").to_owned(),
+        created["token"].as_str().expect("token").to_owned(),
+    );
+    assert!(id.starts_with("tok_") && secret.starts_with("sortie_"), "{created}");
+    let as_new = |args: &[&str]| {
+        sortie(temp.path())
+            .env("SORTIE_TOKEN", &secret)
+            .arg("--server")
+            .arg(&server.url)
+            .args(args)
+            .output()
+            .expect("client")
+    };
+    assert!(as_new(&["ls"]).status.success());
+    let table = admin(&["token", "list", "--workspace", "team"]);
+    assert!(table.status.success(), "{}", stderr(&table));
+    let table = stdout(&table);
+    assert!(
+        table.contains(&id) && table.contains("viewer") && table.contains("live"),
+        "{table}"
+    );
+    let listed = admin(&["--json", "token", "list"]);
+    let text = stdout(&listed);
+    assert!(
+        !text.contains(&secret) && !text.contains(token),
+        "a list never shows a token's value"
+    );
+    let listed: Value = serde_json::from_str(&text).expect("json");
+    let ours = listed
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .find(|t| t["id"] == id.as_str())
+        .expect("listed");
+    assert_eq!((&ours["workspace"], &ours["role"]), (&json!("team"), &json!("viewer")));
+    assert!(
+        ours["expires_at"].is_string() && ours["created_at"].is_string(),
+        "{ours}"
+    );
+    assert!(
+        listed
+            .as_array()
+            .expect("tokens")
+            .iter()
+            .any(|t| t["workspace"] == "default"),
+        "every workspace's without --workspace"
+    );
+    let revoked = admin(&["token", "revoke", &id]);
+    assert!(revoked.status.success(), "{}", stderr(&revoked));
+    let refused = as_new(&["ls"]);
+    assert!(!refused.status.success());
+    assert!(stderr(&refused).contains("UNAUTHORIZED"), "{}", stderr(&refused));
+    assert!(!admin(&["token", "revoke", &id]).status.success(), "twice is an error");
+    assert!(
+        !admin(&[
+            "token",
+            "create",
+            "--workspace",
+            "team",
+            "--role",
+            "viewer",
+            "--expires-in",
+            "10s"
+        ])
+        .status
+        .success(),
+        "an expiry under a minute is refused"
+    );
 }
 
 #[test]

@@ -363,6 +363,213 @@ async fn a_hibernated_session_is_primed_when_steered() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_is_metered_when_it_ends_not_when_its_sandbox_goes() {
+    // A long idle grace: what is read must come from the turn's end, the sandbox stays warm.
+    let world = World::start(&["--idle-grace", "600"]);
+    // 1.5 s of CPU whatever the machine's speed, and 96 MiB written (so resident, not just mapped).
+    let burn =
+        "run: python3 -c 'exec(\"import time\\nb = b\\\"x\\\" * (96 << 20)\\nwhile time.process_time() < 1.5: pass\")'";
+    let id = world.create(&format!("#!scripted\n{burn}"), json!({})).await;
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(status_of(&turns, 1), "completed", "{turns:#?}");
+    assert_eq!(session["phase"], "idle", "{session:#}");
+    assert!(live_sandboxes().contains(&id), "the sandbox is still warm");
+    let usage = &turns[0]["usage"];
+    assert!(usage["cpu_ms"].as_u64().unwrap_or(0) >= 1_000, "{usage:#}");
+    assert!(
+        usage["peak_memory_bytes"].as_u64().unwrap_or(0) >= 96 << 20,
+        "{usage:#}"
+    );
+    assert!(usage["wall_ms"].as_u64().unwrap_or(0) >= 1_000, "{usage:#}");
+    assert!(
+        session["usage"]["compute_seconds"].as_u64().unwrap_or(0) >= 1,
+        "{session:#}"
+    );
+    assert!(
+        session["usage"]["peak_memory_bytes"].as_u64().unwrap_or(0) >= 96 << 20,
+        "{session:#}"
+    );
+    // A second turn is metered for what it used, not the sandbox's total again.
+    world.steer(&id, "#!scripted\nsay: nothing to burn", "queue").await;
+    let (session, turns) = world.settled(&id, 2).await;
+    assert!(
+        turns[1]["usage"]["cpu_ms"].as_u64().unwrap_or(u64::MAX) < 1_000,
+        "{turns:#?}"
+    );
+    assert!(
+        session["usage"]["compute_seconds"].as_u64().unwrap_or(0) < 4,
+        "{session:#}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_frees_what_ended_sessions_left_and_keeps_the_idle_ones() {
+    // `sortie gc` runs beside the live server on the same data dir, as an operator would run it.
+    let world = World::start(&[]);
+    let idle = world
+        .create("#!scripted\nwrite: kept.txt\nkept\n>>>\nsay: still here", json!({}))
+        .await;
+    let ended = world
+        .create(
+            "#!scripted\nwrite: gone.txt\ngone\n>>>\nsay: started\nsleep: 60000",
+            json!({}),
+        )
+        .await;
+    world.settled(&idle, 1).await;
+    world.wait_said(&ended, "started").await;
+    world.post(&ended, "cancel").await;
+    world.wait(&ended, 60, |s, _| s["phase"] == "canceled").await;
+    let sessions_dir = world.data_dir.join("work/sessions");
+    // The canceled session's sandbox is torn down before gc may take it (gc skips a held sandbox).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while live_sandboxes().contains(&ended) {
+        assert!(Instant::now() < deadline, "the canceled session's sandbox went");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(sessions_dir.join(&ended).is_dir() && sessions_dir.join(&idle).is_dir());
+    let gc = |args: &[&str]| {
+        let output = sortie(&world.root)
+            .arg("--data-dir")
+            .arg(&world.data_dir)
+            .arg("--json")
+            .arg("gc")
+            .args(args)
+            .output()
+            .expect("gc");
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        serde_json::from_slice::<Value>(&output.stdout).expect("json")
+    };
+    // Dry: says what it would free, frees nothing.
+    let dry = gc(&["--older-than", "0s", "--dry-run"]);
+    let named: Vec<&str> = dry["sessions"]
+        .as_array()
+        .expect("sessions")
+        .iter()
+        .filter_map(|s| s["id"].as_str())
+        .collect();
+    assert!(
+        named.contains(&ended.as_str()) && !named.contains(&idle.as_str()),
+        "{dry:#}"
+    );
+    assert!(sessions_dir.join(&ended).is_dir(), "a dry run removes nothing");
+    assert!(world.assistant_said(&ended, "started").await);
+    // A month's age spares what ended a minute ago.
+    let month = gc(&["--older-than", "30d"]);
+    assert_eq!(month["sessions"], json!([]), "{month:#}");
+
+    let freed = gc(&["--older-than", "0s"]);
+    let pruned = freed["sessions"]
+        .as_array()
+        .expect("sessions")
+        .iter()
+        .find(|s| s["id"] == ended.as_str())
+        .cloned()
+        .expect("the canceled session was pruned");
+    assert!(
+        pruned["parts"].as_u64().unwrap_or(0) > 0 && pruned["disk_bytes"].as_u64().unwrap_or(0) > 0,
+        "{freed:#}"
+    );
+    assert!(freed["freed_bytes"].as_u64().unwrap_or(0) > 0, "{freed:#}");
+    assert_eq!(
+        freed["mirrors"],
+        json!([]),
+        "the idle session's workspace borrows its mirror"
+    );
+    assert!(!sessions_dir.join(&ended).exists(), "its directories are gone");
+    assert!(!world.assistant_said(&ended, "started").await, "its transcript is gone");
+    let asked: Vec<Value> = world.messages(&ended).await;
+    assert!(
+        asked.iter().all(|m| m["role"] == "user"),
+        "only the prompts stay, with the turns: {asked:#?}"
+    );
+    let session = world.session(&ended).await;
+    assert!(session["pruned_at"].is_string(), "{session:#}");
+    assert_eq!(session["phase"], "canceled");
+
+    // The idle session keeps everything; the list still answers with both.
+    assert!(sessions_dir.join(&idle).is_dir());
+    assert!(world.assistant_said(&idle, "still here").await);
+    assert!(world.session(&idle).await["pruned_at"].is_null());
+    let (status, list) = world.call(reqwest::Method::GET, "/v1/sessions", None).await;
+    assert_eq!(status, 200);
+    assert_eq!(list["sessions"].as_array().map(Vec::len), Some(2), "{list:#}");
+    // And a steer of the idle session still runs on its workspace.
+    world.steer(&idle, "#!scripted\nrun: cat kept.txt", "queue").await;
+    let (_, turns) = world.settled(&idle, 2).await;
+    assert_eq!(status_of(&turns, 2), "completed", "{turns:#?}");
+}
+
+/// The value of the one sample of `series` (name and labels exactly as rendered), if it is there.
+fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_each_turns_outcome_and_time_its_phases() {
+    let world = World::start(&[]);
+    let completed = world.create("#!scripted\nsay: done", json!({})).await;
+    let failed = world.create("#!scripted\nfail: on purpose", json!({})).await;
+    let canceled = world.create("#!scripted\nsay: started\nsleep: 60000", json!({})).await;
+    world.settled(&completed, 1).await;
+    world.settled(&failed, 1).await;
+    world.wait_said(&canceled, "started").await;
+    world.post(&canceled, "cancel").await;
+    let (_, turns) = world.settled(&canceled, 1).await;
+    assert_eq!(status_of(&turns, 1), "canceled", "{turns:#?}");
+
+    let scrape = || async {
+        let response = reqwest::get(format!("{}/metrics", world.url())).await.expect("scrape");
+        assert_eq!(response.status(), 200);
+        response.text().await.expect("text")
+    };
+    let metrics = scrape().await;
+    for outcome in ["completed", "failed", "canceled"] {
+        let counted = format!("sortie_turns_total{{outcome=\"{outcome}\"}}");
+        assert_eq!(sample(&metrics, &counted), Some(1.0), "{counted}\n{metrics}");
+        let timed = format!("sortie_turn_duration_seconds_count{{outcome=\"{outcome}\"}}");
+        assert_eq!(sample(&metrics, &timed), Some(1.0), "{timed}\n{metrics}");
+        let bucket = format!("sortie_turn_duration_seconds_bucket{{outcome=\"{outcome}\",le=\"+Inf\"}}");
+        assert_eq!(
+            sample(&metrics, &bucket),
+            Some(1.0),
+            "a histogram, not a summary: {metrics}"
+        );
+    }
+    for phase in ["queued", "clone", "sandbox", "setup", "total"] {
+        let timed = format!("sortie_provision_seconds_count{{phase=\"{phase}\"}}");
+        assert_eq!(sample(&metrics, &timed), Some(3.0), "{timed}\n{metrics}");
+    }
+    assert_eq!(sample(&metrics, "sortie_turns_queued"), Some(0.0), "{metrics}");
+    // The gauge follows the worker's own sandboxes: the completed session's stays warm, the canceled
+    // one's goes at once.
+    let ours = [&completed, &failed, &canceled];
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let live = live_sandboxes();
+        let expected = ours.iter().filter(|id| live.contains(id.as_str())).count() as f64;
+        let reported = sample(&scrape().await, "sortie_sandboxes_live");
+        if reported == Some(expected) && live.contains(completed.as_str()) && !live.contains(canceled.as_str()) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "sortie_sandboxes_live {reported:?}, {expected} live"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // With the worker busy, an accepted turn is counted while it waits: a steer behind a running one.
+    world
+        .steer(&completed, "#!scripted\nsay: busy\nsleep: 60000", "queue")
+        .await;
+    world.wait_said(&completed, "busy").await;
+    world.steer(&completed, "#!scripted\nsay: next", "queue").await;
+    assert_eq!(sample(&scrape().await, "sortie_turns_queued"), Some(1.0));
+    world.post(&completed, "cancel").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failures_carry_their_codes() {
     let world = World::start(&["--turn-timeout", "3"]);
     let crash = world

@@ -624,6 +624,11 @@ impl SandboxRuntime for LocalRuntime {
         Ok(())
     }
 
+    async fn usage(&self, name: &str) -> Result<Usage, SandboxError> {
+        let cgroup = self.cgroup_of(name)?;
+        Ok(cgroup.usage())
+    }
+
     async fn processes(&self, name: &str) -> Result<Vec<ProcessStamp>, SandboxError> {
         let cgroup = self.cgroup_of(name)?;
         Ok(tokio::task::spawn_blocking(move || stamps(&cgroup.pids()))

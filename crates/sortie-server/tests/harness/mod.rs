@@ -106,7 +106,7 @@ impl Harness {
         let token = async |workspace_id: &str, role: Role| {
             let (token, hash) = tokens::generate_token().expect("token");
             store
-                .create_token(workspace_id, role, &hash, None)
+                .create_token(workspace_id, role, &hash, None, None)
                 .await
                 .expect("store token");
             token

@@ -12,7 +12,7 @@ use sortie_protocol::sortie_data::{DeliveryData, DeliveryError, DiffStat, Sortie
 use sortie_protocol::{FailureCode, SessionPhase, TurnStatus};
 use sortie_store::{SessionRow, StopRequest};
 
-use super::sandbox::{destroy, disk_full};
+use super::sandbox::{destroy, disk_full, meter_turn};
 use super::settle::Seen;
 use super::settle::{self, Established, failure_code};
 use super::{DRIVER_REASON_MAX_BYTES, Failure, SandboxHandle, bounded, end_turn, ms, phase_part, record_details};
@@ -82,6 +82,7 @@ pub(super) async fn settle_turn(
     );
     let priming = report.priming.map(|rung| rung.as_str());
     record_details(context, &session.id, n, priming, &timings).await;
+    meter_turn(context, &session.id, n, &sandbox).await;
     sandbox.0.current.set(None);
     transcript
         .finish(Ending {

@@ -144,11 +144,24 @@ async fn provisioned(
     session: &SessionRow,
     timings: &mut BTreeMap<String, u64>,
 ) -> Result<SandboxHandle, Failure> {
-    match &context.pods {
+    let clock = Instant::now();
+    let provisioned = match &context.pods {
         Some(pods) => pod::provision(context, pods, session, timings).await,
         None => provision::provision(context, session, timings).await,
+    };
+    if provisioned.is_ok() {
+        for phase in PROVISION_PHASES {
+            if let Some(ms) = timings.get(phase) {
+                metrics::histogram!("sortie_provision_seconds", "phase" => phase).record(*ms as f64 / 1000.0);
+            }
+        }
+        metrics::histogram!("sortie_provision_seconds", "phase" => "total").record(clock.elapsed().as_secs_f64());
     }
+    provisioned
 }
+
+/// The phases of making a session's sandbox, as its turn's timings name them (and the wait before).
+const PROVISION_PHASES: [&str; 4] = ["queued", "clone", "sandbox", "setup"];
 
 /// Ends a resume without a prompt whose sandbox could not be made (no turn to end): the session fails.
 async fn fail_resume(context: &Arc<Context>, session_id: &SessionId) {
@@ -189,8 +202,19 @@ fn ended(status: TurnStatus, failure: Option<Failure>) -> TurnOutcome {
 /// Ends turn `n` and moves its session, in one store call; the session's phase after it, `None` when
 /// the store did not answer (the turn then stays running for the next start's reconciliation).
 async fn end_turn(context: &Arc<Context>, session_id: &SessionId, n: u32, ending: TurnOutcome) -> Option<SessionPhase> {
+    let outcome = ending.status.as_str();
     match context.store.end_turn(session_id, n, ending).await {
-        Ok(phase) => Some(phase),
+        Ok(phase) => {
+            metrics::counter!("sortie_turns_total", "outcome" => outcome).increment(1);
+            // The store's clock, the one that stamped its start.
+            if let Ok(turn) = context.store.turn(session_id, n).await
+                && let (Some(started), Some(ended)) = (turn.started_at, turn.completed_at)
+            {
+                let seconds = (ended - started).max(0) as f64 / 1000.0;
+                metrics::histogram!("sortie_turn_duration_seconds", "outcome" => outcome).record(seconds);
+            }
+            Some(phase)
+        }
         Err(error) => {
             tracing::warn!(%error, session = %session_id, turn = n, "cannot record the turn's end");
             None

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use sortie_protocol::SessionId;
 use sortie_sandbox::local::disk::{Quota, SessionDisk};
-use sortie_store::SessionRow;
+use sortie_store::{SandboxReading, SessionRow};
 
 use super::Failure;
 use super::proxy::{self, SandboxProxy, session_upstream};
@@ -71,6 +71,7 @@ pub(crate) async fn destroy(context: &Arc<Context>, session_id: &SessionId, sand
     }
     match context.runtime.destroy(sandbox.name()).await {
         Ok(usage) => {
+            // What it used since its last turn ended counts to that turn.
             let turn = context
                 .store
                 .session_by_id(session_id)
@@ -78,14 +79,7 @@ pub(crate) async fn destroy(context: &Arc<Context>, session_id: &SessionId, sand
                 .ok()
                 .and_then(|s| s.current_turn)
                 .unwrap_or(1);
-            let compute_ms = (usage.cpu_seconds * 1000.0).round().max(0.0) as u64;
-            if let Err(error) = context
-                .store
-                .record_compute(session_id, turn, sortie_store::now_ms(), compute_ms)
-                .await
-            {
-                tracing::warn!(%error, session = %session_id, "cannot record the sandbox's compute");
-            }
+            record_usage(context, session_id, turn, usage).await;
         }
         Err(error) => tracing::debug!(%error, session = %session_id, "destroy"),
     }
@@ -96,6 +90,29 @@ pub(crate) async fn destroy(context: &Arc<Context>, session_id: &SessionId, sand
     let _ = std::fs::remove_file(sandbox.0.dirs.egress_socket());
     let _ = std::fs::remove_file(sandbox.0.dirs.driver_socket());
     unmount_disk(&sandbox.0.dirs).await;
+}
+
+/// Meters what the sandbox used during turn `n`, read from its cgroups as the turn ends (before it
+/// could hibernate), so a session's compute is true while it is idle.
+pub(super) async fn meter_turn(context: &Arc<Context>, session_id: &SessionId, n: u32, sandbox: &SandboxHandle) {
+    match context.runtime.usage(sandbox.name()).await {
+        Ok(usage) => record_usage(context, session_id, n, usage).await,
+        Err(error) => tracing::debug!(%error, session = %session_id, "cannot read the sandbox's usage"),
+    }
+}
+
+async fn record_usage(context: &Arc<Context>, session_id: &SessionId, n: u32, usage: sortie_sandbox::Usage) {
+    let reading = SandboxReading {
+        cpu_ms: (usage.cpu_seconds * 1000.0).round().max(0.0) as u64,
+        peak_memory_bytes: usage.peak_memory_bytes,
+    };
+    if let Err(error) = context
+        .store
+        .meter_sandbox(session_id, n, sortie_store::now_ms(), reading)
+        .await
+    {
+        tracing::warn!(%error, session = %session_id, "cannot record the sandbox's usage");
+    }
 }
 
 /// Takes over the sandbox of `session` that an earlier process of this worker left running (its
