@@ -136,6 +136,8 @@ export const client = {
   steer: (id: string, prompt: string, mode: Schemas['TurnMode']) =>
     api<Answer<'/v1/sessions/{id}/steer', 'post'>>('POST', `/v1/sessions/${id}/steer`, { prompt, mode } satisfies Body<'/v1/sessions/{id}/steer', 'post'>),
   action: (id: string, action: 'stop' | 'cancel' | 'resume' | 'archive') => api<unknown>('POST', `/v1/sessions/${id}/${action}`),
+  raiseBudget: (id: string, tokens: number) =>
+    api<Answer<'/v1/sessions/{id}/budget', 'post'>>('POST', `/v1/sessions/${id}/budget`, { tokens } satisfies Body<'/v1/sessions/{id}/budget', 'post'>),
   egress: (id: string, allow: string[]) =>
     api<Answer<'/v1/sessions/{id}/egress', 'post'>>('POST', `/v1/sessions/${id}/egress`, { allow } satisfies Body<'/v1/sessions/{id}/egress', 'post'>),
   ticket: async (id: string, action: Schemas['TicketAction']) =>

@@ -159,6 +159,8 @@ export interface Actions {
   allowHost?: (host: string) => void;
   /** The session's allowlist: a blocked host it admits shows as allowed instead of offering the button. */
   allowed?: string[];
+  /** Adds tokens to the session's budget (the button on a paused budget card). */
+  raiseBudget?: (tokens: number) => void;
   /** Where the session's Files changed view is (the delivery card's file count links there). */
   filesHref?: string;
   /** Ended turns by number: an interrupted one is marked, a failed one ends with its failure. */
@@ -234,6 +236,20 @@ export const PartView = memo(function PartView({ part, actions, repeats, termina
     }
     case 'data-sortie-notice':
       return <div className="note notice" role="status">{str(data.message)}</div>;
+    case 'data-sortie-budget': {
+      // One card per turn (id `budget`), replaced as the pause is raised or runs out.
+      const state = str(data.state);
+      const limit = Number(data.limit) || 0;
+      const unit = data.kind === 'tokens' ? 'tokens' : 'CPU seconds';
+      return (
+        <div className={`card budget budget-${state}`} role={state === 'paused' ? 'alert' : 'status'}>
+          <span className="kind">budget {state}</span>{' '}
+          <span>{str(data.spent)} of {limit} {unit}. {str(data.how)}</span>
+          {state === 'paused' && data.kind === 'tokens' && actions.raiseBudget && limit > 0
+            && <button onClick={() => actions.raiseBudget?.(limit)}>Add {limit} tokens</button>}
+        </div>
+      );
+    }
     case 'data-sortie-truncated':
       return <div className="note notice" role="status">{str(data.reason)}</div>;
     case 'step-start':

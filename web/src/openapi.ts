@@ -228,6 +228,24 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/limits": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** The workspace's default budget for new sessions and its quotas. */
+        get: operations["get_limits"];
+        /** Set the workspace's default budget and quotas (replacing them; `{}` removes every one). */
+        put: operations["put_limits"];
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/model-keys": {
         parameters: {
             query?: never;
@@ -352,6 +370,26 @@ export interface paths {
         put?: never;
         /** Mint a single-use ticket for the session's stream (valid 60 s). `turn` tickets need the operator role. */
         post: operations["attach_ticket"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/sessions/{id}/budget": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Raise a session's budget: a request the model proxy holds at the token cap goes on at once if the
+         *     new cap allows it (within a second).
+         */
+        post: operations["raise_budget"];
         delete?: never;
         options?: never;
         head?: never;
@@ -728,6 +766,35 @@ export interface components {
             /** @description More files changed than sortie keeps (3,000): the branch itself has them all. */
             truncated: boolean;
         };
+        /**
+         * @description What a session may spend (DESIGN §12, §16). At the token cap the model proxy holds the agent's
+         *     next request and the session needs input; at the compute cap the turn stops. Raise either with
+         *     `POST /v1/sessions/{id}/budget`.
+         */
+        Budget: {
+            /**
+             * Format: int64
+             * @description CPU seconds of the session's sandboxes.
+             */
+            compute_seconds?: number | null;
+            /**
+             * Format: int64
+             * @description Model tokens (input and output) in all of the session's turns.
+             */
+            tokens?: number | null;
+        };
+        BudgetData: {
+            /** @description What to do, in a sentence. */
+            how: string;
+            /** @description `tokens` or `compute_seconds`. */
+            kind: string;
+            /** Format: int64 */
+            limit: number;
+            /** Format: int64 */
+            spent: number;
+            /** @description `paused`, `raised` or `exceeded`. */
+            state: string;
+        };
         /** @description A command the agent ran. */
         CommandEvidence: {
             command: string;
@@ -747,6 +814,7 @@ export interface components {
             agent?: string | null;
             /** @description The branch to start from; the repository's default branch when absent. */
             base?: string | null;
+            budget?: components["schemas"]["Budget"] | null;
             egress?: components["schemas"]["EgressRequest"] | null;
             /** @description The model the agent should use; the agent's default when absent. */
             model?: string | null;
@@ -841,7 +909,7 @@ export interface components {
          * @description A refusal the control plane answers with, and its HTTP status.
          * @enum {string}
          */
-        ErrorCode: "INVALID_REQUEST" | "UNSUPPORTED_MEDIA_TYPE" | "BODY_TOO_LARGE" | "UNAUTHORIZED" | "FORBIDDEN" | "SESSION_NOT_FOUND" | "NOT_FOUND" | "METHOD_NOT_ALLOWED" | "PROMPT_TOO_LARGE" | "SESSION_PROMPTS_TOO_LARGE" | "SETUP_TOO_LARGE" | "TITLE_TOO_LONG" | "EGRESS_ALLOWLIST_INVALID" | "AGENT_UNKNOWN" | "AGENT_NOT_INSTALLED" | "REPO_INVALID" | "REPO_NOT_ALLOWED" | "BASE_INVALID" | "BASE_NOT_FOUND" | "REPO_NOT_READABLE" | "MODEL_INVALID" | "TURN_QUEUE_FULL" | "SESSION_NOT_STEERABLE" | "NO_TURN_RUNNING" | "SESSION_ACTIVE" | "TICKET_INVALID" | "TICKET_EXPIRED" | "TICKET_REPLAYED" | "MODEL_API_UNKNOWN" | "MODEL_KEY_INVALID" | "MODEL_KEY_NOT_FOUND" | "FORGE_CONNECTION_INVALID" | "FORGE_CONNECTION_NOT_FOUND" | "WEBHOOK_INVALID" | "WEBHOOK_URL_REFUSED" | "WEBHOOK_NOT_FOUND" | "WEBHOOK_SIGNATURE_INVALID" | "WEBHOOK_BACKLOG_FULL" | "IDEMPOTENCY_KEY_REUSED" | "IDEMPOTENCY_KEY_IN_USE" | "EVENTS_PRUNED" | "TOKEN_NOT_FOUND" | "TOKEN_IN_USE" | "PRESET_NOT_FOUND" | "STORE_UNAVAILABLE" | "INTERNAL";
+        ErrorCode: "INVALID_REQUEST" | "UNSUPPORTED_MEDIA_TYPE" | "BODY_TOO_LARGE" | "UNAUTHORIZED" | "FORBIDDEN" | "SESSION_NOT_FOUND" | "NOT_FOUND" | "METHOD_NOT_ALLOWED" | "PROMPT_TOO_LARGE" | "SESSION_PROMPTS_TOO_LARGE" | "SETUP_TOO_LARGE" | "TITLE_TOO_LONG" | "EGRESS_ALLOWLIST_INVALID" | "AGENT_UNKNOWN" | "AGENT_NOT_INSTALLED" | "REPO_INVALID" | "REPO_NOT_ALLOWED" | "BASE_INVALID" | "BASE_NOT_FOUND" | "REPO_NOT_READABLE" | "MODEL_INVALID" | "TURN_QUEUE_FULL" | "SESSION_NOT_STEERABLE" | "NO_TURN_RUNNING" | "SESSION_ACTIVE" | "TICKET_INVALID" | "TICKET_EXPIRED" | "TICKET_REPLAYED" | "MODEL_API_UNKNOWN" | "MODEL_KEY_INVALID" | "MODEL_KEY_NOT_FOUND" | "FORGE_CONNECTION_INVALID" | "FORGE_CONNECTION_NOT_FOUND" | "WEBHOOK_INVALID" | "WEBHOOK_URL_REFUSED" | "WEBHOOK_NOT_FOUND" | "WEBHOOK_SIGNATURE_INVALID" | "WEBHOOK_BACKLOG_FULL" | "QUOTA_EXCEEDED" | "IDEMPOTENCY_KEY_REUSED" | "IDEMPOTENCY_KEY_IN_USE" | "EVENTS_PRUNED" | "TOKEN_NOT_FOUND" | "TOKEN_IN_USE" | "PRESET_NOT_FOUND" | "STORE_UNAVAILABLE" | "INTERNAL";
         /** @description One error: a stable code, a sentence for people, and structured details (an empty object if none). */
         ErrorDetail: {
             code: components["schemas"]["ErrorCode"];
@@ -883,7 +951,7 @@ export interface components {
          * @description Why a session's last turn failed (`failure.code`, DESIGN §4.1).
          * @enum {string}
          */
-        FailureCode: "SANDBOX_START_FAILED" | "CLONE_FAILED" | "SETUP_FAILED" | "AGENT_START_FAILED" | "VENDOR_AUTH_REJECTED" | "TURN_TIMEOUT" | "AGENT_ERROR" | "SECRET_DETECTED" | "PUSH_CONFLICT" | "DELIVERY_FAILED" | "PR_OPEN_FAILED" | "SANDBOX_LOST" | "DISK_QUOTA_EXCEEDED" | "INTERNAL";
+        FailureCode: "SANDBOX_START_FAILED" | "CLONE_FAILED" | "SETUP_FAILED" | "AGENT_START_FAILED" | "VENDOR_AUTH_REJECTED" | "TURN_TIMEOUT" | "AGENT_ERROR" | "SECRET_DETECTED" | "PUSH_CONFLICT" | "DELIVERY_FAILED" | "PR_OPEN_FAILED" | "SANDBOX_LOST" | "DISK_QUOTA_EXCEEDED" | "BUDGET_EXCEEDED" | "INTERNAL";
         /** @description One file of a branch diff. */
         FileDiff: {
             /** @description Git sees a binary file: no line counts and no patch. */
@@ -1066,6 +1134,39 @@ export interface components {
             number: number;
             url: string;
         };
+        /**
+         * @description A workspace's quotas: past one, creating a session (and, for tokens, steering one) is refused
+         *     `QUOTA_EXCEEDED`. Live sandboxes are capped per workspace by `serve --sandboxes-per-workspace`
+         *     (past it, turns queue).
+         */
+        Quotas: {
+            /**
+             * Format: int64
+             * @description Sessions created per UTC day.
+             */
+            sessions_per_day?: number | null;
+            /**
+             * Format: int64
+             * @description Model tokens per UTC calendar month, all sessions together.
+             */
+            tokens_per_month?: number | null;
+        };
+        /**
+         * @description `POST /v1/sessions/{id}/budget`: how much to add (a held request goes on at once if the new cap
+         *     allows it).
+         */
+        RaiseBudgetRequest: {
+            /**
+             * Format: int64
+             * @description CPU seconds to add to the compute cap (likewise).
+             */
+            compute_seconds?: number | null;
+            /**
+             * Format: int64
+             * @description Tokens to add to the token cap (a session without one gets this much more than it used).
+             */
+            tokens?: number | null;
+        };
         /** @description What the composer fills in for a repository: its egress allowlist, setup script and agent. */
         RepoPreset: {
             agent?: string | null;
@@ -1096,6 +1197,7 @@ export interface components {
             base?: string | null;
             /** @description `sortie/<id>`. */
             branch: string;
+            budget?: components["schemas"]["SessionBudget"] | null;
             /** @description RFC 3339 UTC. */
             created_at: string;
             /**
@@ -1132,6 +1234,15 @@ export interface components {
             usage: components["schemas"]["Usage"];
             /** @description The workspace's name. */
             workspace: string;
+        };
+        /** @description A session's budget as it stands. */
+        SessionBudget: {
+            /** Format: int64 */
+            compute_seconds?: number | null;
+            /** @description Set while the model proxy holds the agent's request at the token cap: the session needs input. */
+            paused_at?: string | null;
+            /** Format: int64 */
+            tokens?: number | null;
         };
         /** @description `GET /v1/sessions/{id}/evidence`. */
         SessionEvidence: {
@@ -1260,6 +1371,14 @@ export interface components {
             data: components["schemas"]["NoticeData"];
             /** @enum {string} */
             type: "data-sortie-notice";
+        } | {
+            /**
+             * @description `data-sortie-budget` (id `budget`): the session reached its budget: the agent's next model
+             *     request is held (`paused`), goes on (`raised`), or the turn ends (`exceeded`).
+             */
+            data: components["schemas"]["BudgetData"];
+            /** @enum {string} */
+            type: "data-sortie-budget";
         };
         /** @description `POST /v1/sessions/{id}/steer`. */
         SteerRequest: {
@@ -1467,6 +1586,12 @@ export interface components {
         /** @description `GET /v1/webhooks`. */
         WebhookList: {
             webhooks: components["schemas"]["Webhook"][];
+        };
+        /** @description `GET`/`PUT /v1/limits`: a workspace's default budget for new sessions and its quotas. */
+        WorkspaceLimits: {
+            /** @description The budget of a session created without one (field by field). */
+            budget?: components["schemas"]["Budget"];
+            quotas?: components["schemas"]["Quotas"];
         };
     };
     responses: never;
@@ -2000,6 +2125,82 @@ export interface operations {
             };
             /** @description WEBHOOK_BACKLOG_FULL */
             429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+        };
+    };
+    get_limits: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["WorkspaceLimits"];
+                };
+            };
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+        };
+    };
+    put_limits: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["WorkspaceLimits"];
+            };
+        };
+        responses: {
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["WorkspaceLimits"];
+                };
+            };
+            /** @description INVALID_REQUEST */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description FORBIDDEN: only an admin token */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -2641,6 +2842,67 @@ export interface operations {
                 };
             };
             /** @description FORBIDDEN */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            /** @description SESSION_NOT_FOUND */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+        };
+    };
+    raise_budget: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description Session id */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["RaiseBudgetRequest"];
+            };
+        };
+        responses: {
+            /** @description The session with its new budget */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Session"];
+                };
+            };
+            /** @description INVALID_REQUEST */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiErrorBody"];
+                };
+            };
             403: {
                 headers: {
                     [name: string]: unknown;

@@ -280,6 +280,12 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, allowed
       onActivity();
     } catch (e) { setError((e as ApiError).message); }
   }, [id, onActivity]);
+  const raiseBudget = useCallback(async (tokens: number) => {
+    try {
+      await client.raiseBudget(id, tokens);
+      onActivity();
+    } catch (e) { setError((e as ApiError).message); }
+  }, [id, onActivity]);
   // Stable while the allowlist's value is (the session is polled): every part view is memoized on it.
   const allowedKey = allowed.join('\n');
   // How each ended turn ended (a stopped one is marked, a failed one shows its failure), stable while
@@ -291,7 +297,7 @@ function Chat({ id, initial, onActivity, reattach, syncKey, runningTurn, allowed
     for (const t of turns) if (t.status === 'stopped' || t.status === 'failed' || t.status === 'lost') out[t.n] = { status: t.status, failure: t.failure };
     return out;
   }, [endsKey]); // eslint-disable-line react-hooks/exhaustive-deps
-  const actions = useMemo(() => ({ allowHost, allowed: allowedKey ? allowedKey.split('\n') : [], filesHref: `/sessions/${id}/files`, ends }), [allowHost, allowedKey, id, ends]);
+  const actions = useMemo(() => ({ allowHost, raiseBudget, allowed: allowedKey ? allowedKey.split('\n') : [], filesHref: `/sessions/${id}/files`, ends }), [allowHost, raiseBudget, allowedKey, id, ends]);
   const submit = async (e: FormEvent) => {
     e.preventDefault();
     const prompt = text.trim();

@@ -8,7 +8,9 @@ export type Tone = 'ok' | 'run' | 'fail' | 'muted' | 'attention';
 export interface Outcome { label: string; tone: Tone; detail?: string }
 
 /** The outcome a user cares about, from the session alone (`needsInput` when the page knows the agent waits). */
-export function outcome(s: Pick<Session, 'phase' | 'failure' | 'pr' | 'head_sha' | 'queued_reason'>, needsInput?: string | null): Outcome {
+export function outcome(s: Pick<Session, 'phase' | 'failure' | 'pr' | 'head_sha' | 'queued_reason' | 'budget'>, needsInput?: string | null): Outcome {
+  // The model proxy holds the agent at its token budget: it waits for someone to raise it.
+  needsInput = needsInput || (s.budget?.paused_at ? 'budget reached' : null);
   switch (s.phase) {
     case 'canceled': return { label: 'Canceled', tone: 'muted' };
     case 'canceling': return { label: 'Canceling', tone: 'run' };

@@ -30,6 +30,16 @@ pub enum ClientCommand {
     },
     /// Stop the running turn; its work so far is delivered.
     Stop { id: String },
+    /// Raise a session's budget; a turn paused at its token cap goes on.
+    Budget {
+        id: String,
+        /// Model tokens to add to its token cap.
+        #[arg(long = "add", value_name = "TOKENS")]
+        tokens: Option<u64>,
+        /// CPU seconds to add to its compute cap.
+        #[arg(long)]
+        compute_seconds: Option<u64>,
+    },
     /// End the session for good.
     Cancel { id: String },
     /// Wake a hibernated session: its sandbox comes back with its workspace and agent state.
@@ -199,6 +209,12 @@ pub struct RunArgs {
     /// A file with a setup script to run before the agent starts.
     #[arg(long)]
     pub setup: Option<PathBuf>,
+    /// Model tokens the session may use (default: the workspace's); at the cap it pauses for more.
+    #[arg(long)]
+    pub budget_tokens: Option<u64>,
+    /// CPU seconds its sandboxes may use (default: the workspace's); at the cap the turn stops.
+    #[arg(long)]
+    pub budget_compute_seconds: Option<u64>,
     /// Stay and show the turn as it happens; exit with its outcome (0 completed, 1 failed, 3 stopped
     /// or canceled). Ctrl-C detaches: the session goes on.
     #[arg(long, short = 'f')]

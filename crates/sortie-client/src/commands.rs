@@ -89,6 +89,29 @@ pub async fn run(target: Target, command: Command) -> anyhow::Result<ExitCode> {
                 .await?;
             finish(&client, answer, |turn| format!("stopping turn {} of {id}", turn.n))
         }
+        Command::Budget {
+            id,
+            tokens,
+            compute_seconds,
+        } => {
+            let request = sortie_protocol::api::RaiseBudgetRequest {
+                tokens,
+                compute_seconds,
+            };
+            let answer = client
+                .send::<Session>(Method::POST, &format!("/v1/sessions/{id}/budget"), &request)
+                .await?;
+            finish(&client, answer, |session| {
+                let budget = session.budget.clone().unwrap_or_default();
+                let shown = |cap: Option<u64>| cap.map_or_else(|| "none".to_owned(), |n| n.to_string());
+                format!(
+                    "{}: budget {} tokens, {} compute seconds",
+                    session.id,
+                    shown(budget.tokens),
+                    shown(budget.compute_seconds)
+                )
+            })
+        }
         Command::Cancel { id } => {
             let answer = client
                 .call::<Session>(Method::POST, &format!("/v1/sessions/{id}/cancel"))
@@ -200,6 +223,12 @@ async fn create(client: &Client, run: RunArgs) -> anyhow::Result<ExitCode> {
         egress: (!run.allow.is_empty()).then_some(EgressRequest { allow: run.allow }),
         setup,
         title: run.title,
+        budget: (run.budget_tokens.is_some() || run.budget_compute_seconds.is_some()).then_some(
+            sortie_protocol::api::Budget {
+                tokens: run.budget_tokens,
+                compute_seconds: run.budget_compute_seconds,
+            },
+        ),
     };
     let answer = client.send::<Session>(Method::POST, "/v1/sessions", &request).await?;
     if run.follow

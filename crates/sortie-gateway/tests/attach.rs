@@ -131,6 +131,7 @@ impl World {
                 egress_allow: Vec::new(),
                 setup: None,
                 task: "t".into(),
+                budget: Default::default(),
             })
             .await
             .expect("session");

@@ -53,6 +53,7 @@ async fn an_amended_allowlist_opens_the_next_connection() {
             egress_allow: vec!["pkg.sortie-test.dev".into()],
             setup: None,
             task: "t".into(),
+            budget: Default::default(),
         })
         .await
         .expect("session");

@@ -172,6 +172,16 @@ pub struct SteerSession {
 }
 
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct RaiseBudget {
+    /// The session id (`ses_…`).
+    pub id: String,
+    /// Model tokens to add to its token cap.
+    pub tokens: Option<u64>,
+    /// CPU seconds to add to its compute cap.
+    pub compute_seconds: Option<u64>,
+}
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub struct AwaitSession {
     /// The session id (`ses_…`).
     pub id: String,
@@ -332,6 +342,7 @@ impl Sortie {
             egress: p.allow.map(|allow| EgressRequest { allow }),
             setup: None,
             title: p.title,
+            budget: None,
         };
         answer(
             self.rest(&extensions, Method::POST, "/v1/sessions".into(), Some(body(&request)))
@@ -401,6 +412,30 @@ impl Sortie {
             )
             .await
             .map(|turn| ok(&turn)),
+        )
+    }
+
+    #[tool(
+        description = "Raise a session's budget by some model tokens and/or CPU seconds. A session paused at its token cap (its budget.paused_at is set) goes on at once. Returns the session."
+    )]
+    async fn raise_budget(&self, Parameters(p): Parameters<RaiseBudget>, extensions: Extensions) -> Answer {
+        let id = match session_id(&p.id) {
+            Ok(id) => id,
+            Err(error) => return failed(error),
+        };
+        let request = sortie_protocol::api::RaiseBudgetRequest {
+            tokens: p.tokens,
+            compute_seconds: p.compute_seconds,
+        };
+        answer(
+            self.rest(
+                &extensions,
+                Method::POST,
+                format!("/v1/sessions/{id}/budget"),
+                Some(body(&request)),
+            )
+            .await
+            .map(|session| ok(&session)),
         )
     }
 

@@ -34,7 +34,94 @@ pub struct CreateSessionRequest {
     /// A title for people; the first line of the task when absent.
     #[serde(default)]
     pub title: Option<String>,
+    /// Caps on what the session may spend; each absent field takes the workspace's default
+    /// (`GET /v1/limits`).
+    #[serde(default)]
+    pub budget: Option<Budget>,
 }
+
+/// What a session may spend (DESIGN §12, §16). At the token cap the model proxy holds the agent's
+/// next request and the session needs input; at the compute cap the turn stops. Raise either with
+/// `POST /v1/sessions/{id}/budget`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct Budget {
+    /// Model tokens (input and output) in all of the session's turns.
+    #[serde(default)]
+    pub tokens: Option<u64>,
+    /// CPU seconds of the session's sandboxes.
+    #[serde(default)]
+    pub compute_seconds: Option<u64>,
+}
+
+impl Budget {
+    /// Each field of `self`, else of `default`.
+    pub fn or(self, default: Budget) -> Budget {
+        Budget {
+            tokens: self.tokens.or(default.tokens),
+            compute_seconds: self.compute_seconds.or(default.compute_seconds),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_none() && self.compute_seconds.is_none()
+    }
+}
+
+/// A session's budget as it stands.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SessionBudget {
+    pub tokens: Option<u64>,
+    pub compute_seconds: Option<u64>,
+    /// Set while the model proxy holds the agent's request at the token cap: the session needs input.
+    pub paused_at: Option<String>,
+}
+
+/// `POST /v1/sessions/{id}/budget`: how much to add (a held request goes on at once if the new cap
+/// allows it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct RaiseBudgetRequest {
+    /// Tokens to add to the token cap (a session without one gets this much more than it used).
+    #[serde(default)]
+    pub tokens: Option<u64>,
+    /// CPU seconds to add to the compute cap (likewise).
+    #[serde(default)]
+    pub compute_seconds: Option<u64>,
+}
+
+/// `GET`/`PUT /v1/limits`: a workspace's default budget for new sessions and its quotas.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct WorkspaceLimits {
+    /// The budget of a session created without one (field by field).
+    #[serde(default)]
+    pub budget: Budget,
+    #[serde(default)]
+    pub quotas: Quotas,
+}
+
+/// A workspace's quotas: past one, creating a session (and, for tokens, steering one) is refused
+/// `QUOTA_EXCEEDED`. Live sandboxes are capped per workspace by `serve --sandboxes-per-workspace`
+/// (past it, turns queue).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct Quotas {
+    /// Sessions created per UTC day.
+    #[serde(default)]
+    pub sessions_per_day: Option<u64>,
+    /// Model tokens per UTC calendar month, all sessions together.
+    #[serde(default)]
+    pub tokens_per_month: Option<u64>,
+}
+
+/// The largest budget or quota figure accepted (far past any real need; keeps sums in range).
+pub const LIMIT_MAX: u64 = 1 << 50;
 
 /// The egress part of a create request.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -150,6 +237,9 @@ pub struct Session {
     pub egress: Egress,
     pub usage: Usage,
     pub archived: bool,
+    /// Its caps, when it has any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<SessionBudget>,
     /// When retention pruned its transcript and directories (`sortie gc`); the session and its turns stay.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pruned_at: Option<String>,

@@ -108,6 +108,9 @@ error_codes! {
     /// The workspace has the most forge deliveries waiting for a worker that it may have; the forge
     /// can deliver it again later.
     WebhookBacklogFull = 429,
+    /// A workspace quota is used up (`details`: the quota, its limit and what is used); an admin
+    /// raises it with `PUT /v1/limits`, or the day or month turns.
+    QuotaExceeded = 429,
     /// The `Idempotency-Key` was used for a different request (another body or endpoint) in the last
     /// 24 h; use a new key.
     IdempotencyKeyReused = 422,
@@ -196,6 +199,14 @@ pub mod details {
         pub base: String,
     }
 
+    /// `QUOTA_EXCEEDED`: which quota (`sessions_per_day`, `tokens_per_month`), its limit, what is used.
+    #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct QuotaExceeded {
+        pub quota: String,
+        pub limit: u64,
+        pub used: u64,
+    }
+
     /// `REPO_NOT_READABLE`: the repository's path.
     #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
     pub struct RepoNotReadable {
@@ -263,6 +274,9 @@ pub enum FailureCode {
     /// The session's disk (its `/workspace` and `$HOME`) is full: the agent's writes past its quota
     /// failed. Free space in the workspace, or raise the disk limit, and steer the session.
     DiskQuotaExceeded,
+    /// The session reached its token or compute budget and nobody raised it in time; what the agent
+    /// did is delivered. Raise it (`POST /v1/sessions/{id}/budget`) and steer the session.
+    BudgetExceeded,
     /// A fault of sortie itself.
     Internal,
 }
@@ -315,6 +329,7 @@ mod tests {
             (WebhookNotFound, 404),
             (WebhookSignatureInvalid, 401),
             (WebhookBacklogFull, 429),
+            (QuotaExceeded, 429),
             (IdempotencyKeyReused, 422),
             (IdempotencyKeyInUse, 409),
             (Internal, 500),

@@ -34,6 +34,23 @@ pub enum SortieData {
     /// the sandbox's stream refused, a cap reached).
     #[serde(rename = "data-sortie-notice")]
     Notice(NoticeData),
+    /// `data-sortie-budget` (id `budget`): the session reached its budget: the agent's next model
+    /// request is held (`paused`), goes on (`raised`), or the turn ends (`exceeded`).
+    #[serde(rename = "data-sortie-budget")]
+    Budget(BudgetData),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct BudgetData {
+    /// `paused`, `raised` or `exceeded`.
+    pub state: String,
+    /// `tokens` or `compute_seconds`.
+    pub kind: String,
+    pub spent: u64,
+    pub limit: u64,
+    /// What to do, in a sentence.
+    pub how: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -134,6 +151,7 @@ impl SortieData {
             Self::EgressDenied(_) => "sortie-egress-denied",
             Self::Usage(_) => "sortie-usage",
             Self::Notice(_) => "sortie-notice",
+            Self::Budget(_) => "sortie-budget",
         }
     }
 
@@ -144,6 +162,7 @@ impl SortieData {
             Self::Priming(_) => Some("priming"),
             Self::Delivery(_) => Some("delivery"),
             Self::Usage(_) => Some("tokens"),
+            Self::Budget(_) => Some("budget"),
             Self::EgressDenied(_) | Self::Notice(_) => None,
         }
     }

@@ -7,8 +7,9 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use sortie_protocol::api::{
-    AttachTicket, AttachTicketRequest, BranchDiff, CreateSessionRequest, EgressAmendment, ModelUsage, Role, Session,
-    SessionList, SteerRequest, TicketAction, Turn, TurnList, UiMessage, UsageReport, UsageRow, rfc3339_from_epoch_ms,
+    AttachTicket, AttachTicketRequest, BranchDiff, CreateSessionRequest, EgressAmendment, LIMIT_MAX, ModelUsage,
+    RaiseBudgetRequest, Role, Session, SessionList, SteerRequest, TicketAction, Turn, TurnList, UiMessage, UsageReport,
+    UsageRow, WorkspaceLimits, rfc3339_from_epoch_ms,
 };
 use sortie_protocol::limits::{
     DIFF_PAGE_FILES_DEFAULT, DIFF_PAGE_FILES_MAX, LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX, MESSAGES_PAGE_TURNS_DEFAULT,
@@ -23,7 +24,7 @@ use utoipa_axum::routes;
 
 use crate::ApiState;
 use crate::error::ApiError;
-use crate::extract::{ApiJson, ApiQuery, NoInput, Operator, OptionalJson, SessionPath, Viewer};
+use crate::extract::{Admin, ApiJson, ApiQuery, NoInput, Operator, OptionalJson, SessionPath, Viewer};
 use crate::idempotency::{self, Begun};
 use crate::transcript::{self, PageStart};
 use crate::{local_repo, tokens, views};
@@ -44,6 +45,8 @@ pub fn routes() -> OpenApiRouter<ApiState> {
         .routes(routes!(amend_egress))
         .routes(routes!(usage))
         .routes(routes!(evidence))
+        .routes(routes!(raise_budget))
+        .routes(routes!(get_limits, put_limits))
 }
 
 /// What the session did, as its pull request's description shows it: each turn's outcome and summary,
@@ -130,6 +133,12 @@ async fn create(
             resolved
         }
     };
+    if let Some(budget) = &request.budget {
+        check_budget("budget", budget.tokens, budget.compute_seconds)?;
+    }
+    refuse_past_quota(state, &caller.workspace_id, true).await?;
+    let budget =
+        sortie_store::limits::session_budget(state.store.as_ref(), &caller.workspace_id, request.budget).await?;
     let title = request.title.unwrap_or_else(|| validate::default_title(&request.task));
     let new = NewSession {
         id: SessionId::generate(),
@@ -142,10 +151,119 @@ async fn create(
         egress_allow,
         setup: request.setup,
         task: request.task,
+        budget,
     };
     let row = state.store.create_session(new).await?;
     metrics::counter!("sortie_sessions_created_total").increment(1);
     Ok((StatusCode::ACCEPTED, Json(views::session(&row))))
+}
+
+/// Each figure of a budget is 1 to [`LIMIT_MAX`].
+fn check_budget(field: &str, tokens: Option<u64>, compute_seconds: Option<u64>) -> Result<(), ApiError> {
+    for (name, value) in [("tokens", tokens), ("compute_seconds", compute_seconds)] {
+        if value.is_some_and(|value| value == 0 || value > LIMIT_MAX) {
+            return Err(ApiError::new(
+                ErrorCode::InvalidRequest,
+                format!("{field}.{name} must be 1 to {LIMIT_MAX}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `QUOTA_EXCEEDED` when the workspace's quotas are used up (sessions per day only when `creating`).
+async fn refuse_past_quota(state: &ApiState, workspace_id: &str, creating: bool) -> Result<(), ApiError> {
+    match sortie_store::limits::quota_breach(state.store.as_ref(), workspace_id, creating).await? {
+        None => Ok(()),
+        Some(breach) => Err(
+            ApiError::new(ErrorCode::QuotaExceeded, breach.to_string()).with_details(
+                sortie_protocol::error::details::QuotaExceeded {
+                    quota: breach.quota.to_owned(),
+                    limit: breach.limit,
+                    used: breach.used,
+                },
+            ),
+        ),
+    }
+}
+
+/// Raise a session's budget: a request the model proxy holds at the token cap goes on at once if the
+/// new cap allows it (within a second).
+#[utoipa::path(
+    post, path = "/v1/sessions/{id}/budget", tag = "sessions", request_body = RaiseBudgetRequest,
+    params(("id" = String, Path, description = "Session id")), security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The session with its new budget", body = Session),
+        (status = 400, description = "INVALID_REQUEST", body = ApiErrorBody),
+        (status = 401, body = ApiErrorBody), (status = 403, body = ApiErrorBody),
+        (status = 404, description = "SESSION_NOT_FOUND", body = ApiErrorBody),
+    )
+)]
+async fn raise_budget(
+    State(state): State<ApiState>,
+    Operator(caller): Operator,
+    SessionPath(id): SessionPath,
+    ApiJson(request): ApiJson<RaiseBudgetRequest>,
+) -> Result<Json<Session>, ApiError> {
+    if request.tokens.is_none() && request.compute_seconds.is_none() {
+        return Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            "name how much to add: tokens, compute_seconds or both",
+        ));
+    }
+    check_budget("budget", request.tokens, request.compute_seconds)?;
+    let row = state
+        .store
+        .raise_budget(
+            &caller.workspace_id,
+            &id,
+            request.tokens,
+            request.compute_seconds.map(|seconds| seconds * 1000),
+        )
+        .await?;
+    tracing::info!(session = %id, tokens = ?request.tokens, compute_seconds = ?request.compute_seconds, by = %caller.token_id, "budget raised");
+    Ok(Json(views::session(&row)))
+}
+
+/// The workspace's default budget for new sessions and its quotas.
+#[utoipa::path(
+    get, path = "/v1/limits", tag = "usage", security(("bearer" = [])),
+    responses((status = 200, body = WorkspaceLimits), (status = 401, body = ApiErrorBody))
+)]
+async fn get_limits(State(state): State<ApiState>, Viewer(caller): Viewer) -> Result<Json<WorkspaceLimits>, ApiError> {
+    Ok(Json(state.store.workspace_limits(&caller.workspace_id).await?))
+}
+
+/// Set the workspace's default budget and quotas (replacing them; `{}` removes every one).
+#[utoipa::path(
+    put, path = "/v1/limits", tag = "usage", request_body = WorkspaceLimits, security(("bearer" = [])),
+    responses(
+        (status = 200, body = WorkspaceLimits),
+        (status = 400, description = "INVALID_REQUEST", body = ApiErrorBody),
+        (status = 401, body = ApiErrorBody),
+        (status = 403, description = "FORBIDDEN: only an admin token", body = ApiErrorBody),
+    )
+)]
+async fn put_limits(
+    State(state): State<ApiState>,
+    Admin(caller): Admin,
+    ApiJson(limits): ApiJson<WorkspaceLimits>,
+) -> Result<Json<WorkspaceLimits>, ApiError> {
+    check_budget("budget", limits.budget.tokens, limits.budget.compute_seconds)?;
+    for (name, value) in [
+        ("sessions_per_day", limits.quotas.sessions_per_day),
+        ("tokens_per_month", limits.quotas.tokens_per_month),
+    ] {
+        if value.is_some_and(|value| value > LIMIT_MAX) {
+            return Err(ApiError::new(
+                ErrorCode::InvalidRequest,
+                format!("quotas.{name} must be at most {LIMIT_MAX}"),
+            ));
+        }
+    }
+    state.store.set_workspace_limits(&caller.workspace_id, &limits).await?;
+    crate::audit::record(&state, &caller, "limits.set", &caller.workspace_name).await;
+    Ok(Json(limits))
 }
 
 /// The agent a session runs: the one named, known and installed, or else the default if it is
@@ -532,6 +650,9 @@ async fn add_turn(
     request: SteerRequest,
 ) -> Result<(StatusCode, Json<Turn>), ApiError> {
     validate::check_prompt("prompt", &request.prompt)?;
+    // The session must be this workspace's before its quota is read (a miss is SESSION_NOT_FOUND).
+    state.store.session(workspace_id, id).await?;
+    refuse_past_quota(state, workspace_id, false).await?;
     let turn = state
         .store
         .steer(

@@ -46,6 +46,11 @@ pub fn session(row: &SessionRow) -> api::Session {
         },
         archived: row.archived,
         pruned_at: row.pruned_at.map(rfc3339_from_epoch_ms),
+        budget: (row.budget_tokens.is_some() || row.budget_compute_ms.is_some()).then(|| api::SessionBudget {
+            tokens: row.budget_tokens,
+            compute_seconds: row.budget_compute_ms.map(|ms| ms / 1000),
+            paused_at: row.budget_paused_at.map(rfc3339_from_epoch_ms),
+        }),
         created_at: rfc3339_from_epoch_ms(row.created_at),
         updated_at: rfc3339_from_epoch_ms(row.updated_at),
     }

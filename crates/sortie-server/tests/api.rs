@@ -81,6 +81,8 @@ on_every_server!(
     webhooks_are_added_listed_and_removed_by_admins_only,
     tokens_are_listed_created_once_and_revoked_by_admins_only,
     presets_are_kept_per_repository_checked_like_a_session,
+    budgets_default_from_the_workspace_and_are_raised,
+    quotas_refuse_creation_past_the_limit_with_details,
 );
 
 /// Security review S8 over a real socket, on each database (the flood is stored once per test).
@@ -610,6 +612,203 @@ async fn tokens_are_listed_created_once_and_revoked_by_admins_only(h: Harness) {
     );
     assert_error(
         &h.get("/v1/audit?before=x", &h.admin).await,
+        StatusCode::BAD_REQUEST,
+        "INVALID_REQUEST",
+    );
+}
+
+async fn budgets_default_from_the_workspace_and_are_raised(h: Harness) {
+    // No budget, no default: the session has none (the field is absent).
+    let free = h.create("free").await;
+    assert!(
+        h.get(&format!("/v1/sessions/{free}"), &h.viewer)
+            .await
+            .body
+            .get("budget")
+            .is_none()
+    );
+    // The workspace's defaults: only an admin sets them, everyone reads them.
+    let limits = json!({"budget": {"tokens": 1000, "compute_seconds": 60}, "quotas": {}});
+    assert_error(
+        &h.send(
+            Method::PUT,
+            "/v1/limits",
+            Some(&h.operator),
+            Payload::Json(limits.clone()),
+        )
+        .await,
+        StatusCode::FORBIDDEN,
+        "FORBIDDEN",
+    );
+    let set = h
+        .send(Method::PUT, "/v1/limits", Some(&h.admin), Payload::Json(limits.clone()))
+        .await;
+    assert_eq!(set.status, StatusCode::OK, "{}", set.body);
+    let read = h.get("/v1/limits", &h.viewer).await;
+    assert_eq!(read.body["budget"], limits["budget"]);
+    // A session takes the defaults field by field.
+    let created = h
+        .post(
+            "/v1/sessions",
+            &h.operator,
+            json!({"repo": h.repo, "task": "t", "agent": "scripted", "budget": {"tokens": 500}}),
+        )
+        .await;
+    assert_eq!(created.status, StatusCode::ACCEPTED, "{}", created.body);
+    assert_eq!(
+        created.body["budget"],
+        json!({"tokens": 500, "compute_seconds": 60, "paused_at": null})
+    );
+    let id = created.body["id"].as_str().expect("id").to_owned();
+    // Raised by an operator: added to the cap.
+    let path = format!("/v1/sessions/{id}/budget");
+    assert_error(
+        &h.post(&path, &h.viewer, json!({"tokens": 100})).await,
+        StatusCode::FORBIDDEN,
+        "FORBIDDEN",
+    );
+    let raised = h
+        .post(&path, &h.operator, json!({"tokens": 250, "compute_seconds": 30}))
+        .await;
+    assert_eq!(raised.status, StatusCode::OK, "{}", raised.body);
+    assert_eq!(
+        (
+            &raised.body["budget"]["tokens"],
+            &raised.body["budget"]["compute_seconds"]
+        ),
+        (&json!(750), &json!(90))
+    );
+    // A session without a cap gets one: what it used, plus the raise.
+    let raised_free = h
+        .post(
+            &format!("/v1/sessions/{free}/budget"),
+            &h.operator,
+            json!({"tokens": 10}),
+        )
+        .await;
+    assert_eq!(raised_free.body["budget"]["tokens"], 10, "{}", raised_free.body);
+    for bad in [
+        json!({}),
+        json!({"tokens": 0}),
+        json!({"tokens": -1}),
+        json!({"tokens": 1, "dollars": 2}),
+    ] {
+        assert_error(
+            &h.post(&path, &h.operator, bad).await,
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+        );
+    }
+    let bad_create = h
+        .post(
+            "/v1/sessions",
+            &h.operator,
+            json!({"repo": h.repo, "task": "t", "agent": "scripted", "budget": {"tokens": 0}}),
+        )
+        .await;
+    assert_error(&bad_create, StatusCode::BAD_REQUEST, "INVALID_REQUEST");
+    assert_error(
+        &h.post(
+            &format!("/v1/sessions/{}/budget", SessionId::generate()),
+            &h.operator,
+            json!({"tokens": 1}),
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+        "SESSION_NOT_FOUND",
+    );
+    assert_error(
+        &h.post(&path, &h.other_operator, json!({"tokens": 1})).await,
+        StatusCode::NOT_FOUND,
+        "SESSION_NOT_FOUND",
+    );
+    let audit = h.get("/v1/audit", &h.admin).await;
+    assert_eq!(audit.body["entries"][0]["action"], "limits.set", "{}", audit.body);
+}
+
+async fn quotas_refuse_creation_past_the_limit_with_details(h: Harness) {
+    let first = h.create("one").await;
+    h.create("two").await;
+    let set = h
+        .send(
+            Method::PUT,
+            "/v1/limits",
+            Some(&h.admin),
+            Payload::Json(json!({"quotas": {"sessions_per_day": 2, "tokens_per_month": 1000}})),
+        )
+        .await;
+    assert_eq!(set.status, StatusCode::OK, "{}", set.body);
+    let before = h.session_count().await;
+    let refused = h
+        .post(
+            "/v1/sessions",
+            &h.operator,
+            json!({"repo": h.repo, "task": "three", "agent": "scripted"}),
+        )
+        .await;
+    assert_error(&refused, StatusCode::TOO_MANY_REQUESTS, "QUOTA_EXCEEDED");
+    assert_eq!(
+        refused.body["error"]["details"],
+        json!({"quota": "sessions_per_day", "limit": 2, "used": 2})
+    );
+    assert_eq!(h.session_count().await, before, "nothing was written");
+    // Another workspace has its own quotas.
+    let other = h
+        .post(
+            "/v1/sessions",
+            &h.other_operator,
+            json!({"repo": "https://github.com/o/r.git", "task": "x", "agent": "scripted"}),
+        )
+        .await;
+    assert_eq!(other.status, StatusCode::ACCEPTED, "{}", other.body);
+    // Tokens this month past the quota: steering is refused too.
+    let session_id = SessionId::parse(&first).expect("id");
+    let usage = TokenUsage {
+        session_id,
+        turn: 1,
+        model: "m".into(),
+        epoch_ms: sortie_store::now_ms(),
+        input_tokens: 900,
+        output_tokens: 100,
+    };
+    h.store.record_token_usage(&usage).await.expect("usage");
+    let steer = h
+        .post(
+            &format!("/v1/sessions/{first}/steer"),
+            &h.operator,
+            json!({"prompt": "more"}),
+        )
+        .await;
+    assert_error(&steer, StatusCode::TOO_MANY_REQUESTS, "QUOTA_EXCEEDED");
+    assert_eq!(
+        steer.body["error"]["details"],
+        json!({"quota": "tokens_per_month", "limit": 1000, "used": 1000})
+    );
+    let raised = h
+        .send(
+            Method::PUT,
+            "/v1/limits",
+            Some(&h.admin),
+            Payload::Json(json!({"quotas": {"tokens_per_month": 5000}})),
+        )
+        .await;
+    assert_eq!(raised.status, StatusCode::OK);
+    let steer = h
+        .post(
+            &format!("/v1/sessions/{first}/steer"),
+            &h.operator,
+            json!({"prompt": "more"}),
+        )
+        .await;
+    assert_eq!(steer.status, StatusCode::ACCEPTED, "{}", steer.body);
+    assert_error(
+        &h.send(
+            Method::PUT,
+            "/v1/limits",
+            Some(&h.admin),
+            Payload::Json(json!({"quotas": {"sessions_per_day": "many"}})),
+        )
+        .await,
         StatusCode::BAD_REQUEST,
         "INVALID_REQUEST",
     );

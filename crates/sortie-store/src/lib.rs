@@ -11,6 +11,7 @@
 mod error;
 pub mod evidence;
 pub mod keys;
+pub mod limits;
 mod model;
 mod sql;
 pub mod testing;
@@ -49,6 +50,25 @@ pub trait ControlPlane: Send + Sync + 'static {
     async fn ping(&self) -> StoreResult<()>;
     /// Turns accepted and waiting for a worker, in every workspace.
     async fn queued_turns(&self) -> StoreResult<u64>;
+    /// Raises a session's caps by `tokens` and `compute_ms` (a cap it did not have starts at what it used).
+    async fn raise_budget(
+        &self,
+        workspace_id: &str,
+        session_id: &SessionId,
+        tokens: Option<u64>,
+        compute_ms: Option<u64>,
+    ) -> StoreResult<SessionRow>;
+    /// The workspace's default budget and quotas.
+    async fn workspace_limits(&self, workspace_id: &str) -> StoreResult<sortie_protocol::api::WorkspaceLimits>;
+    async fn set_workspace_limits(
+        &self,
+        workspace_id: &str,
+        limits: &sortie_protocol::api::WorkspaceLimits,
+    ) -> StoreResult<()>;
+    /// Sessions the workspace created since `since` (epoch ms).
+    async fn sessions_created_since(&self, workspace_id: &str, since: i64) -> StoreResult<u64>;
+    /// Model tokens (input and output) the workspace's sessions used on UTC days `from_day` (`YYYY-MM-DD`) on.
+    async fn workspace_tokens_since(&self, workspace_id: &str, from_day: &str) -> StoreResult<u64>;
     /// Creates a workspace; [`StoreError::Conflict`] if the name is taken.
     async fn create_workspace(&self, name: &str, repo_access: RepoAccess) -> StoreResult<WorkspaceRow>;
     async fn workspace_by_name(&self, name: &str) -> StoreResult<WorkspaceRow>;
@@ -247,6 +267,8 @@ pub trait Ledger: Send + Sync + 'static {
     /// Live sandboxes as `(session, workspace, handle, worker)`.
     async fn sandboxes(&self) -> StoreResult<Vec<SandboxRow>>;
     async fn record_token_usage(&self, usage: &TokenUsage) -> StoreResult<()>;
+    /// Marks the session held at its token cap (`true`) or going on (`false`); `false` if it already was.
+    async fn set_budget_paused(&self, session_id: &SessionId, paused: bool) -> StoreResult<bool>;
     /// Says where worker `worker_id` serves the live copies of the turns it claims (`None`: nowhere),
     /// replacing what it said before; gateways of other processes route attaches there.
     async fn register_worker(&self, worker_id: &str, feed_url: Option<&str>) -> StoreResult<()>;

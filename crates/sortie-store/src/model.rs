@@ -43,6 +43,8 @@ pub struct NewSession {
     pub egress_allow: Vec<String>,
     pub setup: Option<String>,
     pub task: String,
+    /// Its caps, the workspace's defaults already applied.
+    pub budget: sortie_protocol::api::Budget,
 }
 
 /// A turn to add by a steer.
@@ -79,6 +81,10 @@ pub struct SessionRow {
     pub compute_ms: u64,
     /// When retention pruned its transcript.
     pub pruned_at: Option<i64>,
+    /// Its caps: model tokens, CPU milliseconds; and since when the token cap holds its agent.
+    pub budget_tokens: Option<u64>,
+    pub budget_compute_ms: Option<u64>,
+    pub budget_paused_at: Option<i64>,
     /// The largest peak memory of any of its sandboxes.
     pub peak_memory_bytes: u64,
     pub input_tokens: u64,

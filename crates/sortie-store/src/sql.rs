@@ -257,7 +257,8 @@ macro_rules! session_select {
             "SELECT s.id, s.workspace_id, w.name AS workspace_name, s.repo, s.base, s.agent, s.model, s.title, ",
             "s.phase, s.queued_reason, s.n_turns, s.n_waiting, s.current_turn, s.head_sha, s.pr_url, s.pr_number, ",
             "s.failure_code, s.failure_reason, s.egress_allow, s.setup, s.archived, s.resume_requested, ",
-            "s.prompts_bytes, s.compute_ms, s.peak_memory_bytes, s.pruned_at, s.input_tokens, s.output_tokens, s.created_at, s.updated_at, ",
+            "s.prompts_bytes, s.compute_ms, s.peak_memory_bytes, s.pruned_at, s.budget_tokens, s.budget_compute_ms, ",
+            "s.budget_paused_at, s.input_tokens, s.output_tokens, s.created_at, s.updated_at, ",
             "(SELECT COUNT(*) FROM sandboxes x WHERE x.session_id = s.id) AS sandboxes ",
             "FROM sessions s JOIN workspaces w ON w.id = s.workspace_id ",
             $tail
@@ -421,6 +422,13 @@ fn part_from_row(row: &AnyRow) -> StoreResult<StoredPart> {
     })
 }
 
+fn get_opt_u64(row: &AnyRow, column: &str) -> StoreResult<Option<u64>> {
+    let value: Option<i64> = row.try_get(column)?;
+    value
+        .map(|value| u64::try_from(value).map_err(|_| internal(format!("{column} out of range: {value}"))))
+        .transpose()
+}
+
 fn get_u64(row: &AnyRow, column: &str) -> StoreResult<u64> {
     let value: i64 = row.try_get(column)?;
     u64::try_from(value).map_err(|_| internal(format!("{column} out of range: {value}")))
@@ -496,6 +504,9 @@ fn session_from_row(row: &AnyRow) -> StoreResult<SessionRow> {
         compute_ms: get_u64(row, "compute_ms")?,
         peak_memory_bytes: get_u64(row, "peak_memory_bytes")?,
         pruned_at: row.try_get("pruned_at")?,
+        budget_tokens: get_opt_u64(row, "budget_tokens")?,
+        budget_compute_ms: get_opt_u64(row, "budget_compute_ms")?,
+        budget_paused_at: row.try_get("budget_paused_at")?,
         input_tokens: get_u64(row, "input_tokens")?,
         output_tokens: get_u64(row, "output_tokens")?,
         created_at: row.try_get("created_at")?,
@@ -617,6 +628,97 @@ impl ControlPlane for SqlStore {
         let row = sqlx::query("SELECT COUNT(*) AS n FROM turns WHERE status = 'accepted'")
             .fetch_one(&self.pool)
             .await?;
+        get_u64(&row, "n")
+    }
+
+    async fn raise_budget(
+        &self,
+        workspace_id: &str,
+        session_id: &SessionId,
+        tokens: Option<u64>,
+        compute_ms: Option<u64>,
+    ) -> StoreResult<SessionRow> {
+        let mut tx = self.begin_write().await?;
+        let exists = sqlx::query("SELECT id FROM sessions WHERE id = $1 AND workspace_id = $2")
+            .bind(session_id.as_str())
+            .bind(workspace_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if exists.is_none() {
+            return Err(StoreError::NotFound);
+        }
+        if let Some(tokens) = tokens {
+            sqlx::query(
+                "UPDATE sessions SET budget_tokens = COALESCE(budget_tokens, input_tokens + output_tokens) + $2, \
+                 updated_at = $3 WHERE id = $1",
+            )
+            .bind(session_id.as_str())
+            .bind(i64::try_from(tokens).map_err(internal)?)
+            .bind(now_ms())
+            .execute(&mut *tx)
+            .await?;
+        }
+        if let Some(compute_ms) = compute_ms {
+            sqlx::query(
+                "UPDATE sessions SET budget_compute_ms = COALESCE(budget_compute_ms, compute_ms) + $2, \
+                 updated_at = $3 WHERE id = $1",
+            )
+            .bind(session_id.as_str())
+            .bind(i64::try_from(compute_ms).map_err(internal)?)
+            .bind(now_ms())
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        self.session(workspace_id, session_id).await
+    }
+
+    async fn workspace_limits(&self, workspace_id: &str) -> StoreResult<sortie_protocol::api::WorkspaceLimits> {
+        let row = sqlx::query("SELECT limits FROM workspaces WHERE id = $1")
+            .bind(workspace_id)
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        let text: String = row.try_get("limits")?;
+        serde_json::from_str(&text).map_err(internal)
+    }
+
+    async fn set_workspace_limits(
+        &self,
+        workspace_id: &str,
+        limits: &sortie_protocol::api::WorkspaceLimits,
+    ) -> StoreResult<()> {
+        let text = serde_json::to_string(limits).map_err(internal)?;
+        let updated = sqlx::query("UPDATE workspaces SET limits = $2 WHERE id = $1")
+            .bind(workspace_id)
+            .bind(text)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        if updated == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
+    }
+
+    async fn sessions_created_since(&self, workspace_id: &str, since: i64) -> StoreResult<u64> {
+        let row = sqlx::query("SELECT COUNT(*) AS n FROM sessions WHERE workspace_id = $1 AND created_at >= $2")
+            .bind(workspace_id)
+            .bind(since)
+            .fetch_one(&self.pool)
+            .await?;
+        get_u64(&row, "n")
+    }
+
+    async fn workspace_tokens_since(&self, workspace_id: &str, from_day: &str) -> StoreResult<u64> {
+        let row = sqlx::query(
+            "SELECT CAST(COALESCE(SUM(u.input_tokens + u.output_tokens), 0) AS BIGINT) AS n FROM usage_tokens u \
+             JOIN sessions s ON s.id = u.session_id WHERE s.workspace_id = $1 AND u.day >= $2",
+        )
+        .bind(workspace_id)
+        .bind(from_day)
+        .fetch_one(&self.pool)
+        .await?;
         get_u64(&row, "n")
     }
 
@@ -760,8 +862,8 @@ impl ControlPlane for SqlStore {
         let mut tx = self.begin_write().await?;
         sqlx::query(
             "INSERT INTO sessions (id, workspace_id, repo, base, agent, model, title, phase, n_turns, n_waiting, \
-             egress_allow, setup, prompts_bytes, created_at, updated_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, 'queued', 1, 1, $8, $9, $10, $11, $11)",
+             egress_allow, setup, prompts_bytes, created_at, updated_at, budget_tokens, budget_compute_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, 'queued', 1, 1, $8, $9, $10, $11, $11, $12, $13)",
         )
         .bind(new.id.as_str())
         .bind(&new.workspace_id)
@@ -774,6 +876,14 @@ impl ControlPlane for SqlStore {
         .bind(new.setup.as_deref())
         .bind(prompt_bytes)
         .bind(now)
+        .bind(new.budget.tokens.map(i64::try_from).transpose().map_err(internal)?)
+        .bind(
+            new.budget
+                .compute_seconds
+                .map(|seconds| i64::try_from(seconds.saturating_mul(1000)))
+                .transpose()
+                .map_err(internal)?,
+        )
         .execute(&mut *tx)
         .await?;
         sqlx::query("INSERT INTO turns (session_id, n, prompt, status, mode, created_at) VALUES ($1, 1, $2, 'accepted', 'queue', $3)")
@@ -1637,7 +1747,7 @@ impl Ledger for SqlStore {
         }
         let row = sqlx::query(
             "UPDATE sessions SET phase = CASE WHEN n_waiting > 0 THEN 'queued' WHEN $2 = 1 THEN 'failed' \
-             ELSE 'idle' END, updated_at = $3 WHERE id = $1 RETURNING phase",
+             ELSE 'idle' END, updated_at = $3, budget_paused_at = NULL WHERE id = $1 RETURNING phase",
         )
         .bind(session_id.as_str())
         .bind(i64::from(failed))
@@ -2062,6 +2172,21 @@ impl Ledger for SqlStore {
         .execute(&self.pool)
         .await?;
         Ok(())
+    }
+
+    async fn set_budget_paused(&self, session_id: &SessionId, paused: bool) -> StoreResult<bool> {
+        let query = if paused {
+            "UPDATE sessions SET budget_paused_at = $2 WHERE id = $1 AND budget_paused_at IS NULL"
+        } else {
+            "UPDATE sessions SET budget_paused_at = NULL WHERE id = $1 AND budget_paused_at IS NOT NULL AND $2 > 0"
+        };
+        let changed = sqlx::query(query)
+            .bind(session_id.as_str())
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        Ok(changed > 0)
     }
 
     async fn meter_sandbox(

@@ -50,6 +50,7 @@ fn new_session(workspace_id: &str, repo: &str, task: &str) -> NewSession {
         egress_allow: vec!["github.com".into()],
         setup: None,
         task: task.to_owned(),
+        budget: Default::default(),
     }
 }
 
@@ -94,6 +95,8 @@ on_both_databases!(
     a_batch_larger_than_one_statement_is_stored_once_in_order,
     transcript_sizes_count_parts_and_bytes,
     usage_is_summed_by_session_and_day,
+    budgets_are_raised_paused_and_quotas_counted,
+    retention_prunes_only_what_ended_before_the_cutoff,
     ticket_nonces_are_claimed_once,
     instance_secrets_are_stable,
     a_running_turn_is_routed_to_its_workers_feed,
@@ -1863,6 +1866,149 @@ async fn transcript_sizes_count_parts_and_bytes(backend: TestBackend) {
         f.store.parts_size(&session.id, Some(3)).await.expect("no such turn"),
         PartsSize::default()
     );
+}
+
+async fn budgets_are_raised_paused_and_quotas_counted(backend: TestBackend) {
+    let f = fixture(backend).await;
+    let mut new = new_session(&f.workspace.id, "/r", "t");
+    new.budget = sortie_protocol::api::Budget {
+        tokens: Some(500),
+        compute_seconds: None,
+    };
+    let session = f.store.create_session(new).await.expect("create");
+    assert_eq!((session.budget_tokens, session.budget_compute_ms), (Some(500), None));
+    let usage = TokenUsage {
+        session_id: session.id.clone(),
+        turn: 1,
+        model: "m".into(),
+        epoch_ms: now_ms(),
+        input_tokens: 300,
+        output_tokens: 20,
+    };
+    f.store.record_token_usage(&usage).await.expect("usage");
+    // A cap it had grows by the raise; one it had not starts at what it used.
+    let raised = f
+        .store
+        .raise_budget(&f.workspace.id, &session.id, Some(100), Some(5_000))
+        .await
+        .expect("raise");
+    assert_eq!(
+        (raised.budget_tokens, raised.budget_compute_ms),
+        (Some(600), Some(5_000))
+    );
+    assert!(matches!(
+        f.store.raise_budget("ws_other", &session.id, Some(1), None).await,
+        Err(StoreError::NotFound)
+    ));
+    // Paused once, released once; ending the turn releases it too.
+    assert!(f.store.set_budget_paused(&session.id, true).await.expect("pause"));
+    assert!(!f.store.set_budget_paused(&session.id, true).await.expect("again"));
+    let paused = f.store.session_by_id(&session.id).await.expect("session");
+    assert!(paused.budget_paused_at.is_some());
+    assert!(f.store.set_budget_paused(&session.id, false).await.expect("release"));
+    assert!(!f.store.set_budget_paused(&session.id, false).await.expect("again"));
+
+    // Limits round-trip; the quotas' counts.
+    let limits = sortie_protocol::api::WorkspaceLimits {
+        budget: sortie_protocol::api::Budget {
+            tokens: Some(7),
+            compute_seconds: None,
+        },
+        quotas: sortie_protocol::api::Quotas {
+            sessions_per_day: Some(3),
+            tokens_per_month: None,
+        },
+    };
+    assert_eq!(
+        f.store.workspace_limits(&f.workspace.id).await.expect("limits"),
+        Default::default()
+    );
+    f.store
+        .set_workspace_limits(&f.workspace.id, &limits)
+        .await
+        .expect("set");
+    assert_eq!(f.store.workspace_limits(&f.workspace.id).await.expect("limits"), limits);
+    assert_eq!(
+        f.store.sessions_created_since(&f.workspace.id, 0).await.expect("count"),
+        1
+    );
+    assert_eq!(
+        f.store
+            .sessions_created_since(&f.workspace.id, now_ms() + 1)
+            .await
+            .expect("count"),
+        0
+    );
+    let today = sortie_protocol::api::utc_day_from_epoch_ms(now_ms());
+    assert_eq!(
+        f.store
+            .workspace_tokens_since(&f.workspace.id, &today)
+            .await
+            .expect("tokens"),
+        320
+    );
+    assert_eq!(
+        f.store
+            .workspace_tokens_since(&f.workspace.id, "9999-01-01")
+            .await
+            .expect("tokens"),
+        0
+    );
+}
+
+async fn retention_prunes_only_what_ended_before_the_cutoff(backend: TestBackend) {
+    let f = fixture(backend).await;
+    let store = &f.store;
+    let ended = store
+        .create_session(new_session(&f.workspace.id, "/r/a", "a"))
+        .await
+        .expect("create");
+    let idle = store
+        .create_session(new_session(&f.workspace.id, "/r/b", "b"))
+        .await
+        .expect("create");
+    for session in [&ended, &idle] {
+        store
+            .append_parts(
+                &session.id,
+                1,
+                &[NewPart {
+                    part_index: 0,
+                    payload: r#"{"type":"text-delta","id":"t","delta":"hi"}"#.into(),
+                    driver_index: None,
+                }],
+            )
+            .await
+            .expect("parts");
+    }
+    store.cancel(&f.workspace.id, &ended.id).await.expect("cancel");
+    let later = now_ms() + 60_000;
+    // Queued (not ended) and the ended one before its cutoff: nothing to prune.
+    assert!(
+        store
+            .prunable_sessions(now_ms() - 60_000, 10)
+            .await
+            .expect("prunable")
+            .is_empty()
+    );
+    let prunable = store.prunable_sessions(later, 10).await.expect("prunable");
+    assert_eq!(prunable.iter().map(|s| &s.id).collect::<Vec<_>>(), [&ended.id]);
+    // A sandbox held keeps it.
+    store
+        .put_sandbox(&ended.id, "local", "sbx", "w")
+        .await
+        .expect("sandbox");
+    assert!(!store.prune_session(&ended.id, later).await.expect("prune"));
+    store.delete_sandbox(&ended.id).await.expect("forget");
+    assert!(!store.prune_session(&idle.id, later).await.expect("not ended"));
+    assert!(store.prune_session(&ended.id, later).await.expect("prune"));
+    assert!(!store.prune_session(&ended.id, later).await.expect("once"));
+    let pruned = store.session(&f.workspace.id, &ended.id).await.expect("session stays");
+    assert!(pruned.pruned_at.is_some());
+    assert!(store.parts(&ended.id).await.expect("parts").is_empty());
+    assert_eq!(store.parts(&idle.id).await.expect("parts").len(), 1);
+    assert_eq!(store.kept_repos().await.expect("repos"), vec!["/r/b".to_owned()]);
+    store.compact().await.expect("compact");
 }
 
 async fn usage_is_summed_by_session_and_day(backend: TestBackend) {

@@ -193,6 +193,7 @@ mod tests {
                 egress_allow: Vec::new(),
                 setup: None,
                 task: "t".into(),
+                budget: Default::default(),
             })
             .await
             .expect("session");

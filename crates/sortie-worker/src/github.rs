@@ -373,6 +373,37 @@ async fn start(
         task.truncate(end);
     }
     let title: String = title.chars().take(200).collect();
+    let workspace_id = &connection.workspace_id;
+    // The workspace's quotas and default budget hold for a forge's request as for the api's.
+    let limits = async {
+        match sortie_store::limits::quota_breach(context.store.as_ref(), workspace_id, true).await? {
+            Some(breach) => Ok(Err(breach)),
+            None => sortie_store::limits::session_budget(context.store.as_ref(), workspace_id, None)
+                .await
+                .map(Ok),
+        }
+    };
+    let budget = match limits.await {
+        Ok(Ok(budget)) => budget,
+        Ok(Err(breach)) => {
+            answer(
+                repo,
+                comment,
+                &format!("@{} sortie could not start: {breach}.", comment.sender),
+            )
+            .await;
+            return "refused: quota".to_owned();
+        }
+        Err(error) => {
+            answer(
+                repo,
+                comment,
+                &format!("@{} sortie could not start: {}", comment.sender, said(&error)),
+            )
+            .await;
+            return format!("failed: {error}");
+        }
+    };
     let id = SessionId::generate();
     let new = NewSession {
         id: id.clone(),
@@ -389,6 +420,7 @@ async fn start(
         egress_allow: triggers.egress_allow.clone(),
         setup: triggers.setup.clone(),
         task,
+        budget,
     };
     if let Err(error) = context.store.create_session(new).await {
         answer(

@@ -65,6 +65,9 @@ pub struct WorkerConfig {
     pub turn_timeout: Duration,
     /// A warm sandbox idle this long is destroyed and its session `hibernated`.
     pub idle_grace: Duration,
+    /// How long the model proxy holds a request at the session's token budget before the turn ends
+    /// `BUDGET_EXCEEDED` (its work delivered).
+    pub budget_wait: Duration,
     /// Retention's age, applied every [`RETENTION_EVERY`]; `None`: nothing is pruned but by `sortie gc`.
     pub retention: Option<Duration>,
     pub setup_timeout: Duration,
@@ -111,6 +114,7 @@ impl WorkerConfig {
             turn_timeout: Duration::from_secs(30 * 60),
             idle_grace: Duration::from_secs(10 * 60),
             retention: None,
+            budget_wait: Duration::from_secs(15 * 60),
             setup_timeout: Duration::from_secs(10 * 60),
             setup_hosts: Vec::new(),
             egress_exempt: Vec::new(),
@@ -334,6 +338,8 @@ impl Worker {
         let triggers = tokio::spawn(github::run_triggers(context.clone(), async move {
             let _ = triggers_stopped.await;
         }));
+        // Registered at zero, so a dashboard or an alert finds the series before the first pause.
+        metrics::counter!("sortie_budget_pauses_total").increment(0);
         let retention = context.config.retention.map(|age| {
             let store = context.store.clone();
             let work_dir = context.config.work_dir.clone();

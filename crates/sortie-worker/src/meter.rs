@@ -2,14 +2,19 @@
 //! decrypted key per request, and reports to a [`TurnMeter`] what it read: token usage into the
 //! ledger (and a `data-sortie-usage` part with id `tokens`: the turn's totals so far — the only usage
 //! sortie shows, read by the host, never reported by the sandbox), a vendor's 401/403 or a missing
-//! key, which fails the running turn at once with `VENDOR_AUTH_REJECTED`.
+//! key, which fails the running turn at once with `VENDOR_AUTH_REJECTED`. It also holds the agent's
+//! next request at the session's token budget (DESIGN §12, §16): a `data-sortie-budget` part says so,
+//! the session shows it needs input, and a raise lets the request go; past the wait, the request is
+//! refused and the turn ends `BUDGET_EXCEEDED` with its work delivered.
 
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use sortie_gateway::model::{KeySource, ModelApi, Usage, UsageSink};
 use sortie_protocol::SessionId;
-use sortie_protocol::sortie_data::{SortieData, UsageData};
+use sortie_protocol::sortie_data::{BudgetData, SortieData, UsageData};
 use sortie_store::{KeyRing, Store, TokenUsage};
 
 use crate::transcript::Transcript;
@@ -73,6 +78,15 @@ pub struct Rejection {
     pub reason: String,
 }
 
+/// How often a request held at the budget looks at it again: a raise lets it go within this.
+const BUDGET_POLL: Duration = Duration::from_millis(250);
+/// How long a request stays held once the wait for a raise is over: the turn is being stopped and
+/// the agent with it, which drops the request; this only bounds a stop that never comes.
+const HOLD_AFTER_WAIT: Duration = Duration::from_secs(60);
+/// How long a request of a session with a token budget waits for answers still streaming to report
+/// their usage before it is weighed against the cap.
+const SETTLE_WAIT: Duration = Duration::from_millis(250);
+
 /// One sandbox's meter: what its model proxy saw.
 pub struct TurnMeter {
     store: Arc<dyn Store>,
@@ -81,17 +95,153 @@ pub struct TurnMeter {
     rejection: Mutex<Option<Rejection>>,
     /// Tokens read so far in each turn: (turn, input, output), of the turn last reported.
     turn_totals: Arc<Mutex<(u32, u64, u64)>>,
+    /// Tokens reported by the proxy and not yet written to the store.
+    pending: Arc<AtomicU64>,
+    /// Admitted requests whose answers are not over yet.
+    open: AtomicUsize,
+    answer_over: tokio::sync::Notify,
+    /// How long a request is held at the token cap before the turn ends `BUDGET_EXCEEDED`.
+    budget_wait: Duration,
+    /// Why the turn must end `BUDGET_EXCEEDED`, once.
+    over_budget: Mutex<Option<String>>,
+    /// The budget ran out in this sandbox's current turn (the reason was handed over once).
+    exceeded: std::sync::atomic::AtomicBool,
 }
 
 impl TurnMeter {
-    pub fn new(store: Arc<dyn Store>, session_id: SessionId, current: Arc<CurrentTurn>) -> Arc<Self> {
+    pub fn new(
+        store: Arc<dyn Store>,
+        session_id: SessionId,
+        current: Arc<CurrentTurn>,
+        budget_wait: Duration,
+    ) -> Arc<Self> {
         Arc::new(Self {
             store,
             session_id,
             current,
             rejection: Mutex::new(None),
             turn_totals: Arc::new(Mutex::new((0, 0, 0))),
+            pending: Arc::new(AtomicU64::new(0)),
+            open: AtomicUsize::new(0),
+            answer_over: tokio::sync::Notify::new(),
+            budget_wait,
+            over_budget: Mutex::new(None),
+            exceeded: Default::default(),
         })
+    }
+
+    /// Why the running turn must end `BUDGET_EXCEEDED`, once.
+    pub fn take_over_budget(&self) -> Option<String> {
+        self.over_budget.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    /// A new turn starts: what the last one's budget did is forgotten.
+    pub fn new_turn(&self) {
+        self.over_budget.lock().unwrap_or_else(|p| p.into_inner()).take();
+        self.exceeded.store(false, Ordering::Release);
+    }
+
+    fn note_budget(&self, state: &str, spent: u64, limit: u64) {
+        let how = match state {
+            "paused" => format!(
+                "The session used {spent} of its {limit} tokens: the agent's next model request waits. Raise the \
+                 budget (POST /v1/sessions/{id}/budget, or `sortie budget {id} --add N`) to let it go on; in {} s the \
+                 turn ends and its work is delivered.",
+                self.budget_wait.as_secs(),
+                id = self.session_id
+            ),
+            "raised" => format!("The budget was raised to {limit} tokens: the agent goes on."),
+            _ => format!(
+                "Nobody raised the budget of {limit} tokens in time: the turn ends and its work is delivered. Raise it \
+                 and steer the session to go on."
+            ),
+        };
+        if let Some(transcript) = self.current.get() {
+            transcript.host(SortieData::Budget(BudgetData {
+                state: state.to_owned(),
+                kind: "tokens".to_owned(),
+                spent,
+                limit,
+                how,
+            }));
+        }
+    }
+
+    /// Waits (bounded) until every admitted answer has reported its usage.
+    async fn settle_open_answers(&self) {
+        let until = tokio::time::Instant::now() + SETTLE_WAIT;
+        while self.open.load(Ordering::Acquire) > 0 {
+            let notified = self.answer_over.notified();
+            if self.open.load(Ordering::Acquire) == 0 || tokio::time::timeout_at(until, notified).await.is_err() {
+                break;
+            }
+        }
+    }
+
+    async fn weigh(&self) -> Result<(), String> {
+        let deadline = Instant::now() + self.budget_wait;
+        let mut settled = false;
+        loop {
+            let session = match self.store.session_by_id(&self.session_id).await {
+                Ok(session) => session,
+                Err(error) => {
+                    // The store holds the usage too: while it does not answer, nothing is metered.
+                    tracing::warn!(%error, session = %self.session_id, "cannot read the budget: the request goes");
+                    return Ok(());
+                }
+            };
+            let Some(limit) = session.budget_tokens else {
+                return Ok(());
+            };
+            if !settled {
+                settled = true;
+                self.settle_open_answers().await;
+                continue;
+            }
+            let spent = session.input_tokens + session.output_tokens + self.pending.load(Ordering::Acquire);
+            if spent < limit {
+                if self
+                    .store
+                    .set_budget_paused(&self.session_id, false)
+                    .await
+                    .unwrap_or(false)
+                {
+                    self.note_budget("raised", spent, limit);
+                }
+                return Ok(());
+            }
+            if self
+                .store
+                .set_budget_paused(&self.session_id, true)
+                .await
+                .unwrap_or(false)
+            {
+                metrics::counter!("sortie_budget_pauses_total").increment(1);
+                tracing::info!(session = %self.session_id, spent, limit, "the token budget holds the agent's request");
+                self.note_budget("paused", spent, limit);
+            }
+            if Instant::now() >= deadline {
+                let reason = format!(
+                    "the session used {spent} of its {limit} tokens and the budget was not raised within {} s; \
+                     raise it (sortie budget {} --add N) and steer the session to go on",
+                    self.budget_wait.as_secs(),
+                    self.session_id
+                );
+                {
+                    let mut over = self.over_budget.lock().unwrap_or_else(|p| p.into_inner());
+                    if over.is_none() && !self.exceeded.swap(true, Ordering::AcqRel) {
+                        *over = Some(reason.clone());
+                        self.note_budget("exceeded", spent, limit);
+                    }
+                }
+                // The turn stops now (the watch takes the reason): the request stays held so the agent
+                // does nothing more before it is stopped, its work delivered as it was.
+                if Instant::now() >= deadline + HOLD_AFTER_WAIT {
+                    return Err(reason);
+                }
+            }
+            tokio::time::sleep(BUDGET_POLL).await;
+        }
     }
 
     /// The vendor's refusal since the last call, if any.
@@ -107,8 +257,26 @@ impl TurnMeter {
     }
 }
 
+#[async_trait]
 impl UsageSink for TurnMeter {
+    async fn admit(&self, _api: ModelApi) -> Result<(), String> {
+        self.weigh().await?;
+        self.open.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    fn answer_ended(&self, _api: ModelApi) {
+        // Saturating: an answer admitted before this meter counted (none today) cannot underflow it.
+        let _ = self
+            .open
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |open| open.checked_sub(1));
+        self.answer_over.notify_waiters();
+    }
+
     fn usage(&self, api: ModelApi, usage: &Usage) {
+        let tokens = usage.input_tokens.saturating_add(usage.output_tokens);
+        self.pending.fetch_add(tokens, Ordering::AcqRel);
+        let pending = self.pending.clone();
         let store = self.store.clone();
         let session_id = self.session_id.clone();
         let current = self.current.get();
@@ -134,6 +302,7 @@ impl UsageSink for TurnMeter {
                     output_tokens: usage.output_tokens,
                 })
                 .await;
+            pending.fetch_sub(tokens, Ordering::AcqRel);
             if let Err(error) = recorded {
                 tracing::warn!(%error, session = %session_id, "cannot record token usage");
             }

@@ -29,6 +29,9 @@ pub mod env {
     pub const TURN_TIMEOUT: &str = "SORTIE_TURN_TIMEOUT";
     /// Seconds a warm sandbox may idle before its session is hibernated (`--idle-grace`).
     pub const IDLE_GRACE: &str = "SORTIE_IDLE_GRACE";
+    /// Seconds the model proxy holds an agent's request at its session's token budget, waiting for a
+    /// raise, before the turn ends `BUDGET_EXCEEDED` (`--budget-wait`).
+    pub const BUDGET_WAIT: &str = "SORTIE_BUDGET_WAIT";
     /// What ended longer ago than this is pruned every hour (`--retention`, `30d`); unset: never.
     pub const RETENTION: &str = "SORTIE_RETENTION";
     /// Seconds a sandbox outlives `serve`, waiting to be adopted (`--sandbox-orphan-grace`).
@@ -80,6 +83,10 @@ pub struct WorkerSettings {
     /// Seconds a warm sandbox may idle before its session is hibernated.
     #[arg(long, env = env::IDLE_GRACE, default_value_t = 600)]
     pub idle_grace: u64,
+    /// Seconds an agent's request waits at its session's token budget for a raise; then the turn
+    /// ends BUDGET_EXCEEDED with its work delivered.
+    #[arg(long, env = env::BUDGET_WAIT, default_value_t = 900)]
+    pub budget_wait: u64,
     /// Prune, every hour, the transcripts and directories of sessions that ended (or were archived)
     /// longer ago than this (`30d`), and mirrors unused as long: `sortie gc` on a timer. Unset: never.
     #[arg(long, env = env::RETENTION, value_parser = humantime::parse_duration)]
@@ -248,6 +255,7 @@ impl WorkerSettings {
         config.turn_timeout = Duration::from_secs(self.turn_timeout.max(1));
         config.idle_grace = Duration::from_secs(self.idle_grace);
         config.retention = self.retention;
+        config.budget_wait = Duration::from_secs(self.budget_wait);
         config.setup_timeout = Duration::from_secs(self.setup_timeout.max(1));
         config.limits.disk_bytes = self.sandbox_disk_mib << 20;
         config.agent_profiles = self.agent_profiles.clone();

@@ -173,6 +173,7 @@ impl World {
                 egress_allow: Vec::new(),
                 setup: None,
                 task: "#!scripted\nsay: hello".into(),
+                budget: Default::default(),
             })
             .await
             .expect("session");

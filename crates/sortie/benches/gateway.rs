@@ -108,6 +108,7 @@ impl World {
             egress_allow: Vec::new(),
             setup: None,
             task: "bench".into(),
+            budget: Default::default(),
         };
         store.create_session(new).await.expect("session");
         let socket = temp.path().join("driver.sock");

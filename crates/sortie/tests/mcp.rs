@@ -61,6 +61,7 @@ fn assert_story(out: &Value) {
         "await_session",
         "get_transcript",
         "allow_egress",
+        "raise_budget",
     ] {
         assert!(names.contains(&tool), "{tool} in {names:?}");
     }

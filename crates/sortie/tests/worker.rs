@@ -499,6 +499,137 @@ async fn gc_frees_what_ended_sessions_left_and_keeps_the_idle_ones() {
     assert_eq!(status_of(&turns, 2), "completed", "{turns:#?}");
 }
 
+/// The newest `data-sortie-budget` part of the session's transcript as stored.
+async fn budget_part(world: &World, id: &str) -> Option<Value> {
+    world
+        .messages(id)
+        .await
+        .iter()
+        .flat_map(|m| m["parts"].as_array().cloned().unwrap_or_default())
+        .rfind(|p| p["type"] == "data-sortie-budget")
+        .map(|p| p["data"].clone())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_budget_holds_the_agent_until_raised_or_ends_the_turn_with_its_work() {
+    use sortie_testkit::{FakeVendor, FakeVendorOptions, VendorKind};
+    // Every answer of the fake vendor reports 250 tokens: a 500-token budget lets two requests go.
+    let mut options = FakeVendorOptions::new(VendorKind::Anthropic);
+    options.input_tokens = 200;
+    options.output_tokens = 50;
+    let fake = FakeVendor::start_with(VendorKind::Anthropic, options)
+        .await
+        .expect("fake vendor");
+    let world = World::start(&["--upstream-anthropic", &fake.url, "--budget-wait", "8"]);
+    let (status, key) = world
+        .call(
+            reqwest::Method::PUT,
+            "/v1/model-keys/anthropic",
+            Some(json!({"key": "sk-ant-budget-0000000000000000000000"})),
+        )
+        .await;
+    assert_eq!(status, 200, "{key}");
+    // The scripted agent calls the model proxy as an agent does (its HTTP, on the sandbox's relay).
+    let call = "run: curl --noproxy '*' -sS -o /dev/null -w 'model %{http_code}\\n' \
+                http://127.0.0.1:3128/_sortie/model/anthropic/v1/messages -H 'content-type: application/json' \
+                -H 'anthropic-version: 2023-06-01' \
+                -d '{\"model\":\"claude-x\",\"max_tokens\":16,\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'";
+    let script = format!(
+        "#!scripted\nwrite: before.txt\nbefore\n>>>\n{call}\n{call}\n{call}\nwrite: after.txt\nafter\n>>>\nsay: done"
+    );
+
+    let raised = world.create(&script, json!({"budget": {"tokens": 500}})).await;
+    let (session, _) = world
+        .wait(&raised, 60, |s, _| s["budget"]["paused_at"].is_string())
+        .await;
+    assert_eq!(session["phase"], "running", "{session:#}");
+    assert_eq!(session["budget"]["tokens"], 500);
+    assert_eq!(fake.requests().len(), 2, "the third request is held, not sent");
+    let paused = sortie_testkit::wait::eventually("the budget part", Duration::from_secs(10), || async {
+        budget_part(&world, &raised)
+            .await
+            .filter(|p| p["state"] == "paused")
+            .ok_or(())
+    })
+    .await;
+    assert_eq!(
+        (&paused["spent"], &paused["limit"]),
+        (&json!(500), &json!(500)),
+        "{paused:#}"
+    );
+    assert!(
+        paused["how"].as_str().is_some_and(|how| how.contains("sortie budget")),
+        "{paused:#}"
+    );
+    let (status, metrics) = (
+        200,
+        reqwest::get(format!("{}/metrics", world.url())).await.expect("scrape"),
+    );
+    assert_eq!(metrics.status(), status);
+    assert!(
+        metrics
+            .text()
+            .await
+            .expect("text")
+            .contains("sortie_budget_pauses_total 1")
+    );
+    assert_eq!(fake.requests().len(), 2, "still held");
+    let (status, after) = world
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/sessions/{raised}/budget"),
+            Some(json!({"tokens": 1000})),
+        )
+        .await;
+    assert_eq!(status, 200, "{after}");
+    assert_eq!(after["budget"]["tokens"], 1500);
+    let (session, turns) = world.settled(&raised, 1).await;
+    assert_eq!(status_of(&turns, 1), "completed", "{turns:#?}");
+    assert!(session["budget"]["paused_at"].is_null(), "{session:#}");
+    assert_eq!(fake.requests().len(), 3, "the held request went once raised");
+    assert_eq!(
+        world.files_on_branch(&raised),
+        vec!["after.txt".to_owned(), "before.txt".to_owned()]
+    );
+    assert_eq!(budget_part(&world, &raised).await.expect("part")["state"], "raised");
+
+    // Nobody raises it: past the wait the turn ends BUDGET_EXCEEDED, what it did delivered.
+    let ended = world.create(&script, json!({"budget": {"tokens": 500}})).await;
+    let (session, turns) = world.settled(&ended, 1).await;
+    assert_eq!(status_of(&turns, 1), "failed", "{turns:#?}");
+    assert_eq!(code_of(&session), "BUDGET_EXCEEDED", "{session:#}");
+    assert_eq!(fake.requests().len(), 5, "two more, never the held one");
+    assert_eq!(world.files_on_branch(&ended), vec!["before.txt".to_owned()]);
+    assert_eq!(budget_part(&world, &ended).await.expect("part")["state"], "exceeded");
+    assert!(session["budget"]["paused_at"].is_null(), "{session:#}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compute_budget_stops_the_turn_at_the_cap_with_its_work() {
+    let world = World::start(&[]);
+    let burn = "run: python3 -c 'exec(\"import time\\nwhile time.process_time() < 30: pass\")'";
+    let id = world
+        .create(
+            &format!("#!scripted\nwrite: started.txt\nstarted\n>>>\n{burn}\nwrite: never.txt\nnever\n>>>"),
+            json!({"budget": {"compute_seconds": 1}}),
+        )
+        .await;
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(code_of(&session), "BUDGET_EXCEEDED", "{session:#}");
+    assert!(turns[0]["usage"]["cpu_ms"].as_u64().unwrap_or(0) >= 1_000, "{turns:#?}");
+    // Well short of the 30 s the agent wanted.
+    assert!(
+        turns[0]["usage"]["wall_ms"].as_u64().unwrap_or(u64::MAX) < 20_000,
+        "{turns:#?}"
+    );
+    assert_eq!(world.files_on_branch(&id), vec!["started.txt".to_owned()]);
+    let part = budget_part(&world, &id).await.expect("a budget part");
+    assert_eq!(
+        (&part["state"], &part["kind"]),
+        (&json!("exceeded"), &json!("compute_seconds"))
+    );
+}
+
 /// The value of the one sample of `series` (name and labels exactly as rendered), if it is there.
 fn sample(metrics: &str, series: &str) -> Option<f64> {
     metrics
@@ -542,6 +673,7 @@ async fn metrics_count_each_turns_outcome_and_time_its_phases() {
         assert_eq!(sample(&metrics, &timed), Some(3.0), "{timed}\n{metrics}");
     }
     assert_eq!(sample(&metrics, "sortie_turns_queued"), Some(0.0), "{metrics}");
+    assert_eq!(sample(&metrics, "sortie_budget_pauses_total"), Some(0.0), "{metrics}");
     // The gauge follows the worker's own sandboxes: the completed session's stays warm, the canceled
     // one's goes at once.
     let ours = [&completed, &failed, &canceled];

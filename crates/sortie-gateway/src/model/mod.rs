@@ -175,8 +175,18 @@ pub trait KeySource: Send + Sync + 'static {
     async fn key(&self, api: ModelApi) -> Option<String>;
 }
 
-/// Where the proxy reports what it saw. Called from request tasks: keep each call short.
+/// Where the proxy reports what it saw, and asks whether a request may go. Called from request tasks:
+/// keep each report short.
+#[async_trait::async_trait]
 pub trait UsageSink: Send + Sync + 'static {
+    /// Whether the agent's request may go to the vendor now: waits while it may not (a budget's
+    /// cap holds it, and the agent just waits), `Err(reason)` refuses it. Asked before the request's
+    /// body is read or a slot taken.
+    async fn admit(&self, _api: ModelApi) -> Result<(), String> {
+        Ok(())
+    }
+    /// An admitted request's answer is over (its usage, if any, was reported just before).
+    fn answer_ended(&self, _api: ModelApi) {}
     /// One answer's token counts, once, when its body ended (or was dropped); not called for an
     /// answer that reported none.
     fn usage(&self, api: ModelApi, usage: &Usage);

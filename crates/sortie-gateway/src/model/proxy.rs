@@ -290,6 +290,15 @@ async fn handle(State(proxy): State<Arc<Inner>>, request: Request) -> Response {
             return refusal(StatusCode::FORBIDDEN, "MODEL_ROUTE_REFUSED", &reason);
         }
     };
+    // The session's budget may hold the request here, before it takes anything of the proxy's.
+    if let Err(reason) = proxy.sink.admit(api).await {
+        log.refused("budget_exceeded", StatusCode::TOO_MANY_REQUESTS);
+        return refusal(StatusCode::TOO_MANY_REQUESTS, "BUDGET_EXCEEDED", &reason);
+    }
+    let answered = AnswerEnded {
+        sink: proxy.sink.clone(),
+        api,
+    };
     let max_body = MAX_REQUEST_BYTES.min(proxy.limits.max_buffered_bytes);
     let too_large = || {
         log.refused("too_large", StatusCode::PAYLOAD_TOO_LARGE);
@@ -465,6 +474,7 @@ async fn handle(State(proxy): State<Arc<Inner>>, request: Request) -> Response {
             route,
             status,
             _slot: slot,
+            _answered: answered,
         }),
     };
     let mut response = Response::new(Body::from_stream(metered));
@@ -606,6 +616,21 @@ struct Reading {
     status: StatusCode,
     /// The request's in-flight slot, freed when the answer ends or the agent goes away.
     _slot: OwnedSemaphorePermit,
+    /// Tells the sink the answer is over, after its usage.
+    _answered: AnswerEnded,
+}
+
+/// Tells the sink an admitted request's answer is over when dropped: with its reading, or when the
+/// request ends without one (refused, the vendor unreachable).
+struct AnswerEnded {
+    sink: Arc<dyn UsageSink>,
+    api: ModelApi,
+}
+
+impl Drop for AnswerEnded {
+    fn drop(&mut self) {
+        self.sink.answer_ended(self.api);
+    }
 }
 
 impl Reading {
@@ -619,6 +644,7 @@ impl Reading {
             route,
             status,
             _slot,
+            _answered,
         } = self;
         let api = log.api;
         let usage = reader.finish(fallback_model.as_deref());

@@ -256,6 +256,7 @@ async fn run_agent_turn(
     // A refusal the vendor sent, or a push decided, after the last turn ended belongs to no turn:
     // both are taken and dropped.
     let _ = sandbox.0.proxy.meter.take_rejection();
+    sandbox.0.proxy.meter.new_turn();
     let _ = sandbox.0.proxy.pushes.take();
     if !fresh {
         proxy::refresh_warm_sandbox(context, session, &sandbox).await;
@@ -292,6 +293,18 @@ async fn run_agent_turn(
     if let Some(pods) = &context.pods {
         pods.set_egress(sandbox.name(), true);
     }
+    let compute_cap = match session.budget_compute_ms {
+        Some(limit_ms) => {
+            let reading = context.runtime.usage(sandbox.name()).await.unwrap_or_default();
+            Some(watch::ComputeCap {
+                limit_ms,
+                used_before_ms: session.compute_ms,
+                reading_at_start_ms: (reading.cpu_seconds * 1000.0) as u64,
+                noted: Default::default(),
+            })
+        }
+        None => None,
+    };
     let started = Instant::now();
     let priming_context = if n > 1 {
         Some(priming::context_for(context.store.as_ref(), session, n).await)
@@ -326,6 +339,7 @@ async fn run_agent_turn(
         sandbox: &sandbox,
         transcript: &transcript,
         timings: timings.clone(),
+        compute_cap,
     };
     match watch::watch(&on, &mut watching).await {
         Watched::Over => {}

@@ -194,7 +194,12 @@ pub(super) fn build_proxy(
     .concat();
     let pushes = git.pushes.clone();
     let git_routes = sortie_gateway::git::http::router(git.config);
-    let meter = TurnMeter::new(context.store.clone(), session.id.clone(), current.clone());
+    let meter = TurnMeter::new(
+        context.store.clone(),
+        session.id.clone(),
+        current.clone(),
+        context.config.budget_wait,
+    );
     let model_routes = sortie_gateway::model::router(
         sortie_gateway::model::ModelProxyConfig {
             session_id: session.id.clone(),

@@ -35,6 +35,8 @@ pub(super) struct Seen {
     pub limited: Option<String>,
     /// The vendor refused the workspace's key (the turn was failed at once).
     pub rejected: Option<String>,
+    /// The session reached its budget and nobody raised it in time; the turn was stopped.
+    pub over_budget: Option<String>,
     /// The driver said it delivers (the session was moved to `delivering` then).
     pub delivering: bool,
 }
@@ -70,6 +72,8 @@ pub(super) fn ending(report: &TurnReport, stop: Option<StopRequest>, host: Estab
                 host.turn_timeout.as_secs()
             ),
         ))
+    } else if let Some(reason) = host.seen.over_budget {
+        Some((FailureCode::BudgetExceeded, reason))
     } else if let Some(reason) = host.seen.limited {
         Some((FailureCode::AgentError, reason))
     } else if host.delivery_failure.is_some() {

@@ -81,6 +81,10 @@ fn every_ending() {
         limited: Some("the transcript is full".into()),
         ..Seen::default()
     };
+    let over_budget = || Seen {
+        over_budget: Some("500 of 500 tokens".into()),
+        ..Seen::default()
+    };
     let secret = || Some((F::SecretDetected, "a key in the diff".to_owned()));
     let full = || Some("the disk is full".to_owned());
     let table: Vec<Row> = vec![
@@ -146,6 +150,29 @@ fn every_ending() {
             None,
             host(),
             (S::Failed, Some(F::PushConflict)),
+        ),
+        (
+            "the budget, though the driver calls it canceled",
+            report(TurnState::Cancelled),
+            None,
+            Established {
+                seen: over_budget(),
+                ..host()
+            },
+            (S::Failed, Some(F::BudgetExceeded)),
+        ),
+        (
+            "the budget before a cap",
+            report(TurnState::Cancelled),
+            None,
+            Established {
+                seen: Seen {
+                    over_budget: Some("over".into()),
+                    ..limited()
+                },
+                ..host()
+            },
+            (S::Failed, Some(F::BudgetExceeded)),
         ),
         (
             "the vendor's refusal first",

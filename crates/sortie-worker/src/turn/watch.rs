@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sortie_protocol::driver::{TurnReport, TurnState};
-use sortie_protocol::sortie_data::{PrimingData, SortieData};
+use sortie_protocol::sortie_data::{BudgetData, PrimingData, SortieData};
 use sortie_protocol::{FailureCode, SessionPhase, TurnStatus};
 use sortie_sandbox::SandboxStatus;
 use sortie_store::{SessionRow, TurnOutcome};
@@ -42,6 +42,8 @@ pub(super) enum TurnEvent {
     TranscriptLimit(String),
     /// The vendor refused the workspace's key, for this reason.
     VendorRejected(String),
+    /// The session reached its budget for good (tokens: nobody raised it in time; compute: at the cap).
+    BudgetExceeded(String),
     /// A user asked the turn to stop (stop, interrupt or cancel).
     StopRequested,
     /// The driver answered for the turn: whether under the host's nonce, and how far it is.
@@ -145,7 +147,11 @@ impl TurnWatch {
                     self.cancel(),
                 ]
             }
-            TurnEvent::TranscriptLimit(_) | TurnEvent::VendorRejected(_) => Vec::new(),
+            TurnEvent::BudgetExceeded(reason) if self.seen.over_budget.is_none() => {
+                self.seen.over_budget = Some(reason);
+                vec![self.cancel()]
+            }
+            TurnEvent::TranscriptLimit(_) | TurnEvent::VendorRejected(_) | TurnEvent::BudgetExceeded(_) => Vec::new(),
             TurnEvent::StopRequested => {
                 let due = self
                     .cancel_sent
@@ -209,6 +215,17 @@ pub(super) struct Watching<'a> {
     pub transcript: &'a Transcript,
     /// The turn's timings so far, for the phase parts written meanwhile.
     pub timings: BTreeMap<String, u64>,
+    /// The session's compute cap, when it has one.
+    pub compute_cap: Option<ComputeCap>,
+}
+
+/// A session's compute cap as a turn watches it: the CPU its sandboxes used before the turn, and the
+/// sandbox's cgroup reading when the turn began.
+pub(super) struct ComputeCap {
+    pub limit_ms: u64,
+    pub used_before_ms: u64,
+    pub reading_at_start_ms: u64,
+    pub noted: std::sync::atomic::AtomicBool,
 }
 
 /// Follows the turn's stream into its transcript until the turn is over, observing it every
@@ -312,6 +329,36 @@ async fn observe(on: &Watching<'_>) -> Vec<TurnEvent> {
     }
     if let Some(rejection) = on.sandbox.0.proxy.meter.take_rejection() {
         events.push(TurnEvent::VendorRejected(rejection.reason));
+    }
+    if let Some(reason) = on.sandbox.0.proxy.meter.take_over_budget() {
+        events.push(TurnEvent::BudgetExceeded(reason));
+    }
+    if let Some(cap) = &on.compute_cap
+        && let Ok(usage) = on.context.runtime.usage(on.sandbox.name()).await
+    {
+        let reading = (usage.cpu_seconds * 1000.0) as u64;
+        let used = cap.used_before_ms + reading.saturating_sub(cap.reading_at_start_ms);
+        if used >= cap.limit_ms {
+            let (spent, limit) = (used / 1000, cap.limit_ms / 1000);
+            let reason = format!(
+                "the session used {spent} of its {limit} CPU seconds: the turn was stopped; raise the budget \
+                 (sortie budget {} --compute-seconds N) and steer the session to go on",
+                on.session.id
+            );
+            if !cap.noted.swap(true, std::sync::atomic::Ordering::AcqRel) {
+                metrics::counter!("sortie_budget_pauses_total").increment(1);
+                on.transcript.host(SortieData::Budget(BudgetData {
+                    state: "exceeded".to_owned(),
+                    kind: "compute_seconds".to_owned(),
+                    spent,
+                    limit,
+                    how: "The session reached its compute budget: the turn stops and its work is delivered. Raise \
+                          the budget and steer the session to go on."
+                        .to_owned(),
+                }));
+            }
+            events.push(TurnEvent::BudgetExceeded(reason));
+        }
     }
     if let Ok(row) = on.context.store.turn(&on.session.id, on.n).await
         && row.stop_requested.is_some()

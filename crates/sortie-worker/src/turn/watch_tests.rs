@@ -185,6 +185,17 @@ fn what_the_host_saw_is_kept_for_the_settlement() {
     tick(&mut watch, started, 1.0);
     watch.step(TurnEvent::TranscriptLimit("too large".into()));
     watch.step(TurnEvent::VendorRejected("refused".into()));
+    let stopped = watch.step(TurnEvent::BudgetExceeded("over budget".into()));
+    assert_eq!(
+        stopped,
+        vec![TurnAction::Cancel],
+        "the turn stops, to deliver what it did"
+    );
+    assert_eq!(
+        watch.step(TurnEvent::BudgetExceeded("again".into())),
+        Vec::new(),
+        "once"
+    );
     tick(&mut watch, started, 61.0);
     assert_eq!(
         watch.seen,
@@ -192,6 +203,7 @@ fn what_the_host_saw_is_kept_for_the_settlement() {
             timed_out: true,
             limited: Some("too large".into()),
             rejected: Some("refused".into()),
+            over_budget: Some("over budget".into()),
             delivering: false,
         }
     );
