@@ -1009,3 +1009,89 @@ async fn a_sessions_buffered_body_bytes_are_bounded() {
     }
     assert_eq!(fake.requests().len(), 1);
 }
+
+/// A sink that admits or refuses as told, and records how each admitted answer ended.
+#[derive(Default)]
+struct Gate {
+    refuse: std::sync::atomic::AtomicBool,
+    admitted: std::sync::atomic::AtomicUsize,
+    ended: std::sync::Mutex<Vec<bool>>,
+}
+
+#[async_trait::async_trait]
+impl UsageSink for Gate {
+    async fn admit(&self, _api: ModelApi) -> Result<(), String> {
+        if self.refuse.load(std::sync::atomic::Ordering::Acquire) {
+            return Err("the session is at its budget".into());
+        }
+        self.admitted.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Ok(())
+    }
+    fn answer_ended(&self, _api: ModelApi, metered: bool) {
+        self.ended.lock().expect("ended").push(metered);
+    }
+    fn usage(&self, _api: ModelApi, _usage: &Usage) {}
+    fn auth_rejected(&self, _api: ModelApi, _status: u16) {}
+    fn key_missing(&self, _api: ModelApi) {}
+}
+
+#[tokio::test]
+async fn every_request_is_admitted_first_and_each_answer_says_whether_it_was_metered() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let metered = start_fake(VendorKind::Anthropic, |_| {}).await;
+    // A 200 whose body the usage reader finds nothing in: a generation that cost unknown tokens.
+    let unmetered = start_fake(VendorKind::OpenAi, |options| options.status = Some(200)).await;
+    let gate = Arc::new(Gate::default());
+    let config = ModelProxyConfig {
+        session_id: SessionId::generate(),
+        upstreams: Upstreams {
+            anthropic: metered.url.clone(),
+            openai: unmetered.url.clone(),
+            gemini: metered.url.clone(),
+        },
+        extra_roots_pem: Vec::new(),
+        pinned_headers: Vec::new(),
+        limits: ModelProxyLimits::default(),
+    };
+    let router = model::router(config, Arc::new(Keys::all()), gate.clone()).expect("router");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}/_sortie/model", listener.local_addr().expect("address"));
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    let client = reqwest::Client::new();
+    let send = |kind: VendorKind| {
+        let request = turn_start(kind, false);
+        client
+            .post(format!("{base}/{}{}", api_of(kind), request.path))
+            .header("anthropic-version", "2023-06-01")
+            .json(&request.body)
+            .send()
+    };
+    let answer = send(VendorKind::Anthropic).await.expect("answer");
+    assert_eq!(answer.status(), 200);
+    answer.bytes().await.expect("body");
+    let answer = send(VendorKind::OpenAi).await.expect("answer");
+    assert_eq!(answer.status(), 200);
+    answer.bytes().await.expect("body");
+    let ended = sortie_testkit::wait::eventually("both answers ended", DEADLINE, || async {
+        let ended = gate.ended.lock().expect("ended").clone();
+        if ended.len() == 2 { Ok(ended) } else { Err(ended) }
+    })
+    .await;
+    assert_eq!(ended, [true, false], "the second reported no usage");
+    // Refused at admission: the vendor is never asked.
+    gate.refuse.store(true, std::sync::atomic::Ordering::Release);
+    let before = metered.requests().len();
+    let refused = send(VendorKind::Anthropic).await.expect("answer");
+    assert_eq!(refused.status(), 429);
+    let body: serde_json::Value = refused.json().await.expect("json");
+    assert!(body.to_string().contains("BUDGET_EXCEEDED"), "{body}");
+    assert_eq!(metered.requests().len(), before);
+    assert_eq!(gate.admitted.load(std::sync::atomic::Ordering::Acquire), 2);
+    assert_eq!(
+        gate.ended.lock().expect("ended").len(),
+        2,
+        "a refused request was never admitted"
+    );
+}

@@ -82,6 +82,13 @@ impl From<StoreError> for ApiError {
                 ),
             ),
             StoreError::NoTurnRunning => Self::new(ErrorCode::NoTurnRunning, "no turn of this session is running"),
+            StoreError::QuotaExceeded(breach) => Self::new(ErrorCode::QuotaExceeded, breach.to_string()).with_details(
+                sortie_protocol::error::details::QuotaExceeded {
+                    quota: breach.quota.to_owned(),
+                    limit: breach.limit,
+                    used: breach.used,
+                },
+            ),
             StoreError::SessionActive(phase) => Self::new(
                 ErrorCode::SessionActive,
                 format!("the session is {phase} with a turn in flight; stop or cancel it first"),

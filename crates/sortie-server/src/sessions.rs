@@ -136,7 +136,6 @@ async fn create(
     if let Some(budget) = &request.budget {
         check_budget("budget", budget.tokens, budget.compute_seconds)?;
     }
-    refuse_past_quota(state, &caller.workspace_id, true).await?;
     let budget =
         sortie_store::limits::session_budget(state.store.as_ref(), &caller.workspace_id, request.budget).await?;
     let title = request.title.unwrap_or_else(|| validate::default_title(&request.task));
@@ -169,22 +168,6 @@ fn check_budget(field: &str, tokens: Option<u64>, compute_seconds: Option<u64>) 
         }
     }
     Ok(())
-}
-
-/// `QUOTA_EXCEEDED` when the workspace's quotas are used up (sessions per day only when `creating`).
-async fn refuse_past_quota(state: &ApiState, workspace_id: &str, creating: bool) -> Result<(), ApiError> {
-    match sortie_store::limits::quota_breach(state.store.as_ref(), workspace_id, creating).await? {
-        None => Ok(()),
-        Some(breach) => Err(
-            ApiError::new(ErrorCode::QuotaExceeded, breach.to_string()).with_details(
-                sortie_protocol::error::details::QuotaExceeded {
-                    quota: breach.quota.to_owned(),
-                    limit: breach.limit,
-                    used: breach.used,
-                },
-            ),
-        ),
-    }
 }
 
 /// Raise a session's budget: a request the model proxy holds at the token cap goes on at once if the
@@ -650,9 +633,6 @@ async fn add_turn(
     request: SteerRequest,
 ) -> Result<(StatusCode, Json<Turn>), ApiError> {
     validate::check_prompt("prompt", &request.prompt)?;
-    // The session must be this workspace's before its quota is read (a miss is SESSION_NOT_FOUND).
-    state.store.session(workspace_id, id).await?;
-    refuse_past_quota(state, workspace_id, false).await?;
     let turn = state
         .store
         .steer(

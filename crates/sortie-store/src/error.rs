@@ -16,6 +16,9 @@ pub enum StoreError {
     PromptsTooLarge { would_be: u64, limit: u64 },
     #[error("no turn is running")]
     NoTurnRunning,
+    /// A quota of the workspace is used up.
+    #[error("{0}")]
+    QuotaExceeded(crate::limits::QuotaBreach),
     #[error("the session has a turn in flight (it is {0})")]
     SessionActive(SessionPhase),
     #[error("illegal transition {from} -> {to}")]

@@ -65,10 +65,7 @@ pub trait ControlPlane: Send + Sync + 'static {
         workspace_id: &str,
         limits: &sortie_protocol::api::WorkspaceLimits,
     ) -> StoreResult<()>;
-    /// Sessions the workspace created since `since` (epoch ms).
-    async fn sessions_created_since(&self, workspace_id: &str, since: i64) -> StoreResult<u64>;
-    /// Model tokens (input and output) the workspace's sessions used on UTC days `from_day` (`YYYY-MM-DD`) on.
-    async fn workspace_tokens_since(&self, workspace_id: &str, from_day: &str) -> StoreResult<u64>;
+
     /// Creates a workspace; [`StoreError::Conflict`] if the name is taken.
     async fn create_workspace(&self, name: &str, repo_access: RepoAccess) -> StoreResult<WorkspaceRow>;
     async fn workspace_by_name(&self, name: &str) -> StoreResult<WorkspaceRow>;

@@ -120,6 +120,66 @@ impl SqlStore {
         })
     }
 
+    /// The workspace's quota a new session (`creating`) or turn would pass, read in `tx`. On PostgreSQL
+    /// the workspace's row is locked first, so concurrent creates count one after another (SQLite's
+    /// writers are serialised already).
+    async fn quota_breach(
+        &self,
+        tx: &mut Transaction<'static, Any>,
+        workspace_id: &str,
+        creating: bool,
+    ) -> StoreResult<Option<crate::limits::QuotaBreach>> {
+        let lock = match self.backend {
+            Backend::Postgres => "SELECT limits FROM workspaces WHERE id = $1 FOR UPDATE",
+            Backend::Sqlite => "SELECT limits FROM workspaces WHERE id = $1",
+        };
+        let Some(row) = sqlx::query(lock).bind(workspace_id).fetch_optional(&mut **tx).await? else {
+            return Ok(None);
+        };
+        let text: String = row.try_get("limits")?;
+        let quotas = serde_json::from_str::<sortie_protocol::api::WorkspaceLimits>(&text)
+            .map_err(internal)?
+            .quotas;
+        let now = now_ms();
+        if creating && let Some(limit) = quotas.sessions_per_day {
+            let midnight = now - now.rem_euclid(86_400_000);
+            let row = sqlx::query("SELECT COUNT(*) AS n FROM sessions WHERE workspace_id = $1 AND created_at >= $2")
+                .bind(workspace_id)
+                .bind(midnight)
+                .fetch_one(&mut **tx)
+                .await?;
+            let used = get_u64(&row, "n")?;
+            if used >= limit {
+                return Ok(Some(crate::limits::QuotaBreach {
+                    quota: "sessions_per_day",
+                    limit,
+                    used,
+                }));
+            }
+        }
+        if let Some(limit) = quotas.tokens_per_month {
+            let today = sortie_protocol::api::utc_day_from_epoch_ms(now);
+            let first_of_month = format!("{}-01", &today[..7]);
+            let row = sqlx::query(
+                "SELECT CAST(COALESCE(SUM(u.input_tokens + u.output_tokens), 0) AS BIGINT) AS n FROM usage_tokens u \
+                 JOIN sessions s ON s.id = u.session_id WHERE s.workspace_id = $1 AND u.day >= $2",
+            )
+            .bind(workspace_id)
+            .bind(first_of_month)
+            .fetch_one(&mut **tx)
+            .await?;
+            let used = get_u64(&row, "n")?;
+            if used >= limit {
+                return Ok(Some(crate::limits::QuotaBreach {
+                    quota: "tokens_per_month",
+                    limit,
+                    used,
+                }));
+            }
+        }
+        Ok(None)
+    }
+
     /// Writes an event about `session_id` in `tx`. Call it after the transaction's other writes: on
     /// PostgreSQL it takes the events lock (held to the commit), so numbers commit in order and a reader
     /// that saw number n never sees a smaller one appear later.
@@ -647,25 +707,31 @@ impl ControlPlane for SqlStore {
         if exists.is_none() {
             return Err(StoreError::NotFound);
         }
+        // Raised again and again, a cap stops at the largest figure accepted (never past an i64).
+        let most = i64::try_from(sortie_protocol::api::LIMIT_MAX).map_err(internal)?;
         if let Some(tokens) = tokens {
             sqlx::query(
-                "UPDATE sessions SET budget_tokens = COALESCE(budget_tokens, input_tokens + output_tokens) + $2, \
+                "UPDATE sessions SET budget_tokens = CASE WHEN COALESCE(budget_tokens, input_tokens + output_tokens) \
+                 + $2 > $4 THEN $4 ELSE COALESCE(budget_tokens, input_tokens + output_tokens) + $2 END, \
                  updated_at = $3 WHERE id = $1",
             )
             .bind(session_id.as_str())
-            .bind(i64::try_from(tokens).map_err(internal)?)
+            .bind(i64::try_from(tokens.min(sortie_protocol::api::LIMIT_MAX)).map_err(internal)?)
             .bind(now_ms())
+            .bind(most)
             .execute(&mut *tx)
             .await?;
         }
         if let Some(compute_ms) = compute_ms {
+            let most_ms = most.saturating_mul(1000);
             sqlx::query(
-                "UPDATE sessions SET budget_compute_ms = COALESCE(budget_compute_ms, compute_ms) + $2, \
-                 updated_at = $3 WHERE id = $1",
+                "UPDATE sessions SET budget_compute_ms = CASE WHEN COALESCE(budget_compute_ms, compute_ms) + $2 > $4 \
+                 THEN $4 ELSE COALESCE(budget_compute_ms, compute_ms) + $2 END, updated_at = $3 WHERE id = $1",
             )
             .bind(session_id.as_str())
-            .bind(i64::try_from(compute_ms).map_err(internal)?)
+            .bind(i64::try_from(compute_ms).map_err(internal)?.min(most_ms))
             .bind(now_ms())
+            .bind(most_ms)
             .execute(&mut *tx)
             .await?;
         }
@@ -699,27 +765,6 @@ impl ControlPlane for SqlStore {
             return Err(StoreError::NotFound);
         }
         Ok(())
-    }
-
-    async fn sessions_created_since(&self, workspace_id: &str, since: i64) -> StoreResult<u64> {
-        let row = sqlx::query("SELECT COUNT(*) AS n FROM sessions WHERE workspace_id = $1 AND created_at >= $2")
-            .bind(workspace_id)
-            .bind(since)
-            .fetch_one(&self.pool)
-            .await?;
-        get_u64(&row, "n")
-    }
-
-    async fn workspace_tokens_since(&self, workspace_id: &str, from_day: &str) -> StoreResult<u64> {
-        let row = sqlx::query(
-            "SELECT CAST(COALESCE(SUM(u.input_tokens + u.output_tokens), 0) AS BIGINT) AS n FROM usage_tokens u \
-             JOIN sessions s ON s.id = u.session_id WHERE s.workspace_id = $1 AND u.day >= $2",
-        )
-        .bind(workspace_id)
-        .bind(from_day)
-        .fetch_one(&self.pool)
-        .await?;
-        get_u64(&row, "n")
     }
 
     async fn ping(&self) -> StoreResult<()> {
@@ -860,6 +905,10 @@ impl ControlPlane for SqlStore {
         let egress = serde_json::to_string(&new.egress_allow).map_err(internal)?;
         let prompt_bytes = i64::try_from(new.task.len()).map_err(internal)?;
         let mut tx = self.begin_write().await?;
+        if let Some(breach) = self.quota_breach(&mut tx, &new.workspace_id, true).await? {
+            tx.rollback().await?;
+            return Err(StoreError::QuotaExceeded(breach));
+        }
         sqlx::query(
             "INSERT INTO sessions (id, workspace_id, repo, base, agent, model, title, phase, n_turns, n_waiting, \
              egress_allow, setup, prompts_bytes, created_at, updated_at, budget_tokens, budget_compute_ms) \
@@ -1032,6 +1081,9 @@ impl ControlPlane for SqlStore {
             if session.archived {
                 return Err(StoreError::NotSteerable("archived"));
             }
+            if session.pruned_at.is_some() {
+                return Err(StoreError::NotSteerable("pruned by retention (its workspace is gone)"));
+            }
             if session.phase != SessionPhase::Hibernated {
                 return Ok(session);
             }
@@ -1039,7 +1091,7 @@ impl ControlPlane for SqlStore {
             let mut tx = self.begin_write().await?;
             let changed = sqlx::query(
                 "UPDATE sessions SET phase = 'queued', resume_requested = 1, updated_at = $2 \
-                 WHERE id = $1 AND phase = 'hibernated' AND archived = 0",
+                 WHERE id = $1 AND phase = 'hibernated' AND archived = 0 AND pruned_at IS NULL",
             )
             .bind(session_id.as_str())
             .bind(now)
@@ -2476,6 +2528,9 @@ impl Transcripts for SqlStore {
             if session.archived {
                 return Err(StoreError::NotSteerable("archived"));
             }
+            if session.pruned_at.is_some() {
+                return Err(StoreError::NotSteerable("pruned by retention (its workspace is gone)"));
+            }
             if session.n_waiting >= TURN_QUEUE_MAX {
                 return Err(StoreError::TurnQueueFull(session.n_waiting));
             }
@@ -2489,11 +2544,15 @@ impl Transcripts for SqlStore {
             let clear_failure = next_phase != session.phase;
             let now = now_ms();
             let mut tx = self.begin_write().await?;
+            if let Some(breach) = self.quota_breach(&mut tx, workspace_id, false).await? {
+                tx.rollback().await?;
+                return Err(StoreError::QuotaExceeded(breach));
+            }
             let claimed = sqlx::query(
                 "UPDATE sessions SET n_turns = n_turns + 1, n_waiting = n_waiting + 1, prompts_bytes = prompts_bytes + $3, \
                  phase = $4, failure_code = CASE WHEN $5 = 1 THEN NULL ELSE failure_code END, \
                  failure_reason = CASE WHEN $5 = 1 THEN NULL ELSE failure_reason END, updated_at = $6 \
-                 WHERE id = $1 AND workspace_id = $2 AND phase = $7 AND archived = 0 AND n_waiting < $8 \
+                 WHERE id = $1 AND workspace_id = $2 AND phase = $7 AND archived = 0 AND pruned_at IS NULL AND n_waiting < $8 \
                  AND prompts_bytes + $3 <= $9 RETURNING n_turns",
             )
             .bind(session_id.as_str())
@@ -2868,13 +2927,14 @@ impl crate::ForgeEvents for SqlStore {
     }
 }
 
-/// A session retention may prune at cutoff `$1`: ended (canceled, failed) or archived while idle or
-/// hibernated, untouched since the cutoff, holding no sandbox, not pruned yet.
+/// A session retention may prune at cutoff `$1` (a condition on `sessions`, unaliased): ended
+/// (canceled, failed) or archived while idle or hibernated, untouched since the cutoff, holding no
+/// sandbox, not pruned yet.
 macro_rules! prunable {
     () => {
-        "s.pruned_at IS NULL AND s.updated_at < $1 \
-         AND (s.phase IN ('canceled', 'failed') OR (s.archived = 1 AND s.phase IN ('idle', 'hibernated'))) \
-         AND NOT EXISTS (SELECT 1 FROM sandboxes b WHERE b.session_id = s.id)"
+        "pruned_at IS NULL AND updated_at < $1 \
+         AND (phase IN ('canceled', 'failed') OR (archived = 1 AND phase IN ('idle', 'hibernated'))) \
+         AND NOT EXISTS (SELECT 1 FROM sandboxes b WHERE b.session_id = sessions.id)"
     };
 }
 
@@ -2882,9 +2942,9 @@ macro_rules! prunable {
 impl Retention for SqlStore {
     async fn prunable_sessions(&self, cutoff: i64, limit: u32) -> StoreResult<Vec<PrunableSession>> {
         let rows = sqlx::query(concat!(
-            "SELECT s.id, s.repo, s.phase, s.updated_at, s.part_count, s.part_bytes FROM sessions s WHERE ",
+            "SELECT id, repo, phase, updated_at, part_count, part_bytes FROM sessions WHERE ",
             prunable!(),
-            " ORDER BY s.updated_at, s.id LIMIT $2"
+            " ORDER BY updated_at, id LIMIT $2"
         ))
         .bind(cutoff)
         .bind(i64::from(limit))
@@ -2909,9 +2969,10 @@ impl Retention for SqlStore {
     async fn prune_session(&self, session_id: &SessionId, cutoff: i64) -> StoreResult<bool> {
         let mut tx = self.begin_write().await?;
         let marked = sqlx::query(concat!(
-            "UPDATE sessions SET pruned_at = $3 WHERE id = $2 AND id IN (SELECT s.id FROM sessions s WHERE ",
-            prunable!(),
-            ")"
+            // The condition on the row itself: PostgreSQL checks it again on the locked row if a steer
+            // changed it meanwhile.
+            "UPDATE sessions SET pruned_at = $3 WHERE id = $2 AND ",
+            prunable!()
         ))
         .bind(cutoff)
         .bind(session_id.as_str())

@@ -1928,32 +1928,42 @@ async fn budgets_are_raised_paused_and_quotas_counted(backend: TestBackend) {
         .await
         .expect("set");
     assert_eq!(f.store.workspace_limits(&f.workspace.id).await.expect("limits"), limits);
-    assert_eq!(
-        f.store.sessions_created_since(&f.workspace.id, 0).await.expect("count"),
-        1
-    );
-    assert_eq!(
+    // Sessions per day: the limit counts today's, in the transaction that would write the next.
+    for _ in 0..2 {
         f.store
-            .sessions_created_since(&f.workspace.id, now_ms() + 1)
+            .create_session(new_session(&f.workspace.id, "/r", "t"))
             .await
-            .expect("count"),
-        0
-    );
-    let today = sortie_protocol::api::utc_day_from_epoch_ms(now_ms());
-    assert_eq!(
-        f.store
-            .workspace_tokens_since(&f.workspace.id, &today)
-            .await
-            .expect("tokens"),
-        320
-    );
-    assert_eq!(
-        f.store
-            .workspace_tokens_since(&f.workspace.id, "9999-01-01")
-            .await
-            .expect("tokens"),
-        0
-    );
+            .expect("within the quota");
+    }
+    let refused = f.store.create_session(new_session(&f.workspace.id, "/r", "t")).await;
+    match refused {
+        Err(StoreError::QuotaExceeded(breach)) => {
+            assert_eq!((breach.quota, breach.limit, breach.used), ("sessions_per_day", 3, 3));
+        }
+        other => panic!("{other:?}"),
+    }
+    // Tokens per month: steering is refused too.
+    let tokens = sortie_protocol::api::WorkspaceLimits {
+        quotas: sortie_protocol::api::Quotas {
+            sessions_per_day: None,
+            tokens_per_month: Some(320),
+        },
+        ..limits
+    };
+    f.store
+        .set_workspace_limits(&f.workspace.id, &tokens)
+        .await
+        .expect("set");
+    let steered = f.store.steer(&f.workspace.id, &session.id, queue("more")).await;
+    match steered {
+        Err(StoreError::QuotaExceeded(breach)) => {
+            assert_eq!(
+                (breach.quota, breach.limit, breach.used),
+                ("tokens_per_month", 320, 320)
+            );
+        }
+        other => panic!("{other:?}"),
+    }
 }
 
 async fn retention_prunes_only_what_ended_before_the_cutoff(backend: TestBackend) {
@@ -1981,7 +1991,21 @@ async fn retention_prunes_only_what_ended_before_the_cutoff(backend: TestBackend
             .await
             .expect("parts");
     }
-    store.cancel(&f.workspace.id, &ended.id).await.expect("cancel");
+    // Its turn failed: a failed session could be steered again, until it is pruned.
+    store
+        .claim_turn(&ended.id, false, "w")
+        .await
+        .expect("claim")
+        .expect("claimed");
+    let failed = TurnOutcome {
+        status: TurnStatus::Failed,
+        head_sha: None,
+        failure: Some((FailureCode::AgentError, "the agent exited".into())),
+    };
+    assert_eq!(
+        store.end_turn(&ended.id, 1, failed).await.expect("end"),
+        SessionPhase::Failed
+    );
     let later = now_ms() + 60_000;
     // Queued (not ended) and the ended one before its cutoff: nothing to prune.
     assert!(
@@ -2008,6 +2032,12 @@ async fn retention_prunes_only_what_ended_before_the_cutoff(backend: TestBackend
     assert!(store.parts(&ended.id).await.expect("parts").is_empty());
     assert_eq!(store.parts(&idle.id).await.expect("parts").len(), 1);
     assert_eq!(store.kept_repos().await.expect("repos"), vec!["/r/b".to_owned()]);
+    // A pruned session takes no more turns: its workspace is gone.
+    let steered = store.steer(&f.workspace.id, &ended.id, queue("again")).await;
+    assert!(
+        matches!(steered, Err(StoreError::NotSteerable(why)) if why.contains("pruned")),
+        "{steered:?}"
+    );
     store.compact().await.expect("compact");
 }
 

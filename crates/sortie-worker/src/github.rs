@@ -374,35 +374,11 @@ async fn start(
     }
     let title: String = title.chars().take(200).collect();
     let workspace_id = &connection.workspace_id;
-    // The workspace's quotas and default budget hold for a forge's request as for the api's.
-    let limits = async {
-        match sortie_store::limits::quota_breach(context.store.as_ref(), workspace_id, true).await? {
-            Some(breach) => Ok(Err(breach)),
-            None => sortie_store::limits::session_budget(context.store.as_ref(), workspace_id, None)
-                .await
-                .map(Ok),
-        }
-    };
-    let budget = match limits.await {
-        Ok(Ok(budget)) => budget,
-        Ok(Err(breach)) => {
-            answer(
-                repo,
-                comment,
-                &format!("@{} sortie could not start: {breach}.", comment.sender),
-            )
-            .await;
-            return "refused: quota".to_owned();
-        }
-        Err(error) => {
-            answer(
-                repo,
-                comment,
-                &format!("@{} sortie could not start: {}", comment.sender, said(&error)),
-            )
-            .await;
-            return format!("failed: {error}");
-        }
+    // The workspace's default budget holds for a forge's request as for the api's (its quotas, the
+    // store's, too).
+    let budget = match sortie_store::limits::session_budget(context.store.as_ref(), workspace_id, None).await {
+        Ok(budget) => budget,
+        Err(error) => return could_not(repo, comment, "start", &error).await,
     };
     let id = SessionId::generate();
     let new = NewSession {
@@ -423,13 +399,7 @@ async fn start(
         budget,
     };
     if let Err(error) = context.store.create_session(new).await {
-        answer(
-            repo,
-            comment,
-            &format!("@{} sortie could not start: {}", comment.sender, said(&error)),
-        )
-        .await;
-        return format!("failed: {error}");
+        return could_not(repo, comment, "start", &error).await;
     }
     acknowledge(repo, comment).await;
     let origin = Origin {
@@ -461,13 +431,25 @@ async fn start(
     format!("started {id}")
 }
 
+/// Answers a request the store could not take, and says so for the delivery's outcome.
+async fn could_not(repo: &Repo<'_>, comment: &Comment, what: &str, error: &StoreError) -> String {
+    answer(
+        repo,
+        comment,
+        &format!("@{} sortie could not {what}: {}", comment.sender, said(error)),
+    )
+    .await;
+    format!("failed: {error}")
+}
+
 /// What a thread on GitHub (perhaps public) is told of a refusal: the user's part of it, never the
 /// store's own words.
 fn said(error: &StoreError) -> String {
     match error {
-        StoreError::NotSteerable(_) | StoreError::TurnQueueFull(_) | StoreError::PromptsTooLarge { .. } => {
-            error.to_string()
-        }
+        StoreError::NotSteerable(_)
+        | StoreError::TurnQueueFull(_)
+        | StoreError::PromptsTooLarge { .. }
+        | StoreError::QuotaExceeded(_) => error.to_string(),
         _ => "sortie could not record it; write the comment again in a while".to_owned(),
     }
 }
@@ -497,15 +479,7 @@ async fn steer(
             acknowledge(repo, comment).await;
             format!("steered {session} (turn {})", turn.n)
         }
-        Err(error) => {
-            answer(
-                repo,
-                comment,
-                &format!("@{} sortie could not take this: {}", comment.sender, said(&error)),
-            )
-            .await;
-            format!("failed: {error}")
-        }
+        Err(error) => could_not(repo, comment, "take this", &error).await,
     }
 }
 

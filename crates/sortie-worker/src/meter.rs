@@ -106,6 +106,12 @@ pub struct TurnMeter {
     over_budget: Mutex<Option<String>>,
     /// The budget ran out in this sandbox's current turn (the reason was handed over once).
     exceeded: std::sync::atomic::AtomicBool,
+    /// This meter marked the session paused at its cap (the store is written once per pause).
+    paused: std::sync::atomic::AtomicBool,
+    /// Generations that ended without reporting usage, not yet charged.
+    unmetered: std::sync::atomic::AtomicU32,
+    /// Tokens charged for them.
+    estimated: AtomicU64,
 }
 
 impl TurnMeter {
@@ -127,6 +133,9 @@ impl TurnMeter {
             budget_wait,
             over_budget: Mutex::new(None),
             exceeded: Default::default(),
+            paused: Default::default(),
+            unmetered: Default::default(),
+            estimated: AtomicU64::new(0),
         })
     }
 
@@ -139,6 +148,8 @@ impl TurnMeter {
     pub fn new_turn(&self) {
         self.over_budget.lock().unwrap_or_else(|p| p.into_inner()).take();
         self.exceeded.store(false, Ordering::Release);
+        // The store's mark went with the last turn's end.
+        self.paused.store(false, Ordering::Release);
     }
 
     fn note_budget(&self, state: &str, spent: u64, limit: u64) {
@@ -178,10 +189,15 @@ impl TurnMeter {
         }
     }
 
+    /// Whether the agent's request may go now, holding it while the session is at its token cap.
     async fn weigh(&self) -> Result<(), String> {
-        let deadline = Instant::now() + self.budget_wait;
+        // The wait for a raise starts when the request is first held at the cap.
+        let mut held_since: Option<Instant> = None;
         let mut settled = false;
         loop {
+            // What is reported but not yet stored is read first: a write that commits in between is
+            // then counted twice for a moment, never not at all.
+            let pending = self.pending.load(Ordering::Acquire);
             let session = match self.store.session_by_id(&self.session_id).await {
                 Ok(session) => session,
                 Err(error) => {
@@ -198,29 +214,50 @@ impl TurnMeter {
                 self.settle_open_answers().await;
                 continue;
             }
-            let spent = session.input_tokens + session.output_tokens + self.pending.load(Ordering::Acquire);
-            if spent < limit {
-                if self
-                    .store
-                    .set_budget_paused(&self.session_id, false)
-                    .await
-                    .unwrap_or(false)
+            let mut spent = session.input_tokens + session.output_tokens + pending;
+            // An answer that reported no usage cost an unknown amount: it is charged all that was left.
+            if self.unmetered.swap(0, Ordering::AcqRel) > 0 {
+                let left = limit.saturating_sub(spent + self.estimated.load(Ordering::Acquire));
+                self.estimated.fetch_add(left, Ordering::AcqRel);
+                tracing::warn!(session = %self.session_id, "a model answer reported no usage: it is charged the rest of the budget");
+            }
+            spent += self.estimated.load(Ordering::Acquire);
+            // Near the cap, answers still streaming are waited for: in parallel they would all pass it.
+            if spent < limit
+                && (spent.saturating_mul(4) < limit.saturating_mul(3) || self.open.load(Ordering::Acquire) == 0)
+            {
+                if self.paused.swap(false, Ordering::AcqRel)
+                    && self
+                        .store
+                        .set_budget_paused(&self.session_id, false)
+                        .await
+                        .unwrap_or(false)
                 {
                     self.note_budget("raised", spent, limit);
                 }
                 return Ok(());
             }
-            if self
-                .store
-                .set_budget_paused(&self.session_id, true)
-                .await
-                .unwrap_or(false)
-            {
-                metrics::counter!("sortie_budget_pauses_total").increment(1);
-                tracing::info!(session = %self.session_id, spent, limit, "the token budget holds the agent's request");
-                self.note_budget("paused", spent, limit);
+            if spent >= limit {
+                held_since.get_or_insert_with(Instant::now);
+                if self.current.get().is_none() {
+                    // No turn runs: nothing may spend past the cap until one does.
+                    return Err("the session is at its token budget and no turn runs".to_owned());
+                }
+                if !self.paused.swap(true, Ordering::AcqRel)
+                    && self
+                        .store
+                        .set_budget_paused(&self.session_id, true)
+                        .await
+                        .unwrap_or(false)
+                {
+                    metrics::counter!("sortie_budget_pauses_total").increment(1);
+                    tracing::info!(session = %self.session_id, spent, limit, "the token budget holds the agent's request");
+                    self.note_budget("paused", spent, limit);
+                }
             }
-            if Instant::now() >= deadline {
+            if let Some(since) = held_since
+                && since.elapsed() >= self.budget_wait
+            {
                 let reason = format!(
                     "the session used {spent} of its {limit} tokens and the budget was not raised within {} s; \
                      raise it (sortie budget {} --add N) and steer the session to go on",
@@ -236,11 +273,12 @@ impl TurnMeter {
                 }
                 // The turn stops now (the watch takes the reason): the request stays held so the agent
                 // does nothing more before it is stopped, its work delivered as it was.
-                if Instant::now() >= deadline + HOLD_AFTER_WAIT {
+                if since.elapsed() >= self.budget_wait + HOLD_AFTER_WAIT {
                     return Err(reason);
                 }
             }
-            tokio::time::sleep(BUDGET_POLL).await;
+            let answer_over = self.answer_over.notified();
+            let _ = tokio::time::timeout(BUDGET_POLL, answer_over).await;
         }
     }
 
@@ -265,7 +303,10 @@ impl UsageSink for TurnMeter {
         Ok(())
     }
 
-    fn answer_ended(&self, _api: ModelApi) {
+    fn answer_ended(&self, _api: ModelApi, metered: bool) {
+        if !metered {
+            self.unmetered.fetch_add(1, Ordering::AcqRel);
+        }
         // Saturating: an answer admitted before this meter counted (none today) cannot underflow it.
         let _ = self
             .open

@@ -218,6 +218,39 @@ async fn git_with(
     Err(PrepareError(format!("{what} failed: {}", tail.join(" / "))))
 }
 
+/// A session's shared hold on a mirror, from its fetch to the end of its clone: a file lock beside the
+/// mirror, so `sortie gc` (another process, perhaps) deletes a mirror only under the exclusive lock,
+/// never while a session fetches or borrows from it.
+pub struct MirrorHold {
+    _lock: std::fs::File,
+}
+
+/// The lock file of `mirror` (kept: removing it would let two holders lock two files).
+pub fn mirror_lock_path(mirror: &Path) -> PathBuf {
+    mirror.with_extension("lock")
+}
+
+/// Waits for a shared hold on `mirror` (only retention holds it exclusively, briefly).
+pub async fn hold_mirror(mirror: &Path) -> Result<MirrorHold, PrepareError> {
+    let path = mirror_lock_path(mirror);
+    let shown = path.display().to_string();
+    tokio::task::spawn_blocking(move || -> std::io::Result<MirrorHold> {
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(false)
+            .open(&path)?;
+        file.lock_shared()?;
+        Ok(MirrorHold { _lock: file })
+    })
+    .await
+    .map_err(|e| PrepareError(format!("cannot lock {shown}: {e}")))?
+    .map_err(|e| PrepareError(format!("cannot lock {shown}: {e}")))
+}
+
 /// Makes or refreshes the mirror of `repo` (a local path, or a forge URL reached with `auth`).
 /// Callers serialise calls per mirror.
 pub async fn ensure_mirror(

@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 use sortie_protocol::SessionId;
 use sortie_store::{Store, StoreError, now_ms};
 
-use crate::prepare::{SessionDirs, mirror_path};
+use crate::prepare::{SessionDirs, mirror_lock_path, mirror_path};
 
 /// Sessions pruned per store read: a large backlog is taken in pages.
 const PAGE: u32 = 200;
@@ -130,15 +130,33 @@ async fn stale_mirrors(
         if path.extension().is_none_or(|ext| ext != "git") || kept.contains(&path) {
             continue;
         }
-        let last_used = last_fetched(&path);
-        if now.duration_since(last_used).unwrap_or_default() < older_than {
+        let stale = |path: &Path| now.duration_since(last_fetched(path)).unwrap_or_default() >= older_than;
+        if !stale(&path) {
             continue;
         }
         let bytes = disk_usage(&path);
-        if !dry_run && let Err(error) = remove_tree(&path) {
+        if dry_run {
+            removed.push((path, bytes));
+            continue;
+        }
+        // Under the mirror's exclusive lock (see `prepare::hold_mirror`): a session fetching or cloning
+        // it now holds it shared, and a fetch that ended just now made it fresh.
+        let Ok(lock) = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(false)
+            .open(mirror_lock_path(&path))
+        else {
+            continue;
+        };
+        if lock.try_lock().is_err() || !stale(&path) {
+            continue;
+        }
+        if let Err(error) = remove_tree(&path) {
             tracing::warn!(%error, mirror = %path.display(), "retention could not remove a mirror");
             continue;
         }
+        drop(lock);
         removed.push((path, bytes));
     }
     Ok(removed)

@@ -186,7 +186,9 @@ pub trait UsageSink: Send + Sync + 'static {
         Ok(())
     }
     /// An admitted request's answer is over (its usage, if any, was reported just before).
-    fn answer_ended(&self, _api: ModelApi) {}
+    /// `metered` is false for a successful generation whose answer reported no usage (a stream the
+    /// agent asked without it, an answer too large to read): its tokens are unknown.
+    fn answer_ended(&self, _api: ModelApi, _metered: bool) {}
     /// One answer's token counts, once, when its body ended (or was dropped); not called for an
     /// answer that reported none.
     fn usage(&self, api: ModelApi, usage: &Usage);

@@ -290,15 +290,6 @@ async fn handle(State(proxy): State<Arc<Inner>>, request: Request) -> Response {
             return refusal(StatusCode::FORBIDDEN, "MODEL_ROUTE_REFUSED", &reason);
         }
     };
-    // The session's budget may hold the request here, before it takes anything of the proxy's.
-    if let Err(reason) = proxy.sink.admit(api).await {
-        log.refused("budget_exceeded", StatusCode::TOO_MANY_REQUESTS);
-        return refusal(StatusCode::TOO_MANY_REQUESTS, "BUDGET_EXCEEDED", &reason);
-    }
-    let answered = AnswerEnded {
-        sink: proxy.sink.clone(),
-        api,
-    };
     let max_body = MAX_REQUEST_BYTES.min(proxy.limits.max_buffered_bytes);
     let too_large = || {
         log.refused("too_large", StatusCode::PAYLOAD_TOO_LARGE);
@@ -338,6 +329,18 @@ async fn handle(State(proxy): State<Arc<Inner>>, request: Request) -> Response {
                 return answer;
             }
         },
+    };
+
+    // The session's budget may hold the request here, on its slot (so a sandbox holds at most the
+    // proxy's in-flight requests waiting) but before its body is read.
+    if let Err(reason) = proxy.sink.admit(api).await {
+        log.refused("budget_exceeded", StatusCode::TOO_MANY_REQUESTS);
+        return refusal(StatusCode::TOO_MANY_REQUESTS, "BUDGET_EXCEEDED", &reason);
+    }
+    let answered = AnswerEnded {
+        sink: proxy.sink.clone(),
+        api,
+        metered: true,
     };
 
     let key = proxy.keys.key(api).await;
@@ -625,11 +628,13 @@ struct Reading {
 struct AnswerEnded {
     sink: Arc<dyn UsageSink>,
     api: ModelApi,
+    /// False once a successful generation ended without reporting usage.
+    metered: bool,
 }
 
 impl Drop for AnswerEnded {
     fn drop(&mut self) {
-        self.sink.answer_ended(self.api);
+        self.sink.answer_ended(self.api, self.metered);
     }
 }
 
@@ -644,10 +649,11 @@ impl Reading {
             route,
             status,
             _slot,
-            _answered,
+            mut _answered,
         } = self;
         let api = log.api;
         let usage = reader.finish(fallback_model.as_deref());
+        _answered.metered = usage.is_some() || !route.generates() || !status.is_success();
         if let Some(usage) = &usage {
             metrics::counter!("sortie_model_tokens_total", "api" => api.as_str(), "kind" => "input")
                 .increment(usage.input_tokens);

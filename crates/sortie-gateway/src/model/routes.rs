@@ -41,6 +41,18 @@ pub enum Route {
 }
 
 impl Route {
+    /// Whether its answer is a generation that costs tokens (and reports them).
+    pub fn generates(self) -> bool {
+        matches!(
+            self,
+            Self::AnthropicMessages
+                | Self::OpenaiResponses
+                | Self::OpenaiChatCompletions
+                | Self::GeminiGenerateContent
+                | Self::GeminiStreamGenerateContent
+        )
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::AnthropicMessages => "messages",

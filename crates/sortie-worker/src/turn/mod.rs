@@ -293,16 +293,21 @@ async fn run_agent_turn(
     if let Some(pods) = &context.pods {
         pods.set_egress(sandbox.name(), true);
     }
+    // A cap needs a reading to count from; a sandbox whose cgroup cannot be read is not capped
+    // (what it uses is metered when it can be).
     let compute_cap = match session.budget_compute_ms {
-        Some(limit_ms) => {
-            let reading = context.runtime.usage(sandbox.name()).await.unwrap_or_default();
-            Some(watch::ComputeCap {
+        Some(limit_ms) => match context.runtime.usage(sandbox.name()).await {
+            Ok(reading) => Some(watch::ComputeCap {
                 limit_ms,
                 used_before_ms: session.compute_ms,
                 reading_at_start_ms: (reading.cpu_seconds * 1000.0) as u64,
                 noted: Default::default(),
-            })
-        }
+            }),
+            Err(error) => {
+                tracing::warn!(%error, session = %session.id, "cannot read the sandbox's usage: its compute cap is not watched");
+                None
+            }
+        },
         None => None,
     };
     let started = Instant::now();

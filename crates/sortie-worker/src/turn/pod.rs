@@ -37,7 +37,7 @@ pub(super) async fn provision(
     let (upstream, forge_auth) = session_upstream(context, session).await?;
 
     let clock = Instant::now();
-    let mirror = session_mirror(context, session, forge_auth.as_ref()).await?;
+    let (mirror, _mirror_hold) = session_mirror(context, session, forge_auth.as_ref()).await?;
     let base = prepare::start_commit(&config.git_binary, &mirror, session.base.as_deref())
         .await
         .map_err(|e| (FailureCode::CloneFailed, e.0))?;

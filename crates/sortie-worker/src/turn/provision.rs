@@ -64,7 +64,7 @@ pub(super) async fn provision(
     let (upstream, forge_auth) = session_upstream(context, session).await?;
 
     let clock = Instant::now();
-    let mirror = session_mirror(context, session, forge_auth.as_ref()).await?;
+    let (mirror, mirror_hold) = session_mirror(context, session, forge_auth.as_ref()).await?;
     std::fs::create_dir_all(&dirs.root)
         .map_err(|e| start_failed(format!("cannot create {}: {e}", dirs.root.display())))?;
     mount_disk(context, &dirs).await?;
@@ -86,6 +86,8 @@ pub(super) async fn provision(
     )
     .await
     .map_err(|e| (FailureCode::CloneFailed, e.0))?;
+    // The workspace borrows the mirror's objects now; a session kept by the store keeps it from retention.
+    drop(mirror_hold);
     if let Some(commit) = started_at {
         std::fs::write(dirs.start_commit(), commit)
             .map_err(|e| start_failed(format!("cannot record the workspace's start: {e}")))?;
@@ -226,21 +228,25 @@ pub(super) async fn provision(
     Ok(handle)
 }
 
-/// The host's mirror of the session's repository, fetched now (one fetch at a time per repository).
+/// The host's mirror of the session's repository, fetched now (one fetch at a time per repository),
+/// and the hold that keeps retention off it while the caller clones from it.
 pub(super) async fn session_mirror(
     context: &Arc<Context>,
     session: &SessionRow,
     forge_auth: Option<&prepare::ForgeAuth>,
-) -> Result<PathBuf, Failure> {
+) -> Result<(PathBuf, prepare::MirrorHold), Failure> {
     let config = &context.config;
     let mirrors = config.work_dir.join("mirrors");
-    let lock = context
-        .mirror_lock(&prepare::mirror_path(&mirrors, &session.repo))
-        .await;
-    let _held = lock.lock().await;
-    prepare::ensure_mirror(&config.git_binary, &mirrors, &session.repo, forge_auth)
+    let path = prepare::mirror_path(&mirrors, &session.repo);
+    let hold = prepare::hold_mirror(&path)
         .await
-        .map_err(|e| (FailureCode::CloneFailed, e.0))
+        .map_err(|e| (FailureCode::CloneFailed, e.0))?;
+    let lock = context.mirror_lock(&path).await;
+    let _held = lock.lock().await;
+    let mirror = prepare::ensure_mirror(&config.git_binary, &mirrors, &session.repo, forge_auth)
+        .await
+        .map_err(|e| (FailureCode::CloneFailed, e.0))?;
+    Ok((mirror, hold))
 }
 
 /// Runs the session's setup script in its new sandbox, then closes the setup phase's allowlist; a
