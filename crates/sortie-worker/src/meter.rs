@@ -4,8 +4,9 @@
 //! sortie shows, read by the host, never reported by the sandbox), a vendor's 401/403 or a missing
 //! key, which fails the running turn at once with `VENDOR_AUTH_REJECTED`. It also holds the agent's
 //! next request at the session's token budget (DESIGN §12, §16): a `data-sortie-budget` part says so,
-//! the session shows it needs input, and a raise lets the request go; past the wait, the request is
-//! refused and the turn ends `BUDGET_EXCEEDED` with its work delivered.
+//! the session shows it needs input, and a raise lets the request go; past the wait, the turn ends
+//! `BUDGET_EXCEEDED` with its work delivered (the request held until the agent is stopped). An answer
+//! that reported no usage is charged the rest of the budget.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
