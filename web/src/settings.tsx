@@ -126,6 +126,12 @@ function Tokens() {
     } catch (err) { fail(err); }
   };
   const rows: TokenInfo[] = list?.tokens ?? [];
+  const tokenState = (t: TokenInfo) => {
+    if (t.revoked_at) return `revoked ${age(t.revoked_at)} ago`;
+    if (t.expires_at && Date.parse(t.expires_at) <= Date.now()) return 'expired';
+    const mine = t.current ? 'yours' : 'live';
+    return t.expires_at ? `${mine}, expires ${t.expires_at.slice(0, 10)}` : mine;
+  };
   return (
     <Section title="Tokens" error={error} hint="Who may use this workspace: viewers read, operators run sessions, admins also manage settings. A token's secret is shown once, when it is made.">
       {fresh && (
@@ -136,13 +142,14 @@ function Tokens() {
         </div>
       )}
       <div className="table-scroll"><table className="settings-table">
-        <thead><tr><th>Id</th><th>Role</th><th>Label</th><th>Created</th><th>State</th><th /></tr></thead>
+        <thead><tr><th>Id</th><th>Role</th><th>Label</th><th>Created</th><th>Last used</th><th>State</th><th /></tr></thead>
         <tbody>
           {rows.map((t) => (
             <tr key={t.id} className={t.revoked_at ? 'revoked' : undefined}>
               <td><code>{t.id}</code></td><td>{t.role}</td><td>{t.label ?? ''}</td>
               <td title={t.created_at}>{age(t.created_at)} ago</td>
-              <td>{t.revoked_at ? `revoked ${age(t.revoked_at)} ago` : t.current ? 'yours' : 'live'}</td>
+              <td title={t.last_used_at ?? undefined}>{t.last_used_at ? `${age(t.last_used_at)} ago` : 'never'}</td>
+              <td>{tokenState(t)}</td>
               <td>{!t.revoked_at && <button disabled={t.current} title={t.current ? 'the token you are signed in with' : undefined}
                 onClick={() => { if (confirm(`Revoke ${t.id}? Everything using it stops working.`)) client.revokeToken(t.id).then(reload, fail); }}>Revoke</button>}</td>
             </tr>

@@ -33,6 +33,21 @@ async function snapshots(list: UIMessageChunk[]): Promise<UIMessage[]> {
 const asMessages = (m: UIMessage[]) => m as unknown as Message[];
 
 describe('conversation renderer', () => {
+  it('a budget card says what was spent, and while paused offers to add as much again', () => {
+    const budget = (state: string) =>
+      ({ id: 'a1', role: 'assistant', parts: [{ type: 'data-sortie-budget', id: 'budget', data: { state, kind: 'tokens', spent: 500, limit: 500, how: 'Raise the budget to let it go on.' } }] }) as unknown as Message;
+    const raiseBudget = vi.fn();
+    const { container, rerender } = render(<Conversation messages={[budget('paused')]} actions={{ raiseBudget }} />);
+    const card = container.querySelector('.card.budget-paused');
+    expect(card?.getAttribute('role')).toBe('alert');
+    expect(card?.textContent).toContain('500 of 500 tokens. Raise the budget to let it go on.');
+    fireEvent.click(screen.getByRole('button', { name: 'Add 500 tokens' }));
+    expect(raiseBudget).toHaveBeenCalledWith(500);
+    rerender(<Conversation messages={[budget('exceeded')]} actions={{ raiseBudget }} />);
+    expect(container.querySelector('.card.budget-exceeded')).toBeTruthy();
+    expect(screen.queryByRole('button', { name: /Add/ })).toBeNull();
+  });
+
   it('says what a phase waits for, and nothing once the next phase replaced it', () => {
     const phase = (data: Record<string, unknown>) =>
       ({ id: 'a1', role: 'assistant', parts: [{ type: 'data-sortie-phase', id: 'phase', data }] }) as unknown as Message;

@@ -18,6 +18,10 @@ describe('outcome', () => {
     expect(outcome({ ...base, phase: 'provisioning' })).toEqual({ label: 'Running', tone: 'run', detail: 'provisioning' });
     expect(outcome({ ...base, phase: 'running' }, 'allow x.dev?').label).toBe('Needs input');
     expect(outcome({ ...base, phase: 'canceled' }).label).toBe('Canceled');
+    // Held at its token budget, a session needs someone to raise it, on the list too (no parts there).
+    const paused = { tokens: 500, compute_seconds: null, paused_at: '2026-12-06T12:00:00.000Z' };
+    expect(outcome({ ...base, phase: 'running', budget: paused })).toEqual({ label: 'Needs input', tone: 'attention', detail: 'budget reached' });
+    expect(outcome({ ...base, phase: 'running', budget: { ...paused, paused_at: null } }).label).toBe('Running');
   });
 
   it('an allowlist admits the names it lists, exactly, as the gateway does', () => {
