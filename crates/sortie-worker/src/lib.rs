@@ -347,11 +347,15 @@ impl Worker {
         });
         let mut tick = tokio::time::interval(context.config.poll_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // A turn accepted in this process (a create, a steer, a resume: each commits an event) wakes
+        // the loop at once; the tick stays for what other processes accept (DESIGN §17).
+        let mut accepted = context.store.event_signal();
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
                 () = &mut shutdown => break,
                 _ = tick.tick() => on_tick(&context, &mut slots, &events_tx).await,
+                Ok(()) = accepted.changed() => on_tick(&context, &mut slots, &events_tx).await,
                 Some(event) = events.recv() => on_event(&mut slots, event),
             }
             // Provisioning, running or warm: each holds (or is making) a sandbox of this worker.
