@@ -121,9 +121,15 @@ pub trait ControlPlane: Send + Sync + 'static {
     async fn delete_preset(&self, workspace_id: &str, repo: &str) -> StoreResult<bool>;
     /// The session's stored branch diff, if it has delivered.
     async fn branch_diff(&self, session_id: &SessionId) -> StoreResult<Option<sortie_protocol::api::StoredDiff>>;
-    /// Changes (to a new value) whenever this process commits an event. Events another process writes
-    /// are seen only by reading, so a reader also reads on a slow timer.
+    /// Changes (to a new value) whenever this process commits an event, and, where
+    /// [`Store::hears_other_processes`], whenever another process does. Otherwise events another process
+    /// writes are seen only by reading, so a reader also reads on a timer.
     fn event_signal(&self) -> tokio::sync::watch::Receiver<u64>;
+    /// Whether [`Store::event_signal`] also changes for other processes' commits (PostgreSQL's
+    /// `LISTEN/NOTIFY`), so that a reader's timer is only a safety net.
+    fn hears_other_processes(&self) -> bool {
+        false
+    }
     /// The newest event's number, of any workspace (0 when there is none): where a reader that wants
     /// only what happens from now on starts.
     async fn latest_event(&self) -> StoreResult<u64>;

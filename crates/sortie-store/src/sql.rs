@@ -50,8 +50,56 @@ const CAS_ATTEMPTS: usize = 200;
 pub struct SqlStore {
     pool: AnyPool,
     backend: Backend,
-    /// Bumped after every commit that wrote an event ([`Store::event_signal`]).
+    /// Bumped after every commit that wrote an event ([`Store::event_signal`]), and on PostgreSQL when
+    /// another process's commit notifies [`EVENTS_CHANNEL`].
     events: tokio::sync::watch::Sender<u64>,
+    /// This store's name in its notifications, so its listener skips what it sent itself.
+    notifier: String,
+    /// The PostgreSQL listener's task, stopped with the store.
+    listener: Option<tokio::task::AbortHandle>,
+}
+
+/// The PostgreSQL channel every commit that wrote events notifies (DESIGN §17: wake, don't poll).
+pub const EVENTS_CHANNEL: &str = "sortie_events";
+
+/// How long the listener waits before it connects again after losing its connection.
+const RELISTEN_AFTER: Duration = Duration::from_secs(1);
+
+impl Drop for SqlStore {
+    fn drop(&mut self) {
+        if let Some(listener) = &self.listener {
+            listener.abort();
+        }
+    }
+}
+
+/// Bumps `events` for each notification on [`EVENTS_CHANNEL`] another store sent, for as long as the
+/// store lives. A lost connection bumps it too: what was notified meanwhile is gone, so readers read.
+async fn listen_for_events(url: String, notifier: String, events: tokio::sync::watch::Sender<u64>) {
+    loop {
+        let Err(error) = listen_once(&url, &notifier, &events).await;
+        tracing::warn!(%error, "cannot listen for other processes' events; reading on the slow timer meanwhile");
+        tokio::time::sleep(RELISTEN_AFTER).await;
+    }
+}
+
+async fn listen_once(
+    url: &str,
+    notifier: &str,
+    events: &tokio::sync::watch::Sender<u64>,
+) -> Result<std::convert::Infallible, sqlx::Error> {
+    let bump = || events.send_modify(|n| *n = n.wrapping_add(1));
+    let mut listener = sqlx::postgres::PgListener::connect(url).await?;
+    listener.listen(EVENTS_CHANNEL).await?;
+    // Commits made before LISTEN took effect were not heard: a reader reads once now.
+    bump();
+    loop {
+        match listener.try_recv().await? {
+            Some(notification) if notification.payload() == notifier => {}
+            // `None`: the connection was lost and is made again; what was notified meanwhile is gone.
+            Some(_) | None => bump(),
+        }
+    }
 }
 
 impl SqlStore {
@@ -85,10 +133,16 @@ impl SqlStore {
             }
             Backend::Postgres => options.max_connections(16).connect(url).await?,
         };
+        let events = tokio::sync::watch::channel(0).0;
+        let notifier = ulid::Ulid::generate().to_string();
+        let listener = (backend == Backend::Postgres)
+            .then(|| tokio::spawn(listen_for_events(url.to_owned(), notifier.clone(), events.clone())).abort_handle());
         let store = Self {
             pool,
             backend,
-            events: tokio::sync::watch::channel(0).0,
+            events,
+            notifier,
+            listener,
         };
         store.migrate().await?;
         Ok(store)
@@ -108,6 +162,9 @@ impl SqlStore {
 
     /// Closes the pool; pending work finishes first.
     pub async fn close(&self) {
+        if let Some(listener) = &self.listener {
+            listener.abort();
+        }
         self.pool.close().await;
     }
 
@@ -274,8 +331,16 @@ impl SqlStore {
         Ok(true)
     }
 
-    /// Commits a transaction that wrote events and wakes this process's readers.
-    async fn commit_events(&self, tx: Transaction<'static, Any>) -> StoreResult<()> {
+    /// Commits a transaction that wrote events and wakes this process's readers, and on PostgreSQL
+    /// every other process's (a notification is delivered only if the transaction commits).
+    async fn commit_events(&self, mut tx: Transaction<'static, Any>) -> StoreResult<()> {
+        if self.backend == Backend::Postgres {
+            sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(EVENTS_CHANNEL)
+                .bind(self.notifier.as_str())
+                .execute(&mut *tx)
+                .await?;
+        }
         tx.commit().await?;
         self.events.send_modify(|n| *n = n.wrapping_add(1));
         Ok(())
@@ -1288,6 +1353,10 @@ impl ControlPlane for SqlStore {
 
     fn event_signal(&self) -> tokio::sync::watch::Receiver<u64> {
         self.events.subscribe()
+    }
+
+    fn hears_other_processes(&self) -> bool {
+        self.listener.is_some()
     }
 
     async fn latest_event(&self) -> StoreResult<u64> {

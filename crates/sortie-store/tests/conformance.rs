@@ -111,7 +111,56 @@ on_both_databases!(
     concurrent_writers_number_events_in_commit_order,
     webhook_deliveries_are_enqueued_and_claimed_once,
     a_turn_ends_with_its_session_in_one_call,
+    another_processs_commits_wake_this_ones_readers,
 );
+
+/// Two stores on one database are two processes (a split api and worker): on PostgreSQL one's commits
+/// wake the other's readers; on SQLite nothing claims to.
+async fn another_processs_commits_wake_this_ones_readers(backend: TestBackend) {
+    let f = fixture(backend).await;
+    let other = SqlStore::connect(&f._database.url).await.expect("a second store");
+    if backend == TestBackend::Sqlite {
+        assert!(!other.hears_other_processes() && !f.store.hears_other_processes());
+        return;
+    }
+    assert!(other.hears_other_processes());
+    let mut signal = other.event_signal();
+    // The second store's LISTEN takes effect a moment after connect: commit until one is heard.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        signal.borrow_and_update();
+        f.store
+            .create_session(new_session(&f.workspace.id, "/r", "t"))
+            .await
+            .expect("create");
+        let heard = tokio::time::timeout(std::time::Duration::from_secs(2), signal.changed()).await;
+        if matches!(heard, Ok(Ok(()))) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the other store never heard a commit"
+        );
+    }
+    // Once listening, every commit is heard, and a session created elsewhere is readable here.
+    for _ in 0..3 {
+        signal.borrow_and_update();
+        let session = f
+            .store
+            .create_session(new_session(&f.workspace.id, "/r", "t"))
+            .await
+            .expect("create");
+        tokio::time::timeout(std::time::Duration::from_secs(10), signal.changed())
+            .await
+            .expect("heard within the deadline")
+            .expect("the store lives");
+        assert_eq!(
+            other.session(&f.workspace.id, &session.id).await.expect("read").id,
+            session.id
+        );
+    }
+    other.close().await;
+}
 
 async fn forge_deliveries_are_recorded_once_and_claimed_once(backend: TestBackend) {
     use sortie_protocol::api::ForgeKind;

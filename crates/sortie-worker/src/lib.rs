@@ -345,10 +345,16 @@ impl Worker {
             let work_dir = context.config.work_dir.clone();
             tokio::spawn(retain(store, work_dir, age))
         });
-        let mut tick = tokio::time::interval(context.config.poll_interval);
+        // A turn accepted (a create, a steer, a resume: each commits an event) wakes the loop at once:
+        // in this process always, in another where the store hears other processes (PostgreSQL). The
+        // tick is then only a safety net; otherwise it is how another process's accepts are found.
+        let poll = if context.store.hears_other_processes() {
+            context.config.poll_interval.max(SAFETY_NET_POLL)
+        } else {
+            context.config.poll_interval
+        };
+        let mut tick = tokio::time::interval(poll);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // A turn accepted in this process (a create, a steer, a resume: each commits an event) wakes
-        // the loop at once; the tick stays for what other processes accept (DESIGN §17).
         let mut accepted = context.store.event_signal();
         tokio::pin!(shutdown);
         loop {
@@ -379,6 +385,9 @@ impl Worker {
         }
     }
 }
+
+/// How often the worker reads the store for work when accepts in every process wake it anyway.
+pub const SAFETY_NET_POLL: Duration = Duration::from_secs(1);
 
 /// How often the worker applies retention when it is configured.
 pub const RETENTION_EVERY: Duration = Duration::from_secs(60 * 60);
