@@ -839,7 +839,9 @@ async fn publish(
     }
 }
 
-/// Idempotent publication (§7.3).
+/// Idempotent publication (§7.3): the push itself holds the lease (the branch must still be at the
+/// baseline, or absent), so the remote is read only when it fails — to tell a push that landed
+/// unanswered, or a branch someone moved, from a failure.
 async fn publish_once(
     config: &DeliveryConfig,
     git: &Git,
@@ -847,18 +849,6 @@ async fn publish_once(
     baseline: Option<&str>,
 ) -> Result<(), DeliveryError> {
     let branch = &config.branch;
-    let remote = git.remote_head(&config.remote, branch).await?;
-    match decide(remote.as_deref(), candidate, baseline) {
-        Publication::AlreadyThere => return Ok(()),
-        Publication::Conflict => {
-            return Err(DeliveryError::PushConflict(conflict_reason(
-                branch,
-                remote.as_deref(),
-                baseline,
-            )));
-        }
-        Publication::Push => {}
-    }
     let lease = format!("--force-with-lease=refs/heads/{branch}:{}", baseline.unwrap_or(""));
     let refspec = format!("{candidate}:refs/heads/{branch}");
     let pushed = git

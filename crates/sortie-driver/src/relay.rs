@@ -28,6 +28,9 @@ pub async fn run(listener: TcpListener, upstream: Upstream) {
         let Ok((mut tcp, _)) = listener.accept().await else {
             continue;
         };
+        // The relay passes on each piece as it comes; with Nagle a small piece after another waits for
+        // the client's delayed ACK (40 ms), twice per HTTP exchange of a git push or fetch.
+        let _ = tcp.set_nodelay(true);
         let upstream = upstream.clone();
         tokio::spawn(async move {
             match &*upstream {
