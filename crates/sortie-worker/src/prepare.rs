@@ -8,7 +8,8 @@
 //! Host-side git never runs as root inside a repository root does not own (DESIGN §9 invariant 11,
 //! S5), and never runs hooks: the mirror of a local repository owned by another user is made and
 //! fetched with that repository's side of the transfer (`upload-pack`) run as its owner, through
-//! `setpriv`; the worker's own side works in its own directories only. No `safe.directory`
+//! `setpriv`; the worker's own side works in its own directories only, and a workspace's working
+//! tree is checked out as the sandbox uid after root hands it the new `.git`. No `safe.directory`
 //! override exists anywhere: git as the owner does not need one, and root's git is never in a
 //! foreign repository.
 
@@ -185,7 +186,27 @@ async fn git_with(
     deadline: Duration,
     auth: Option<&ForgeAuth>,
 ) -> Result<String, PrepareError> {
+    git_as(binary, dir, args, deadline, auth, None).await
+}
+
+/// Runs git, as `owner` (uid, gid) when given: then with no global config (root's home is not its to
+/// read) and, as std does when root changes uid, no supplementary groups.
+async fn git_as(
+    binary: &Path,
+    dir: Option<&Path>,
+    args: &[&str],
+    deadline: Duration,
+    auth: Option<&ForgeAuth>,
+    owner: Option<(u32, u32)>,
+) -> Result<String, PrepareError> {
     let mut command = tokio::process::Command::new(binary);
+    if let Some((uid, gid)) = owner {
+        command
+            .gid(gid)
+            .uid(uid)
+            .env("HOME", "/nonexistent")
+            .env("GIT_CONFIG_GLOBAL", "/dev/null");
+    }
     command
         .args(args)
         .env("GIT_TERMINAL_PROMPT", "0")
@@ -301,9 +322,6 @@ pub async fn ensure_mirror(
     Ok(mirror)
 }
 
-/// Clones the session's workspace from the mirror unless it exists (a hibernated or retried session
-/// keeps it). A new workspace answers the commit it starts from, as the host's git read it from the
-/// mirror (the base the first delivery is counted against).
 /// The commit a session starts at, resolved in the host's own mirror: the tip of branch `base`, or of
 /// the repository's default branch. A pod's workspace is checked out at it (the pod is not asked).
 pub async fn start_commit(binary: &Path, mirror: &Path, base: Option<&str>) -> Result<String, PrepareError> {
@@ -327,6 +345,15 @@ pub async fn start_commit(binary: &Path, mirror: &Path, base: Option<&str>) -> R
     })
 }
 
+/// Clones the session's workspace from the mirror unless it exists (a hibernated or retried session
+/// keeps it). A new workspace answers the commit it starts from, as the host's git read it from the
+/// mirror (the base the first delivery is counted against).
+///
+/// With `owner` (the sandbox's uid and gid, when the host is root), the working tree is checked out
+/// as that uid: nothing is chowned after, so no walk of the tree, and the index's record of each file
+/// (its ctime among it) stays true — a chown would make the first `git add` in the sandbox hash every
+/// file again. Root makes only the `.git` of a `--no-checkout` clone (a few dozen entries, then handed
+/// over), and never runs git in the workspace after that.
 pub async fn ensure_workspace(
     binary: &Path,
     mirror: &Path,
@@ -334,6 +361,7 @@ pub async fn ensure_workspace(
     branch: &str,
     base: Option<&str>,
     origin_url: &str,
+    owner: Option<(u32, u32)>,
 ) -> Result<Option<String>, PrepareError> {
     if workspace.join(".git").exists() {
         return Ok(None);
@@ -378,15 +406,21 @@ pub async fn ensure_workspace(
     git(
         binary,
         Some(&partial),
-        &["checkout", "--quiet", "--no-track", "-b", branch, &start],
+        &["remote", "set-url", "origin", origin_url],
         LOCAL_DEADLINE,
     )
     .await?;
-    git(
+    if let Some((uid, gid)) = owner {
+        sortie_sandbox::local::chown_tree(&partial, uid, gid)
+            .map_err(|e| PrepareError(format!("cannot hand the new clone to the sandbox uid: {e}")))?;
+    }
+    git_as(
         binary,
         Some(&partial),
-        &["remote", "set-url", "origin", origin_url],
+        &["checkout", "--quiet", "--no-track", "-b", branch, &start],
         LOCAL_DEADLINE,
+        None,
+        owner,
     )
     .await?;
     std::fs::rename(&partial, workspace)
@@ -502,6 +536,101 @@ mod tests {
                 stack.extend(std::fs::read_dir(&path).expect("dir").map(|e| e.expect("entry").path()));
             }
         }
+    }
+
+    /// The worker as root makes a workspace for the sandbox uid: every file of it is that uid's, git as
+    /// that uid finds the tree clean on its branch (started at the mirror's head) with origin the proxy,
+    /// and the mirror stays root's.
+    #[tokio::test]
+    async fn a_workspace_is_checked_out_as_the_sandbox_uid() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: checking a workspace out as another uid needs root");
+            return;
+        }
+        let sandbox = 61234;
+        let temp = tempfile::tempdir().expect("temp");
+        let root = temp.path();
+        // A user's data dir is searchable by the sandbox uid (serve opens it so); so is this one.
+        std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let seed = root.join("seed");
+        run(root, &["init", "-q", "-b", "main", seed.to_str().expect("utf-8")]);
+        std::fs::create_dir(seed.join("src")).expect("mkdir");
+        for i in 0..50 {
+            std::fs::write(seed.join(format!("src/f{i}.rs")), format!("fn f{i}() {{}}\n")).expect("write");
+        }
+        run(&seed, &["add", "."]);
+        run(&seed, &["commit", "-q", "-m", "seed"]);
+        let git = Path::new("git");
+        let mirror = ensure_mirror(git, &root.join("mirrors"), seed.to_str().expect("utf-8"), None)
+            .await
+            .expect("mirror");
+        let workspace = root.join("ws");
+        let origin = "http://127.0.0.1:3128/_sortie/git/ses_x.git";
+        let started = ensure_workspace(
+            git,
+            &mirror,
+            &workspace,
+            "sortie/ses_x",
+            None,
+            origin,
+            Some((sandbox, sandbox)),
+        )
+        .await
+        .expect("workspace")
+        .expect("a new workspace");
+        assert_eq!(Some(started), sortie_testkit::git::rev(&mirror, "refs/heads/main"));
+
+        let mut stack = vec![workspace.clone()];
+        let mut files = 0;
+        while let Some(path) = stack.pop() {
+            use std::os::unix::fs::MetadataExt;
+            let metadata = std::fs::symlink_metadata(&path).expect("metadata");
+            assert_eq!(
+                (metadata.uid(), metadata.gid()),
+                (sandbox, sandbox),
+                "{}",
+                path.display()
+            );
+            files += 1;
+            if metadata.is_dir() {
+                stack.extend(std::fs::read_dir(&path).expect("dir").map(|e| e.expect("entry").path()));
+            }
+        }
+        assert!(files > 50, "{files}");
+        let as_sandbox = |args: &[&str]| {
+            let output = Command::new("setpriv")
+                .args([
+                    &format!("--reuid={sandbox}"),
+                    &format!("--regid={sandbox}"),
+                    "--clear-groups",
+                ])
+                .args(["env", "HOME=/nonexistent", "GIT_CONFIG_GLOBAL=/dev/null", "git"])
+                .args(args)
+                .current_dir(&workspace)
+                .output()
+                .expect("git as the sandbox uid");
+            assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+            String::from_utf8_lossy(&output.stdout).trim().to_owned()
+        };
+        assert_eq!(as_sandbox(&["status", "--porcelain"]), "");
+        assert_eq!(as_sandbox(&["rev-parse", "--abbrev-ref", "HEAD"]), "sortie/ses_x");
+        assert_eq!(as_sandbox(&["remote", "get-url", "origin"]), origin);
+        // The mirror stays root's: the sandbox uid only ever read it.
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(std::fs::metadata(mirror.join("HEAD")).expect("mirror").uid(), 0);
+        // A second call finds the workspace and leaves it be.
+        let again = ensure_workspace(
+            git,
+            &mirror,
+            &workspace,
+            "sortie/ses_x",
+            None,
+            origin,
+            Some((sandbox, sandbox)),
+        )
+        .await
+        .expect("again");
+        assert_eq!(again, None);
     }
 
     #[test]

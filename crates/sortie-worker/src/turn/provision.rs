@@ -83,6 +83,7 @@ pub(super) async fn provision(
         &session.id.branch(),
         session.base.as_deref(),
         &origin,
+        context.runtime.host_owner(),
     )
     .await
     .map_err(|e| (FailureCode::CloneFailed, e.0))?;
@@ -92,11 +93,10 @@ pub(super) async fn provision(
         std::fs::write(dirs.start_commit(), commit)
             .map_err(|e| start_failed(format!("cannot record the workspace's start: {e}")))?;
     }
+    // The workspace was made as the sandbox uid; its home may hold what the host restored.
     if let Some((uid, gid)) = context.runtime.host_owner() {
-        for dir in [&dirs.workspace, &dirs.home] {
-            sortie_sandbox::local::chown_tree(dir, uid, gid)
-                .map_err(|e| start_failed(format!("cannot hand {} to the sandbox: {e}", dir.display())))?;
-        }
+        sortie_sandbox::local::chown_tree(&dirs.home, uid, gid)
+            .map_err(|e| start_failed(format!("cannot hand {} to the sandbox: {e}", dirs.home.display())))?;
     }
     timings.insert("clone".into(), ms(clock));
 
