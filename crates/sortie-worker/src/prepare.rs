@@ -527,15 +527,28 @@ mod tests {
         for call in calls.lines().filter(|c| !serves(c)) {
             assert!(call.starts_with("0 "), "{call}");
         }
-        let mut stack = vec![repo.clone()];
+        owned_by(&repo, owner, owner);
+    }
+
+    /// Asserts every entry under `root` is `uid`'s and `gid`'s; answers how many there are.
+    fn owned_by(root: &Path, uid: u32, gid: u32) -> usize {
+        use std::os::unix::fs::MetadataExt;
+        let mut stack = vec![root.to_owned()];
+        let mut entries = 0;
         while let Some(path) = stack.pop() {
-            use std::os::unix::fs::MetadataExt;
             let metadata = std::fs::symlink_metadata(&path).expect("metadata");
-            assert_eq!(metadata.uid(), owner, "{} is not the owner's", path.display());
+            assert_eq!(
+                (metadata.uid(), metadata.gid()),
+                (uid, gid),
+                "{} is someone else's",
+                path.display()
+            );
+            entries += 1;
             if metadata.is_dir() {
                 stack.extend(std::fs::read_dir(&path).expect("dir").map(|e| e.expect("entry").path()));
             }
         }
+        entries
     }
 
     /// The worker as root makes a workspace for the sandbox uid: every file of it is that uid's, git as
@@ -580,22 +593,7 @@ mod tests {
         .expect("a new workspace");
         assert_eq!(Some(started), sortie_testkit::git::rev(&mirror, "refs/heads/main"));
 
-        let mut stack = vec![workspace.clone()];
-        let mut files = 0;
-        while let Some(path) = stack.pop() {
-            use std::os::unix::fs::MetadataExt;
-            let metadata = std::fs::symlink_metadata(&path).expect("metadata");
-            assert_eq!(
-                (metadata.uid(), metadata.gid()),
-                (sandbox, sandbox),
-                "{}",
-                path.display()
-            );
-            files += 1;
-            if metadata.is_dir() {
-                stack.extend(std::fs::read_dir(&path).expect("dir").map(|e| e.expect("entry").path()));
-            }
-        }
+        let files = owned_by(&workspace, sandbox, sandbox);
         assert!(files > 50, "{files}");
         let as_sandbox = |args: &[&str]| {
             let output = Command::new("setpriv")
