@@ -30,6 +30,12 @@ fn main() -> ExitCode {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
     init_tracing(matches!(cli.command, Command::Serve(_) | Command::Driver(_)));
+    if let Command::Sandbox(cli::SandboxCommand::Keep(args)) = &cli.command {
+        return sandbox::keep(args).unwrap_or_else(|error| {
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        });
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {

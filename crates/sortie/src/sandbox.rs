@@ -13,15 +13,15 @@ use crate::cli::{RelayArgs, SandboxCommand, SandboxExecArgs, SandboxKeepArgs};
 pub async fn run(command: SandboxCommand) -> anyhow::Result<ExitCode> {
     match command {
         SandboxCommand::Exec(args) => exec(args).await,
-        SandboxCommand::Keep(args) => tokio::task::spawn_blocking(move || keep(&args))
-            .await
-            .context("the keeper's thread failed")?,
+        // `main` runs the keeper before this; blocking here would still be right, only slower to start.
+        SandboxCommand::Keep(args) => keep(&args),
     }
 }
 
 /// `sortie sandbox keep`: the sandbox's parent in place of `serve` (`sortie_sandbox::local::keeper`);
-/// exits the way the sandbox exits.
-fn keep(args: &SandboxKeepArgs) -> anyhow::Result<ExitCode> {
+/// exits the way the sandbox exits. One runs beside every sandbox, so `main` runs it before any async
+/// runtime exists: it blocks, and its threads and their heaps would be each sandbox's cost.
+pub fn keep(args: &SandboxKeepArgs) -> anyhow::Result<ExitCode> {
     let grace = std::time::Duration::from_secs(args.grace_secs);
     let status =
         sortie_sandbox::local::keeper::keep(&args.lease, grace, &args.command).context("cannot keep the sandbox")?;
