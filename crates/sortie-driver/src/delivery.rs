@@ -639,6 +639,11 @@ async fn try_deliver(
     report: &mut DeliveryReport,
 ) -> Result<(), DeliveryError> {
     let before = git.head().await?;
+    // A fresh checkout's files are "racily clean" (written in the index's second) and, seen through the
+    // sandbox's user namespace, under another owner than the index says: `add` would hash every file
+    // again and write each as a loose object (1.8 s for 2,000 files), where a refresh only compares
+    // (~0.1 s) and leaves `add` the changed files. Its status says nothing `add` does not: ignored.
+    let _ = git.run("refresh the index", &["update-index", "-q", "--refresh"]).await;
     git.output("stage the workspace", &["add", "--all"]).await?;
     let staged = git
         .run(
