@@ -403,6 +403,11 @@ fn live_tail(
         }
         let mut relayed = Relayed::after(last.map(u64::from));
         let mut quiet_since = std::time::Instant::now();
+        // Marked seen before the first look: a copy that comes up after it wakes the wait below.
+        let mut appeared = tails.appeared();
+        if let Some(appeared) = &mut appeared {
+            appeared.borrow_and_update();
+        }
         loop {
             // Asked afresh each time: the turn's live copy may come up (or go) while the client waits.
             if let Ok(Some(mut body)) =
@@ -484,7 +489,21 @@ fn live_tail(
                 }
                 quiet_since = std::time::Instant::now();
             }
-            tokio::time::sleep(heartbeat.min(Duration::from_millis(250))).await;
+            // Woken when this process's worker brings a live copy up (the turn started: its first part
+            // is on its way); the timer finds one of another worker, or a turn that ended meanwhile.
+            let look_again = tokio::time::sleep(heartbeat.min(Duration::from_millis(250)));
+            match &mut appeared {
+                Some(signal) => {
+                    tokio::select! {
+                        () = look_again => {}
+                        changed = signal.changed() => if changed.is_err() {
+                            // The worker is gone: nothing will say so again; the timer looks.
+                            appeared = None;
+                        },
+                    }
+                }
+                None => look_again.await,
+            }
         }
     });
     futures::stream::unfold(Some(receiver), move |receiver| {

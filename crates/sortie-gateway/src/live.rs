@@ -39,12 +39,28 @@ pub trait LiveTails: Send + Sync + 'static {
         n: u32,
         after: Option<u64>,
     ) -> Pin<Box<dyn Future<Output = Option<TailBody>> + Send + 'a>>;
+
+    /// Changes whenever a live copy may have come up here, so that an attach waiting for its turn's
+    /// opens at once rather than at its next look; `None`: no such signal, the attach looks on its timer.
+    fn appeared(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        None
+    }
 }
 
 /// The worker's live turns: one hub per running turn, registered while the host writes it.
-#[derive(Default)]
 pub struct Feeds {
     hubs: RwLock<HashMap<(SessionId, u32), Arc<TurnHub>>>,
+    /// Bumped by each [`Feeds::insert`].
+    appeared: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for Feeds {
+    fn default() -> Self {
+        Self {
+            hubs: RwLock::default(),
+            appeared: tokio::sync::watch::channel(0).0,
+        }
+    }
 }
 
 impl Feeds {
@@ -52,12 +68,14 @@ impl Feeds {
         Arc::new(Self::default())
     }
 
-    /// Makes `hub` the live copy of turn `n` of `session` (replacing any earlier one).
+    /// Makes `hub` the live copy of turn `n` of `session` (replacing any earlier one), and wakes the
+    /// attaches waiting for one.
     pub fn insert(&self, session: &SessionId, n: u32, hub: Arc<TurnHub>) {
         self.hubs
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .insert((session.clone(), n), hub);
+        self.appeared.send_modify(|count| *count = count.wrapping_add(1));
     }
 
     /// Forgets turn `n`'s live copy, if it is still `hub` (a newer one stays).
@@ -93,6 +111,10 @@ impl LiveTails for Feeds {
             let body = sortie_feed::sse::body(subscription).map(|chunk| chunk.map_err(std::io::Error::other));
             Some(Box::pin(body) as TailBody)
         })
+    }
+
+    fn appeared(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        Some(self.appeared.subscribe())
     }
 }
 
@@ -313,11 +335,33 @@ impl LiveTails for RoutedTails {
             body
         })
     }
+
+    /// Only this process's worker says when a copy comes up; another worker's is found by looking.
+    fn appeared(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.near.appeared()
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::FeedUrl;
+    use super::{FeedUrl, Feeds, LiveTails};
+
+    /// An attach waiting for a turn's copy is woken by its coming up, not by its next look.
+    #[test]
+    fn a_live_copy_coming_up_wakes_whoever_waits_for_one() {
+        let feeds = Feeds::new();
+        let mut appeared = feeds.appeared().expect("the worker's feeds say when a copy comes up");
+        appeared.borrow_and_update();
+        let session = sortie_protocol::SessionId::generate();
+        assert!(!appeared.has_changed().expect("live"));
+        let hub = sortie_feed::hub::TurnHub::new(1, None, 1 << 20).expect("hub");
+        feeds.insert(&session, 1, hub.clone());
+        assert!(appeared.has_changed().expect("live"));
+        // Forgetting a copy wakes nobody: there is nothing new to open.
+        appeared.borrow_and_update();
+        feeds.remove(&session, 1, &hub);
+        assert!(!appeared.has_changed().expect("live"));
+    }
 
     #[test]
     fn feed_urls_are_plain_http_with_a_port() {
