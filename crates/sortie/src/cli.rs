@@ -69,6 +69,9 @@ pub enum Command {
     Agents(AgentsCommand),
     /// Check this host for what sortie needs (sandboxes, git, agents, keys) and say how to fix each miss.
     Doctor(DoctorArgs),
+    /// Measure every DESIGN §10 target end to end on this machine (as root: real sandboxes), each beside a
+    /// baseline measured in the same run; prints a table, `--json` or `--markdown` (docs/benchmarks.md).
+    Bench(BenchArgs),
     /// The commands that talk to a running server.
     #[command(flatten)]
     Client(sortie_client::ClientCommand),
@@ -118,6 +121,25 @@ pub struct StoreArgs {
 }
 
 #[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Print the rows as JSON (for tracking).
+    #[arg(long, conflicts_with = "markdown")]
+    pub json: bool,
+    /// Print the rows as the Markdown page `docs/benchmarks.md` holds.
+    #[arg(long)]
+    pub markdown: bool,
+    /// Measured sessions per row on the small repository (the large one gets up to 5).
+    #[arg(long, default_value_t = 10)]
+    pub sessions: usize,
+    /// The small repository only (no large one): a check that the harness runs, in seconds.
+    #[arg(long)]
+    pub quick: bool,
+    /// Where the run's repositories and data dir go (removed after); default the temp dir.
+    #[arg(long)]
+    pub work_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
 pub struct GcArgs {
     /// Only what ended (or was archived) longer ago than this (`30d`, `12h`, `0s`).
     #[arg(long, default_value = "30d", value_parser = humantime::parse_duration)]

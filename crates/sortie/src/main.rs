@@ -6,6 +6,7 @@ use sortie_client::say;
 
 mod admin;
 mod agents;
+mod bench;
 mod cli;
 mod config;
 mod doctor;
@@ -54,6 +55,7 @@ fn main() -> ExitCode {
             Command::Workspace(command) => admin::workspace(&cli.client, command).await,
             Command::Token(command) => admin::token(&cli.client, command).await,
             Command::Gc(args) => admin::gc(&cli.client, args).await,
+            Command::Bench(args) => bench::run(args).await,
             Command::Agents(command) => agents::run(&cli.client, command).await,
             Command::Client(command) => {
                 let target = sortie_client::Target {

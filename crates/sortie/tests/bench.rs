@@ -1,0 +1,61 @@
+//! `sortie bench` as a user runs it: the installed binary as root, its own `serve`, real sandboxes.
+//! Only that it runs and what it prints are checked here; its figures are the benchmark's business.
+
+mod support;
+
+use serde_json::Value;
+
+#[test]
+fn the_bench_runs_every_row_it_measures_and_names_where_the_rest_are() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: sortie bench runs real sandboxes as root");
+        return;
+    }
+    let home = tempfile::tempdir().expect("temp");
+    let work = tempfile::tempdir().expect("temp");
+    let output = support::sortie(home.path())
+        .args(["bench", "--quick", "--sessions", "2", "--json", "--work-dir"])
+        .arg(work.path())
+        .output()
+        .expect("sortie bench");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let report: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    let rows = report["rows"].as_array().expect("rows");
+    let named = |name: &str| {
+        rows.iter()
+            .find(|row| row["name"] == name)
+            .unwrap_or_else(|| panic!("no row {name}: {report}"))
+    };
+    for name in [
+        "per-session memory",
+        "claim latency after accept",
+        "delivery, small repository",
+        "workspace prep, small repository (mirrored)",
+        "create → first part (cold: a new sandbox)",
+        "create → idle, trivial scripted turn",
+        "idle RSS of sortie serve",
+    ] {
+        let row = named(name);
+        assert!(row["value"].as_f64().is_some_and(|v| v > 0.0), "{row}");
+        assert!(row["pass"].is_boolean(), "{row}");
+    }
+    // A baseline is measured beside the rows that have one.
+    assert!(
+        named("delivery, small repository")["baseline"]
+            .as_str()
+            .is_some_and(|b| b.contains("p50"))
+    );
+    // What it does not measure is named, with where it is measured, never passed.
+    let elsewhere = named("gateway replay");
+    assert!(elsewhere["pass"].is_null(), "{elsewhere}");
+    assert!(
+        elsewhere["measured"]
+            .as_str()
+            .is_some_and(|m| m.contains("cargo bench")),
+        "{elsewhere}"
+    );
+    // The run leaves nothing behind in its work dir: the serve it started is gone with its sandboxes.
+    let left: Vec<_> = std::fs::read_dir(work.path()).expect("work dir").collect();
+    assert!(left.is_empty(), "{left:?}");
+}
