@@ -362,7 +362,12 @@ impl Worker {
                 () = &mut shutdown => break,
                 _ = tick.tick() => on_tick(&context, &mut slots, &events_tx).await,
                 Ok(()) = accepted.changed() => on_tick(&context, &mut slots, &events_tx).await,
-                Some(event) = events.recv() => on_event(&mut slots, event),
+                Some(event) = events.recv() => {
+                    // A turn's end commits its event before its slot is free here: the claim that
+                    // event woke skipped a steer waiting behind it, so look again now.
+                    on_event(&mut slots, event);
+                    on_tick(&context, &mut slots, &events_tx).await;
+                }
             }
             // Provisioning, running or warm: each holds (or is making) a sandbox of this worker.
             metrics::gauge!("sortie_sandboxes_live").set(slots.len() as f64);
