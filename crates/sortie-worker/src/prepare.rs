@@ -201,7 +201,13 @@ async fn git_as(
 ) -> Result<String, PrepareError> {
     let mut command = tokio::process::Command::new(binary);
     if let Some((uid, gid)) = owner {
+        // Nothing of the worker's environment (its keys among it) goes to a process of the sandbox uid.
         command
+            .env_clear()
+            .env(
+                "PATH",
+                std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into()),
+            )
             .gid(gid)
             .uid(uid)
             .env("HOME", "/nonexistent")
@@ -350,10 +356,10 @@ pub async fn start_commit(binary: &Path, mirror: &Path, base: Option<&str>) -> R
 /// mirror (the base the first delivery is counted against).
 ///
 /// With `owner` (the sandbox's uid and gid, when the host is root), the working tree is checked out
-/// as that uid: nothing is chowned after, so no walk of the tree, and the index's record of each file
-/// (its ctime among it) stays true — a chown would make the first `git add` in the sandbox hash every
-/// file again. Root makes only the `.git` of a `--no-checkout` clone (a few dozen entries, then handed
-/// over), and never runs git in the workspace after that.
+/// as that uid: nothing is chowned after (the sandbox's hand-over still walks the tree, but only reads
+/// each owner), so the index's record of each file (its ctime among it) stays true. Root makes only the
+/// `.git` of a `--no-checkout` clone (a few dozen entries, then handed over), and never runs git in the
+/// workspace after that.
 pub async fn ensure_workspace(
     binary: &Path,
     mirror: &Path,
@@ -414,7 +420,7 @@ pub async fn ensure_workspace(
         sortie_sandbox::local::chown_tree(&partial, uid, gid)
             .map_err(|e| PrepareError(format!("cannot hand the new clone to the sandbox uid: {e}")))?;
     }
-    git_as(
+    if let Err(error) = git_as(
         binary,
         Some(&partial),
         &["checkout", "--quiet", "--no-track", "-b", branch, &start],
@@ -422,7 +428,11 @@ pub async fn ensure_workspace(
         None,
         owner,
     )
-    .await?;
+    .await
+    {
+        let _ = std::fs::remove_dir_all(&partial);
+        return Err(error);
+    }
     std::fs::rename(&partial, workspace)
         .map_err(|e| PrepareError(format!("cannot move the workspace into place: {e}")))?;
     Ok(Some(start_commit.trim().to_owned()))
