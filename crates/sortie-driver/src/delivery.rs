@@ -812,8 +812,9 @@ async fn undo_commit(git: &Git, before: Option<&str>) -> Result<(), GitError> {
     Ok(())
 }
 
-/// Publication, tried again while the gateway cannot be reached (each attempt reads the remote
-/// first, so one that landed unanswered is not pushed twice).
+/// Publication, tried again while the gateway cannot be reached (an attempt after one that landed
+/// unanswered finds the branch already at the candidate: git sends nothing, or the read after a failed
+/// lease says so).
 async fn publish(
     config: &DeliveryConfig,
     git: &Git,
@@ -876,8 +877,11 @@ async fn publish_once(
         }
         Err(error) => error,
     };
-    // The push may have landed before it failed (a lost answer): a fresh read decides.
-    let after = git.remote_head(&config.remote, branch).await?;
+    // The push may have landed before it failed (a lost answer): a fresh read decides. A read that fails
+    // too leaves the push's own failure to say what happened (and whether to try again).
+    let Ok(after) = git.remote_head(&config.remote, branch).await else {
+        return Err(failure.into());
+    };
     match decide(after.as_deref(), candidate, baseline) {
         Publication::AlreadyThere => Ok(()),
         Publication::Conflict => Err(DeliveryError::PushConflict(conflict_reason(
