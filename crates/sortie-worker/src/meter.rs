@@ -98,6 +98,9 @@ pub struct TurnMeter {
     turn_totals: Arc<Mutex<(u32, u64, u64)>>,
     /// Tokens reported by the proxy and not yet written to the store.
     pending: Arc<AtomicU64>,
+    /// Held across a usage write and the `pending` it settles, and across a budget read of both: a
+    /// read between the two would count the write twice (and show the user that figure).
+    usage_settling: Arc<tokio::sync::Mutex<()>>,
     /// Admitted requests whose answers are not over yet.
     open: AtomicUsize,
     answer_over: tokio::sync::Notify,
@@ -129,6 +132,7 @@ impl TurnMeter {
             rejection: Mutex::new(None),
             turn_totals: Arc::new(Mutex::new((0, 0, 0))),
             pending: Arc::new(AtomicU64::new(0)),
+            usage_settling: Arc::new(tokio::sync::Mutex::new(())),
             open: AtomicUsize::new(0),
             answer_over: tokio::sync::Notify::new(),
             budget_wait,
@@ -196,10 +200,13 @@ impl TurnMeter {
         let mut held_since: Option<Instant> = None;
         let mut settled = false;
         loop {
-            // What is reported but not yet stored is read first: a write that commits in between is
-            // then counted twice for a moment, never not at all.
+            // What is reported but not yet stored, and what is stored, read with no write settling
+            // in between: each token counts once.
+            let settling = self.usage_settling.lock().await;
             let pending = self.pending.load(Ordering::Acquire);
-            let session = match self.store.session_by_id(&self.session_id).await {
+            let read = self.store.session_by_id(&self.session_id).await;
+            drop(settling);
+            let session = match read {
                 Ok(session) => session,
                 Err(error) => {
                     // The store holds the usage too: while it does not answer, nothing is metered.
@@ -319,6 +326,7 @@ impl UsageSink for TurnMeter {
         let tokens = usage.input_tokens.saturating_add(usage.output_tokens);
         self.pending.fetch_add(tokens, Ordering::AcqRel);
         let pending = self.pending.clone();
+        let settling = self.usage_settling.clone();
         let store = self.store.clone();
         let session_id = self.session_id.clone();
         let current = self.current.get();
@@ -334,6 +342,7 @@ impl UsageSink for TurnMeter {
                     .and_then(|s| s.current_turn)
                     .unwrap_or(1),
             };
+            let settled = settling.lock().await;
             let recorded = store
                 .record_token_usage(&TokenUsage {
                     session_id: session_id.clone(),
@@ -345,6 +354,7 @@ impl UsageSink for TurnMeter {
                 })
                 .await;
             pending.fetch_sub(tokens, Ordering::AcqRel);
+            drop(settled);
             if let Err(error) = recorded {
                 tracing::warn!(%error, session = %session_id, "cannot record token usage");
             }
