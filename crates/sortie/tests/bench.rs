@@ -37,7 +37,8 @@ fn the_bench_runs_every_row_it_measures_and_names_where_the_rest_are() {
         "idle RSS of sortie serve",
     ] {
         let row = named(name);
-        assert!(row["value"].as_f64().is_some_and(|v| v > 0.0), "{row}");
+        // A claim can take under a millisecond: zero is a figure too.
+        assert!(row["value"].as_f64().is_some_and(|v| v >= 0.0), "{row}");
         assert!(row["pass"].is_boolean(), "{row}");
     }
     // A baseline is measured beside the rows that have one.
