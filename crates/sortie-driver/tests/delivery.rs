@@ -129,7 +129,8 @@ async fn an_unreachable_remote_fails_the_delivery_with_gits_words() {
     let error = report.error.expect("failed");
     assert_eq!(error.code.as_str(), "DELIVERY_FAILED");
     assert!(
-        error.reason.contains("read the remote branch") && error.reason.contains("no-such-remote.git"),
+        // The push's own words: the read after it failed too, and says no more.
+        error.reason.contains("push the branch") && error.reason.contains("no-such-remote.git"),
         "{}",
         error.reason
     );
