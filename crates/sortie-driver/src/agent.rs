@@ -216,11 +216,10 @@ impl AgentHandle {
             let group = nix::unistd::Pid::from_raw(pgid);
             let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGTERM);
             let exited = tokio::time::timeout(grace, async {
-                // The group is gone when signal 0 fails; the leader may be gone before its children.
-                while nix::sys::signal::killpg(group, None).is_ok() {
-                    let _ = self.child.lock().await.try_wait();
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
+                // The leader's exit is awaited (and reaped, or the group would never look empty), not
+                // polled: a turn's delivery waits on it.
+                let _ = self.child.lock().await.wait().await;
+                group_gone(group).await;
             })
             .await;
             if exited.is_err() {
@@ -238,14 +237,19 @@ impl AgentHandle {
 pub async fn kill_group_of(pgid: i32, grace: Duration) {
     let group = nix::unistd::Pid::from_raw(pgid);
     let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGTERM);
-    let exited = tokio::time::timeout(grace, async {
-        while nix::sys::signal::killpg(group, None).is_ok() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    let exited = tokio::time::timeout(grace, group_gone(group)).await;
     if exited.is_err() {
         let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+    }
+}
+
+/// Returns once no process is left in `group` (signal 0 fails). What is left once its leader is gone
+/// usually goes within a millisecond or two, so the first looks come quickly.
+async fn group_gone(group: nix::unistd::Pid) {
+    let mut pause = Duration::from_millis(1);
+    while nix::sys::signal::killpg(group, None).is_ok() {
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(20));
     }
 }
 
