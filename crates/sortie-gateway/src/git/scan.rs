@@ -11,6 +11,7 @@
 //! the upstream but the bytes the client sent, after the scan passed.
 
 use std::collections::HashSet;
+use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use axum::body::Bytes;
@@ -278,26 +279,9 @@ async fn scan_inner(
         return Err("the pushed pack could not be indexed".into());
     }
 
-    // Every object of the pack, then their types.
-    let mut pack_oids = Vec::new();
-    let mut splitter = LineSplitter::new(256, 0);
+    // Every object of the pack (read from the index git just wrote), then their types.
     let index_file = std::fs::read(&index).map_err(|e| format!("cannot read the pack's index: {e}"))?;
-    run(
-        context,
-        git(&["show-index", "--object-format", object_format_name(format)]),
-        Input::Bytes(index_file),
-        |chunk| {
-            splitter.push(chunk, &mut |piece| {
-                if let Piece::Line(line) = piece
-                    && let Some(oid) = line.split(|b| *b == b' ').nth(1)
-                {
-                    pack_oids.push(String::from_utf8_lossy(oid).into_owned());
-                }
-            })
-        },
-    )
-    .await
-    .map_err(|e| format!("cannot list the pushed objects: {e}"))?;
+    let pack_oids = pack_index_oids(&index_file, format)?;
     let types = batch_check(context, &git, &pack_oids).await?;
     let in_pack: HashSet<&str> = types.iter().map(|(oid, _)| oid.as_str()).collect();
     let commits: Vec<String> = types
@@ -348,9 +332,15 @@ async fn scan_inner(
         return Err("cannot read every pushed commit".into());
     }
 
-    // Parents must come from the trusted stores (or the pack itself), and be commits.
-    let parent_types = batch_check(context, &git, &parents_to_check).await?;
-    for (parent, kind) in &parent_types {
+    // Parents must come from the trusted stores (or the pack itself), and be commits; a branch points
+    // at a commit. One lookup answers both, in order.
+    let tips: Vec<String> = updates.iter().map(|u| u.new.to_ascii_lowercase()).collect();
+    let parent_count = parents_to_check.len();
+    let mut lookups = parents_to_check;
+    lookups.extend(tips);
+    let mut looked_up = batch_check(context, &git, &lookups).await?;
+    let tip_types = looked_up.split_off(parent_count);
+    for (parent, kind) in &looked_up {
         if kind != "commit" {
             let child = first_parents
                 .iter()
@@ -363,9 +353,6 @@ async fn scan_inner(
             ));
         }
     }
-    // A branch points at a commit.
-    let tips: Vec<String> = updates.iter().map(|u| u.new.to_ascii_lowercase()).collect();
-    let tip_types = batch_check(context, &git, &tips).await?;
     if let Some((tip, kind)) = tip_types.iter().find(|(_, kind)| kind != "commit" && kind != "missing") {
         return Err(format!("{} is a {kind}, not a commit", short(tip)));
     }
@@ -468,11 +455,35 @@ fn short(oid: &str) -> &str {
     oid.get(..12).unwrap_or(oid)
 }
 
-fn object_format_name(format: ObjectFormat) -> &'static str {
-    match format {
-        ObjectFormat::Sha1 => "sha1",
-        ObjectFormat::Sha256 => "sha256",
+/// The object names a version-2 pack index lists (`git index-pack` writes no other): after the
+/// 8-byte header, 256 big-endian fan-out counts (the last is the number of objects), then the names,
+/// sorted. Read in place of a `git show-index` child; anything else is refused.
+fn pack_index_oids(index: &[u8], format: ObjectFormat) -> Result<Vec<String>, String> {
+    const HEADER: usize = 8;
+    const FANOUT: usize = 256 * 4;
+    let malformed = |what: &str| format!("the pushed pack's index is not one git writes: {what}");
+    if index.get(..HEADER) != Some(b"\xfftOc\x00\x00\x00\x02".as_slice()) {
+        return Err(malformed("not a version 2 index"));
     }
+    let last = index
+        .get(HEADER + FANOUT - 4..HEADER + FANOUT)
+        .and_then(|count| <[u8; 4]>::try_from(count).ok())
+        .ok_or_else(|| malformed("it ends in its fan-out table"))?;
+    let count = u32::from_be_bytes(last) as usize;
+    let width = format.hex_len() / 2;
+    let names = count
+        .checked_mul(width)
+        .and_then(|len| index.get(HEADER + FANOUT..HEADER + FANOUT + len))
+        .ok_or_else(|| malformed("it ends before its object names"))?;
+    Ok(names
+        .chunks_exact(width)
+        .map(|name| {
+            name.iter().fold(String::with_capacity(width * 2), |mut hex, byte| {
+                let _ = write!(hex, "{byte:02x}");
+                hex
+            })
+        })
+        .collect())
 }
 
 fn lines_of(oids: &[String]) -> Vec<u8> {
@@ -855,6 +866,66 @@ mod tests {
             errors.push(item.err().unwrap_or_default())
         });
         assert!(errors[0].contains("missing"));
+    }
+
+    #[test]
+    fn a_pack_index_lists_what_git_show_index_lists() {
+        let dir = tempfile::tempdir().expect("temp");
+        let git = |args: &[&str], input: Option<&[u8]>| {
+            use std::io::Write;
+            let mut child = std::process::Command::new("git")
+                .args(args)
+                .current_dir(dir.path())
+                .env("GIT_CONFIG_NOSYSTEM", "1")
+                .env("GIT_CONFIG_GLOBAL", "/dev/null")
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("git");
+            let mut stdin = child.stdin.take().expect("stdin");
+            stdin.write_all(input.unwrap_or_default()).expect("write");
+            drop(stdin);
+            let output = child.wait_with_output().expect("git ran");
+            assert!(output.status.success(), "git {args:?}");
+            output.stdout
+        };
+        git(&["init", "-q", "--bare", "."], None);
+        let blobs: Vec<String> = (0..300)
+            .map(|i| {
+                let oid = git(
+                    &["hash-object", "-w", "--stdin"],
+                    Some(format!("blob {i}\n").as_bytes()),
+                );
+                String::from_utf8_lossy(&oid).trim().to_owned()
+            })
+            .collect();
+        let pack = git(&["pack-objects", "--stdout"], Some(lines_of(&blobs).as_slice()));
+        let written = git(&["index-pack", "--stdin", "-o", "p.idx", "p.pack"], Some(&pack));
+        assert!(!written.is_empty());
+        let index = std::fs::read(dir.path().join("p.idx")).expect("idx");
+        let shown = git(&["show-index"], Some(&index));
+        let mut expected: Vec<String> = String::from_utf8_lossy(&shown)
+            .lines()
+            .filter_map(|line| line.split(' ').nth(1).map(str::to_owned))
+            .collect();
+        expected.sort();
+        let listed = pack_index_oids(&index, ObjectFormat::Sha1).expect("a real index");
+        assert_eq!(listed.len(), 300);
+        assert_eq!(listed, expected, "sorted, as the index keeps them");
+
+        // Cut short, or not an index at all: refused, never read past its end.
+        for cut in [0, 7, 8 + 1020, 8 + 1024, 8 + 1024 + 20 * 300 - 1] {
+            assert!(
+                pack_index_oids(&index[..cut], ObjectFormat::Sha1).is_err(),
+                "cut at {cut}"
+            );
+        }
+        let mut version_one = index.clone();
+        version_one[7] = 1;
+        assert!(pack_index_oids(&version_one, ObjectFormat::Sha1).is_err());
+        let mut huge = index.clone();
+        huge[8 + 1020..8 + 1024].copy_from_slice(&u32::MAX.to_be_bytes());
+        assert!(pack_index_oids(&huge, ObjectFormat::Sha256).is_err());
     }
 
     #[test]
