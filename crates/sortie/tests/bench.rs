@@ -35,6 +35,8 @@ fn the_bench_runs_every_row_it_measures_and_names_where_the_rest_are() {
         "create → first part (cold: a new sandbox)",
         "create → idle, trivial scripted turn",
         "idle RSS of sortie serve",
+        "sandbox start (sortie sandbox exec -- true)",
+        "create-accept p99 under load",
     ] {
         let row = named(name);
         // A claim can take under a millisecond: zero is a figure too.
@@ -46,6 +48,12 @@ fn the_bench_runs_every_row_it_measures_and_names_where_the_rest_are() {
         named("delivery, small repository")["baseline"]
             .as_str()
             .is_some_and(|b| b.contains("p50"))
+    );
+    assert!(
+        named("sandbox start (sortie sandbox exec -- true)")["baseline"]
+            .as_str()
+            .is_some_and(|b| b.contains("bwrap --unshare-all")),
+        "the bare bwrap is measured in the same run"
     );
     // What it does not measure is named, with where it is measured, never passed.
     let elsewhere = named("gateway replay");
