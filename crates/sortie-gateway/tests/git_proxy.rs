@@ -1605,3 +1605,85 @@ async fn a_backend_killed_for_running_too_long_leaves_no_process_behind() {
     }
     drop(socket);
 }
+
+/// Runs the test's git with `input` on its stdin; its stdout.
+fn git_with_input(dir: &Path, home: &Path, args: &[&str], input: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut child = sortie_testkit::git::command(dir)
+        .env("HOME", home)
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("git");
+    child.stdin.take().expect("stdin").write_all(input).expect("write");
+    ok(child.wait_with_output().expect("git ran")).stdout
+}
+
+/// A pushed commit is hostile down to its header: one whose `parent` line is not an object name
+/// (here text that a cut `cat-file --batch-check` answer once read back as a commit, while the diff
+/// that scans its changes skipped it) is refused by the gateway itself, whatever the upstream would
+/// have said, and its file's key goes nowhere. The pack is made by hand: git's own push would not
+/// send such a commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_parent_line_is_not_an_object_name_is_refused_at_the_gateway() {
+    let setup = setup().await;
+    let home = setup.root.as_path();
+    let work = clone(&setup);
+    let trimmed = |bytes: Vec<u8>| String::from_utf8_lossy(&bytes).trim().to_owned();
+    let blob = trimmed(git_with_input(
+        &work,
+        home,
+        &["hash-object", "-w", "--stdin"],
+        format!("aws_access_key_id = {AWS_KEY}\n").as_bytes(),
+    ));
+    let tree = trimmed(git_with_input(
+        &work,
+        home,
+        &["mktree"],
+        format!("100644 blob {blob}\tleak.txt\n").as_bytes(),
+    ));
+    let commit_object = format!(
+        "tree {tree}\nparent x commit{}y\nauthor A <a@example.com> 1700000000 +0000\ncommitter A <a@example.com> 1700000000 +0000\n\nleak\n",
+        " ".repeat(504)
+    );
+    let commit = trimmed(git_with_input(
+        &work,
+        home,
+        &["hash-object", "-t", "commit", "--literally", "-w", "--stdin"],
+        commit_object.as_bytes(),
+    ));
+    let pack = git_with_input(
+        &work,
+        home,
+        &["pack-objects", "--stdout", "-q"],
+        format!("{commit}\n{tree}\n{blob}\n").as_bytes(),
+    );
+    let own = format!("refs/heads/sortie/{}", setup.session);
+    let command = format!("{} {commit} {own}\0 report-status side-band-64k\n", "0".repeat(40));
+    let mut body = pktline::encode(command.as_bytes());
+    body.extend_from_slice(pktline::FLUSH);
+    body.extend_from_slice(&pack);
+    let client = {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        reqwest::Client::new()
+    };
+    let reply = client
+        .post(format!("{}/git-receive-pack", setup.url))
+        .header("content-type", "application/x-git-receive-pack-request")
+        .body(body)
+        .send()
+        .await
+        .expect("post");
+    let answer = String::from_utf8_lossy(&reply.bytes().await.expect("body")).into_owned();
+    assert!(answer.contains("ng "), "{answer}");
+    assert!(!answer.contains(AWS_KEY), "{answer}");
+    assert_eq!(rev(&setup.upstream, home, &own), None, "nothing reached the upstream");
+    let records = setup.ledger.records();
+    assert_eq!(records.len(), 1, "{records:#?}");
+    assert!(
+        matches!(&records[0].outcome, PushOutcome::Refused { reason } if reason.contains("parent line")),
+        "refused by the gateway's own check, not left to the upstream: {records:#?}"
+    );
+}

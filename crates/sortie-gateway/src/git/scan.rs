@@ -309,7 +309,13 @@ async fn scan_inner(
                     for line in object.content.split(|b| *b == b'\n') {
                         scanner.added(&origin, line);
                     }
-                    let parents = commit_parents(&object.content);
+                    let parents = match commit_parents(&object.content, format) {
+                        Ok(parents) => parents,
+                        Err(malformed) => {
+                            failure.get_or_insert(format!("commit {} {malformed}", short(&object.oid)));
+                            return;
+                        }
+                    };
                     for parent in &parents {
                         if !in_pack.contains(parent.as_str()) && seen_parents.insert(parent.clone()) {
                             parents_to_check.push(parent.clone());
@@ -506,23 +512,29 @@ async fn batch_check(
     }
     let mut types = Vec::with_capacity(oids.len());
     let mut splitter = LineSplitter::new(512, 0);
+    let mut cut = false;
     run(
         context,
         git(&["cat-file", "--batch-check=%(objectname) %(objecttype)"]),
         Input::Bytes(lines_of(oids)),
         |chunk| {
-            splitter.push(chunk, &mut |piece| {
-                if let Piece::Line(line) = piece {
+            splitter.push(chunk, &mut |piece| match piece {
+                Piece::Line(line) => {
                     let line = String::from_utf8_lossy(line);
                     if let Some((oid, kind)) = line.split_once(' ') {
                         types.push((oid.to_owned(), kind.trim().to_owned()));
                     }
                 }
+                // No answer of git's to a name is this long: the line was not a name.
+                Piece::Continuation(_) => cut = true,
             })
         },
     )
     .await
     .map_err(|e| format!("cannot look up the pushed objects: {e}"))?;
+    if cut {
+        return Err("cannot look up the pushed objects: git answered a line too long to be an object's".into());
+    }
     if types.len() != oids.len() {
         return Err("cannot look up every pushed object".into());
     }
@@ -625,17 +637,25 @@ fn parse_pack_header(header: &[u8]) -> Option<u32> {
 }
 
 /// The parents of a commit object (its `parent` header lines, before the first blank line).
-fn commit_parents(content: &[u8]) -> Vec<String> {
+/// The parents a commit object names in its header. Each must be an object name of the repository's
+/// format, lowercase hex and nothing else: a pushed commit is hostile, and a `parent` line of any other
+/// text would be looked up (and answered) as something it is not, and skipped by the diff that scans
+/// its changes.
+fn commit_parents(content: &[u8], format: ObjectFormat) -> Result<Vec<String>, String> {
     let mut parents = Vec::new();
     for line in content.split(|b| *b == b'\n') {
         if line.is_empty() {
             break;
         }
         if let Some(oid) = line.strip_prefix(b"parent ") {
-            parents.push(String::from_utf8_lossy(oid).trim().to_owned());
+            let plain = oid.len() == format.hex_len() && oid.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+            if !plain {
+                return Err("has a parent line that is not an object name: the push cannot be checked".into());
+            }
+            parents.push(String::from_utf8_lossy(oid).into_owned());
         }
     }
-    parents
+    Ok(parents)
 }
 
 /// One piece of output from a [`LineSplitter`].
@@ -930,9 +950,27 @@ mod tests {
 
     #[test]
     fn parents_and_pack_headers() {
-        let commit = b"tree 1111\nparent aaaa\nparent bbbb\nauthor x <x@y> 1 +0000\n\nmessage\nparent cccc\n".to_vec();
-        assert_eq!(commit_parents(&commit), vec!["aaaa".to_owned(), "bbbb".to_owned()]);
-        assert_eq!(commit_parents(b"tree 1111\n\n"), Vec::<String>::new());
+        let (a, b) = ("a".repeat(40), "b".repeat(40));
+        let commit = format!("tree 1111\nparent {a}\nparent {b}\nauthor x <x@y> 1 +0000\n\nmessage\nparent cccc\n");
+        assert_eq!(
+            commit_parents(commit.as_bytes(), ObjectFormat::Sha1),
+            Ok(vec![a.clone(), b])
+        );
+        assert_eq!(commit_parents(b"tree 1111\n\n", ObjectFormat::Sha1), Ok(Vec::new()));
+        // A parent line of anything but a name of the repository's format is refused, not looked up:
+        // `x commit<spaces>y` would read back from a cut batch-check line as a commit.
+        let hostile = format!("tree 1111\nparent x commit{}y\n\n", " ".repeat(504));
+        for commit in [
+            hostile,
+            format!("tree 1\nparent {a} \n\n"),
+            format!("tree 1\nparent {}\n\n", a.to_uppercase()),
+        ] {
+            assert!(
+                commit_parents(commit.as_bytes(), ObjectFormat::Sha1).is_err(),
+                "{commit:?}"
+            );
+        }
+        assert!(commit_parents(format!("tree 1\nparent {a}\n\n").as_bytes(), ObjectFormat::Sha256).is_err());
         assert_eq!(parse_pack_header(b""), None);
         assert_eq!(parse_pack_header(b"PACK\0\0\0\x02\0\0\0\x03"), Some(3));
         assert_eq!(parse_pack_header(b"PACK\0\0\0\x02\0\0\0\0"), Some(0));
