@@ -108,10 +108,12 @@ async fn listen_once(
     }
 }
 
-/// A SQLite pool on `url` whose connections write ahead (WAL) and wait on a lock rather than fail.
-async fn sqlite_pool(options: AnyPoolOptions, url: &str) -> Result<AnyPool, sqlx::Error> {
+/// A SQLite pool on `url` whose connections write ahead (WAL) and wait on a lock rather than fail;
+/// `read_only`: its connections refuse to write (a write sent to the readers fails, in tests first,
+/// instead of queueing on SQLite's lock).
+async fn sqlite_pool(options: AnyPoolOptions, url: &str, read_only: bool) -> Result<AnyPool, sqlx::Error> {
     options
-        .after_connect(|connection, _| {
+        .after_connect(move |connection, _| {
             Box::pin(async move {
                 // WAL lets readers run beside the writer; NORMAL syncs at checkpoints, which survives a
                 // killed process (only power loss can drop the newest commits). The busy timeout covers
@@ -120,6 +122,9 @@ async fn sqlite_pool(options: AnyPoolOptions, url: &str) -> Result<AnyPool, sqlx
                 connection.execute("PRAGMA synchronous = NORMAL").await?;
                 connection.execute("PRAGMA busy_timeout = 10000").await?;
                 connection.execute("PRAGMA foreign_keys = ON").await?;
+                if read_only {
+                    connection.execute("PRAGMA query_only = ON").await?;
+                }
                 Ok(())
             })
         })
@@ -141,8 +146,8 @@ impl SqlStore {
                     format!("{url}?mode=rwc")
                 };
                 // The writer first: it makes the file and sets WAL before the readers open it.
-                let writer = sqlite_pool(options().max_connections(1), &url).await?;
-                (sqlite_pool(options().max_connections(8), &url).await?, writer)
+                let writer = sqlite_pool(options().max_connections(1), &url, false).await?;
+                (sqlite_pool(options().max_connections(8), &url, true).await?, writer)
             }
             Backend::Postgres => {
                 let pool = options().max_connections(16).connect(url).await?;
