@@ -37,6 +37,7 @@ fn the_bench_runs_every_row_it_measures_and_names_where_the_rest_are() {
         "idle RSS of sortie serve",
         "sandbox start (sortie sandbox exec -- true)",
         "create-accept p99 under load",
+        "git proxy clone (in a sandbox)",
     ] {
         let row = named(name);
         // A claim can take under a millisecond: zero is a figure too.
