@@ -320,6 +320,26 @@ async fn every_other_push_is_refused_whole_and_git_says_why() {
     );
 }
 
+/// POSTs a hand-made receive-pack request to the repository at `url`; the status and the answer.
+async fn post_receive_pack(url: &str, body: Vec<u8>) -> (u16, String) {
+    let client = {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        reqwest::Client::new()
+    };
+    let reply = client
+        .post(format!("{url}/git-receive-pack"))
+        .header("content-type", "application/x-git-receive-pack-request")
+        .body(body)
+        .send()
+        .await
+        .expect("post");
+    let status = reply.status().as_u16();
+    (
+        status,
+        String::from_utf8_lossy(&reply.bytes().await.expect("body")).into_owned(),
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_push_cert_block_naming_main_is_refused_raw() {
     let setup = setup().await;
@@ -331,24 +351,9 @@ async fn a_push_cert_block_naming_main_is_refused_raw() {
     );
     let mut body = pktline::encode(cert.as_bytes());
     body.extend_from_slice(pktline::FLUSH);
-    let client = {
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        reqwest::Client::new()
-    };
-    let reply = client
-        .post(format!("{}/git-receive-pack", setup.url))
-        .header("content-type", "application/x-git-receive-pack-request")
-        .body(body)
-        .send()
-        .await
-        .expect("post");
-    assert_eq!(reply.status().as_u16(), 200);
-    let answer = reply.bytes().await.expect("body");
-    assert!(
-        String::from_utf8_lossy(&answer).contains("push-cert"),
-        "{}",
-        String::from_utf8_lossy(&answer)
-    );
+    let (status, answer) = post_receive_pack(&setup.url, body).await;
+    assert_eq!(status, 200);
+    assert!(answer.contains("push-cert"), "{answer}");
     assert_eq!(
         rev(&setup.upstream, &setup.root, "refs/heads/main").as_deref(),
         Some(main_before.as_str()),
@@ -1665,18 +1670,7 @@ async fn a_commit_whose_parent_line_is_not_an_object_name_is_refused_at_the_gate
     let mut body = pktline::encode(command.as_bytes());
     body.extend_from_slice(pktline::FLUSH);
     body.extend_from_slice(&pack);
-    let client = {
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        reqwest::Client::new()
-    };
-    let reply = client
-        .post(format!("{}/git-receive-pack", setup.url))
-        .header("content-type", "application/x-git-receive-pack-request")
-        .body(body)
-        .send()
-        .await
-        .expect("post");
-    let answer = String::from_utf8_lossy(&reply.bytes().await.expect("body")).into_owned();
+    let (_, answer) = post_receive_pack(&setup.url, body).await;
     assert!(answer.contains("ng "), "{answer}");
     assert!(!answer.contains(AWS_KEY), "{answer}");
     assert_eq!(rev(&setup.upstream, home, &own), None, "nothing reached the upstream");

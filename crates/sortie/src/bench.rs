@@ -403,21 +403,14 @@ async fn call(
     Ok(value)
 }
 
-/// One session of a trivial scripted turn: it says hello, writes a file, thinks for `think_ms`, says bye.
-async fn session(
+/// Creates a session of the scripted agent on `repo` with `task` and attaches to its stream, as the
+/// dashboard does (a ticket, then the stream).
+async fn create_and_attach(
     http: &reqwest::Client,
     serve: &Serve,
     repo: &Path,
-    n: usize,
-    think_ms: u64,
-) -> anyhow::Result<SessionRun> {
-    let think = if think_ms > 0 {
-        format!("sleep: {think_ms}\n")
-    } else {
-        String::new()
-    };
-    let task = format!("#!scripted\nsay: bench-hello\nwrite: bench-{n}.txt\nbench {n}\n>>>\n{think}say: bench-bye");
-    let began = Instant::now();
+    task: &str,
+) -> anyhow::Result<(String, reqwest::Response)> {
     let created = call(
         http,
         serve,
@@ -436,12 +429,31 @@ async fn session(
     )
     .await?;
     let ticket = ticket["ticket"].as_str().context("no ticket")?.to_owned();
-    let mut stream = http
+    let stream = http
         .get(format!("{}/v1/sessions/{id}/stream", serve.url))
         .header("authorization", format!("Ticket {ticket}"))
         .send()
         .await
         .context("cannot attach")?;
+    Ok((id, stream))
+}
+
+/// One session of a trivial scripted turn: it says hello, writes a file, thinks for `think_ms`, says bye.
+async fn session(
+    http: &reqwest::Client,
+    serve: &Serve,
+    repo: &Path,
+    n: usize,
+    think_ms: u64,
+) -> anyhow::Result<SessionRun> {
+    let think = if think_ms > 0 {
+        format!("sleep: {think_ms}\n")
+    } else {
+        String::new()
+    };
+    let task = format!("#!scripted\nsay: bench-hello\nwrite: bench-{n}.txt\nbench {n}\n>>>\n{think}say: bench-bye");
+    let began = Instant::now();
+    let (id, mut stream) = create_and_attach(http, serve, repo, &task).await?;
     let (mut first_part, mut last_words, mut delivered) = (None, None, None);
     let mut seen = String::new();
     let deadline = tokio::time::Instant::now() + SESSION_DEADLINE;
@@ -570,30 +582,7 @@ async fn proxy_clones(
          && git clone -q --bare \"$o\" /tmp/proxied.git && c=$(date +%s%N) && rm -rf /tmp/direct.git /tmp/proxied.git \
          && echo \"CLONE\"\"-TIMES $((b-a)) $((c-b))\" || exit 1; done\nsay: clones-done"
     );
-    let created = call(
-        http,
-        serve,
-        reqwest::Method::POST,
-        "/v1/sessions",
-        Some(json!({"repo": repo, "task": task, "agent": "scripted"})),
-    )
-    .await?;
-    let id = created["id"].as_str().context("the create answered no id")?.to_owned();
-    let ticket = call(
-        http,
-        serve,
-        reqwest::Method::POST,
-        &format!("/v1/sessions/{id}/attach-ticket"),
-        Some(json!({"action": "attach"})),
-    )
-    .await?;
-    let ticket = ticket["ticket"].as_str().context("no ticket")?.to_owned();
-    let mut stream = http
-        .get(format!("{}/v1/sessions/{id}/stream", serve.url))
-        .header("authorization", format!("Ticket {ticket}"))
-        .send()
-        .await
-        .context("cannot attach")?;
+    let (id, mut stream) = create_and_attach(http, serve, repo, &task).await?;
     let mut seen = String::new();
     let deadline = tokio::time::Instant::now() + SESSION_DEADLINE;
     while !seen.contains("clones-done") {
