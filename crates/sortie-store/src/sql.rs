@@ -191,8 +191,9 @@ impl SqlStore {
         self.writer.close().await;
     }
 
-    /// A transaction that writes. On SQLite it takes the write lock up front, so concurrent writers
-    /// queue on `busy_timeout` instead of failing on a lock upgrade.
+    /// A transaction that writes, on the writer. On SQLite it takes the write lock up front, so another
+    /// process's writer is waited for on `busy_timeout` instead of failing a lock upgrade (this process's
+    /// writers queue for the writer's one connection before that).
     async fn begin_write(&self) -> StoreResult<Transaction<'static, Any>> {
         Ok(match self.backend {
             Backend::Sqlite => self.writer.begin_with("BEGIN IMMEDIATE").await?,
