@@ -57,18 +57,6 @@ impl Row {
         Self::measured_at(name, target, bound, 0.5, samples, unit, baseline)
     }
 
-    /// A row whose median must reach `floor`.
-    fn measured_at_least(
-        name: &str,
-        target: &str,
-        floor: f64,
-        samples: &[f64],
-        unit: &'static str,
-        baseline: String,
-    ) -> Self {
-        Self::measured_at(name, target, Bound::AtLeast(floor), 0.5, samples, unit, baseline)
-    }
-
     /// A row checked on the `quantile` of `samples` (the median, or a tail such as p99).
     fn measured_at(
         name: &str,
@@ -119,6 +107,15 @@ impl Row {
             baseline: String::new(),
             pass: None,
         }
+    }
+}
+
+/// The ratio of two medians as the one sample of a row; none when either has no samples or the
+/// divisor's median is not positive.
+fn median_ratio(numerator: &[f64], denominator: &[f64]) -> Vec<f64> {
+    match (percentile(numerator, 0.5), percentile(denominator, 0.5)) {
+        (Some(top), Some(bottom)) if bottom > 0.0 => vec![top / bottom],
+        _ => Vec::new(),
     }
 }
 
@@ -968,15 +965,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             percentile(&health, 0.99).unwrap_or(0.0)
         ),
     ));
-    let clone_speed = match (percentile(&direct_clones, 0.5), percentile(&proxied_clones, 0.5)) {
-        (Some(direct), Some(proxied)) if proxied > 0.0 => vec![direct / proxied],
-        _ => Vec::new(),
-    };
-    rows.push(Row::measured_at_least(
+    rows.push(Row::measured(
         "git proxy clone (in a sandbox)",
         "≥ 0.95× direct (speed)",
-        0.95,
-        &clone_speed,
+        Bound::AtLeast(0.95),
+        &median_ratio(&direct_clones, &proxied_clones),
         "×",
         format!(
             "{} repository, git clone --no-local of the mirror in the same sandbox: p50 {:.0} ms; through the proxy: \
@@ -986,15 +979,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             percentile(&proxied_clones, 0.5).unwrap_or(0.0)
         ),
     ));
-    let start_ratio = match (percentile(&sandbox_start, 0.5), percentile(&bare_bwrap, 0.5)) {
-        (Some(sortie), Some(bare)) if bare > 0.0 => vec![sortie / bare],
-        _ => Vec::new(),
-    };
     rows.push(Row::measured(
         "sandbox start (sortie sandbox exec -- true)",
         "≤ 2× a bare bwrap --unshare-all true",
         Bound::AtMost(2.0),
-        &start_ratio,
+        &median_ratio(&sandbox_start, &bare_bwrap),
         "×",
         format!(
             "sortie sandbox exec: p50 {:.1} ms; bwrap --unshare-all, /usr bound, true: p50 {:.1} ms",
@@ -1080,6 +1069,9 @@ mod tests {
         assert_eq!(percentile(&samples, 0.95), Some(5.0));
         assert_eq!(percentile(&[7.0], 0.5), Some(7.0));
         assert_eq!(percentile(&[], 0.5), None);
+        assert_eq!(median_ratio(&[4.0, 6.0, 100.0], &[2.0, 3.0]), vec![3.0]);
+        assert_eq!(median_ratio(&[4.0], &[0.0]), Vec::<f64>::new());
+        assert_eq!(median_ratio(&[], &[1.0]), Vec::<f64>::new());
     }
 
     #[test]
