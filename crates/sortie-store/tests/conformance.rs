@@ -2777,3 +2777,53 @@ async fn a_turn_ends_with_its_session_in_one_call(backend: TestBackend) {
         Some((FailureCode::CloneFailed, "no such repository".into()))
     );
 }
+
+/// On SQLite, where one connection writes, a request's write waits for at most the worker's write in
+/// progress and one more, not for a whole burst of transcript batches queued before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_sqlite_a_create_is_not_queued_behind_a_burst_of_transcript_writes() {
+    let f = fixture(TestBackend::Sqlite).await;
+    let session = f
+        .store
+        .create_session(new_session(&f.workspace.id, "/srv/repo", "task"))
+        .await
+        .expect("create");
+    const BATCHES: u32 = 40;
+    let done = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let mut tasks = Vec::new();
+    for batch in 0..BATCHES {
+        let (store, done, id) = (f.store.clone(), done.clone(), session.id.clone());
+        tasks.push(tokio::spawn(async move {
+            let parts: Vec<NewPart> = (0..200)
+                .map(|i| NewPart {
+                    part_index: batch * 200 + i,
+                    payload: format!(r#"{{"type":"text-delta","id":"t","delta":"{}"}}"#, "x".repeat(1000)),
+                    driver_index: None,
+                })
+                .collect();
+            store.append_parts(&id, 1, &parts).await.expect("append");
+            done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }));
+    }
+    // Every batch has asked for the writer by the time the first is through.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while done.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        assert!(std::time::Instant::now() < deadline, "no batch was written");
+        tokio::task::yield_now().await;
+    }
+    let before = done.load(std::sync::atomic::Ordering::SeqCst);
+    f.store
+        .create_session(new_session(&f.workspace.id, "/srv/repo", "another"))
+        .await
+        .expect("create");
+    let after = done.load(std::sync::atomic::Ordering::SeqCst);
+    for task in tasks {
+        task.await.expect("batch");
+    }
+    // A batch may have committed before `before` was read without having counted yet: a margin of 2.
+    assert!(
+        after - before <= 4,
+        "the create waited for {} of {BATCHES} transcript batches",
+        after - before
+    );
+}
