@@ -123,6 +123,28 @@ async fn usage_is_measured_and_the_exit_reported() {
     assert!(matches!(runtime.status("burn").await, Err(SandboxError::Unknown(_))));
 }
 
+/// All sandboxes together weigh an eighth of one process outside them when the CPU is contended, so
+/// `sortie serve` answers while they run (DESIGN §17). Read back from the kernel, on whichever cgroup
+/// version this machine has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandboxes_together_yield_the_cpu_to_the_host() {
+    let layout = layout();
+    let runtime = runtime(&layout);
+    runtime
+        .create(spec(&layout, "weighed", &["true"]))
+        .await
+        .expect("create");
+    let root = std::path::Path::new("/sys/fs/cgroup");
+    let (file, expected) = if root.join("cgroup.controllers").is_file() {
+        (root.join("sortie/cpu.weight"), "12")
+    } else {
+        (root.join("cpu/sortie/cpu.shares"), "128")
+    };
+    let weight = std::fs::read_to_string(&file).unwrap_or_else(|error| panic!("{}: {error}", file.display()));
+    runtime.destroy("weighed").await.expect("destroy");
+    assert_eq!(weight.trim(), expected, "{}", file.display());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stop_ends_a_running_sandbox() {
     let layout = layout();

@@ -16,6 +16,12 @@ pub enum CgroupVersion {
 const V1_CONTROLLERS: [&str; 4] = ["memory", "pids", "cpuacct", "cpu"];
 /// The group all sandboxes live under.
 const PARENT: &str = "sortie";
+/// The CPU weight of [`PARENT`], all sandboxes together, beside one process outside it: an eighth
+/// (cgroup v1 `cpu.shares` of 1024, v2 `cpu.weight` of 100). A weight only counts when the CPU is
+/// contended; then `sortie serve` answers first (with the default weight, on a 2-core machine starting
+/// 100 sessions, a create's p99 was 181 ms and `/healthz`'s 45 ms; at an eighth, ~55 and ~13 ms).
+const PARENT_CPU_SHARES_V1: &str = "128";
+const PARENT_CPU_WEIGHT_V2: &str = "12";
 
 /// Which cgroup version `root` (normally `/sys/fs/cgroup`) offers for sandboxes.
 pub fn detect(root: &Path) -> Result<CgroupVersion, SandboxError> {
@@ -143,6 +149,8 @@ impl Cgroup {
                         dirs.push(canonical);
                     }
                 }
+                // A priority, not a limit: where the parent's weight may not be set, sandboxes run at the default.
+                let _ = std::fs::write(root.join("cpu").join(PARENT).join("cpu.shares"), PARENT_CPU_SHARES_V1);
                 let cgroup = Self {
                     version,
                     pids_dir: root.join("pids").join(PARENT).join(name),
@@ -175,6 +183,8 @@ impl Cgroup {
                 for level in [root, parent.as_path()] {
                     let _ = std::fs::write(level.join("cgroup.subtree_control"), "+memory +pids +cpu");
                 }
+                // A priority, not a limit (as on v1).
+                let _ = std::fs::write(parent.join("cpu.weight"), PARENT_CPU_WEIGHT_V2);
                 let dir = parent.join(name);
                 std::fs::create_dir_all(&dir).map_err(|e| permission_hint(e, &dir))?;
                 write(&dir.join("memory.max"), &limits.memory_bytes.to_string())?;
