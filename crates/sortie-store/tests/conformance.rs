@@ -2471,7 +2471,7 @@ async fn concurrent_writers_number_events_in_commit_order(backend: TestBackend) 
             seen.extend(rest.events.into_iter().map(|e| e.seq));
             break;
         }
-        tokio::task::yield_now().await;
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
     for writer in writers {
         writer.await.expect("writer");
@@ -2820,9 +2820,10 @@ async fn on_sqlite_a_create_is_not_queued_behind_a_burst_of_transcript_writes() 
     for task in tasks {
         task.await.expect("batch");
     }
-    // A batch may have committed before `before` was read without having counted yet: a margin of 2.
+    // The batch in progress and the next are expected; the rest of the margin is for this task being
+    // descheduled around the create on a loaded machine. Queued behind the burst it waits for ~38.
     assert!(
-        after - before <= 4,
+        after - before < BATCHES / 4,
         "the create waited for {} of {BATCHES} transcript batches",
         after - before
     );

@@ -16,12 +16,15 @@ pub enum CgroupVersion {
 const V1_CONTROLLERS: [&str; 4] = ["memory", "pids", "cpuacct", "cpu"];
 /// The group all sandboxes live under.
 const PARENT: &str = "sortie";
-/// The CPU weight of [`PARENT`], all sandboxes together, beside one process outside it: an eighth
-/// (cgroup v1 `cpu.shares` of 1024, v2 `cpu.weight` of 100). A weight only counts when the CPU is
-/// contended; then `sortie serve` answers first (with the default weight, on a 2-core machine starting
-/// 100 sessions, a create's p99 was 181 ms and `/healthz`'s 45 ms; at an eighth, ~55 and ~13 ms).
-const PARENT_CPU_SHARES_V1: &str = "128";
-const PARENT_CPU_WEIGHT_V2: &str = "12";
+/// The CPU weight sortie gives [`PARENT`], all sandboxes together, when it makes that group: a quarter
+/// of the default (v1 `cpu.shares` 1024, v2 `cpu.weight` 100), so that when the CPU is contended
+/// `sortie serve` answers first (on a 2-core machine starting 100 sessions, a create's p99 was 181 ms
+/// and `/healthz`'s 45 ms at the default; ~70 and ~13 ms at a quarter). A weight counts only under
+/// contention, but then against every busy process beside the group (v1) or every sibling group
+/// (v2), not only `serve`: lower would starve sandboxes on a host busy with other work. A weight an
+/// operator set on an existing group is kept.
+const PARENT_CPU_SHARES_V1: &str = "256";
+const PARENT_CPU_WEIGHT_V2: &str = "25";
 
 /// Which cgroup version `root` (normally `/sys/fs/cgroup`) offers for sandboxes.
 pub fn detect(root: &Path) -> Result<CgroupVersion, SandboxError> {
@@ -141,6 +144,8 @@ impl Cgroup {
         match version {
             CgroupVersion::V1 => {
                 let mut dirs: Vec<PathBuf> = Vec::new();
+                let cpu_parent = root.join("cpu").join(PARENT);
+                let weigh_parent = !cpu_parent.exists();
                 for controller in V1_CONTROLLERS {
                     let dir = root.join(controller).join(PARENT).join(name);
                     std::fs::create_dir_all(&dir).map_err(|e| permission_hint(e, &dir))?;
@@ -149,8 +154,10 @@ impl Cgroup {
                         dirs.push(canonical);
                     }
                 }
-                // A priority, not a limit: where the parent's weight may not be set, sandboxes run at the default.
-                let _ = std::fs::write(root.join("cpu").join(PARENT).join("cpu.shares"), PARENT_CPU_SHARES_V1);
+                if weigh_parent {
+                    // A priority, not a limit: where it may not be set, sandboxes run at the default.
+                    let _ = std::fs::write(cpu_parent.join("cpu.shares"), PARENT_CPU_SHARES_V1);
+                }
                 let cgroup = Self {
                     version,
                     pids_dir: root.join("pids").join(PARENT).join(name),
@@ -178,13 +185,16 @@ impl Cgroup {
             }
             CgroupVersion::V2 => {
                 let parent = root.join(PARENT);
+                let weigh_parent = !parent.exists();
                 std::fs::create_dir_all(&parent).map_err(|e| permission_hint(e, &parent))?;
                 // Controllers must be enabled for the children of each level.
                 for level in [root, parent.as_path()] {
                     let _ = std::fs::write(level.join("cgroup.subtree_control"), "+memory +pids +cpu");
                 }
-                // A priority, not a limit (as on v1).
-                let _ = std::fs::write(parent.join("cpu.weight"), PARENT_CPU_WEIGHT_V2);
+                if weigh_parent {
+                    // A priority, not a limit (as on v1).
+                    let _ = std::fs::write(parent.join("cpu.weight"), PARENT_CPU_WEIGHT_V2);
+                }
                 let dir = parent.join(name);
                 std::fs::create_dir_all(&dir).map_err(|e| permission_hint(e, &dir))?;
                 write(&dir.join("memory.max"), &limits.memory_bytes.to_string())?;
