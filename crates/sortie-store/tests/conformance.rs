@@ -2471,7 +2471,7 @@ async fn concurrent_writers_number_events_in_commit_order(backend: TestBackend) 
             seen.extend(rest.events.into_iter().map(|e| e.seq));
             break;
         }
-        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        tokio::task::yield_now().await;
     }
     for writer in writers {
         writer.await.expect("writer");
@@ -2809,7 +2809,7 @@ async fn on_sqlite_a_create_is_not_queued_behind_a_burst_of_transcript_writes() 
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while done.load(std::sync::atomic::Ordering::SeqCst) == 0 {
         assert!(std::time::Instant::now() < deadline, "no batch was written");
-        tokio::task::yield_now().await;
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
     let before = done.load(std::sync::atomic::Ordering::SeqCst);
     f.store
