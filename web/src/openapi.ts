@@ -1112,8 +1112,8 @@ export interface components {
             /** @description `running`, `delivering` or `done`. */
             phase: string;
             /**
-             * @description Milliseconds by phase (`queued`, `clone`, `sandbox`, `setup`, `first_part`, `agent_turn`,
-             *     `delivery`), all measured by the host.
+             * @description Milliseconds by phase (`queued`, `clone`, `sandbox` or `warm_sandbox`, `setup`, `first_part`,
+             *     `agent_turn`, `delivery`), all measured by the host.
              */
             timings: {
                 [key: string]: number;
@@ -1428,7 +1428,10 @@ export interface components {
             prompt: string;
             started_at?: string | null;
             status: components["schemas"]["TurnStatus"];
-            /** @description Milliseconds by phase: queued, sandbox, clone, setup, agent_ready, first_part, agent_turn, delivery. */
+            /**
+             * @description Milliseconds by phase: queued, sandbox (or warm_sandbox: a started one taken from the warm pool,
+             *     bound and assigned), clone, setup, agent_ready, first_part, agent_turn, delivery.
+             */
             timings?: {
                 [key: string]: number;
             } | null;

@@ -43,9 +43,10 @@ pub struct DriverSettings {
     /// The agent profile to run.
     #[arg(long, required_unless_present = "await_assignment")]
     pub agent: Option<String>,
-    /// Run no agent until the host assigns a session over the link (`POST /assignment`: session,
-    /// agent, model, branch): a generic pod's driver, the same for every session.
-    #[arg(long, requires = "link", conflicts_with = "agent")]
+    /// Run no agent until the host assigns a session (`POST /assignment`: session, agent, model,
+    /// branch): a generic pod's driver over its link, the same for every session, or a warm local
+    /// sandbox's on the socket passed as stdin, whose workspace the host binds in before it assigns.
+    #[arg(long, conflicts_with = "agent")]
     pub await_assignment: bool,
     /// An agent manifest (TOML) that adds or overrides profiles.
     #[arg(long)]
@@ -84,10 +85,10 @@ pub struct DriverSettings {
     #[arg(long, default_value = "origin", requires = "branch")]
     pub remote: String,
     /// The author and committer name of delivered commits.
-    #[arg(long, default_value = "sortie", requires = "branch")]
+    #[arg(long, default_value = "sortie")]
     pub author_name: String,
     /// The author and committer email of delivered commits.
-    #[arg(long, default_value = "sortie@localhost", requires = "branch")]
+    #[arg(long, default_value = "sortie@localhost")]
     pub author_email: String,
     /// A file of known secret values' SHA-256 digests (lowercase hex, one a line): a delivery whose
     /// changes hold one of them fails SECRET_DETECTED.
@@ -163,6 +164,31 @@ impl DriverSettings {
             }
             return Ok(());
         }
+        if self.await_assignment {
+            if !self.listen_on_stdin {
+                return Err(LaunchError::Refused(
+                    "--await-assignment needs --link or --listen-on-stdin: the host assigns over one of them".into(),
+                ));
+            }
+            if let Some(socket) = &self.egress_socket {
+                // Up before the assignment, as a pod's is: the host puts `egress.sock` in its directory
+                // when it assigns, and until then a connection finds nothing to reach.
+                crate::relay::start(crate::relay::Upstream::Socket(socket.clone()))
+                    .await
+                    .map_err(failed(format!("cannot listen on {}", crate::relay::RELAY_ADDRESS)))?;
+            }
+            let listener = listener_from_stdin()?;
+            let (router, driver) = crate::assignment::router(self.clone());
+            axum::serve(listener, router)
+                .with_graceful_shutdown(shutdown)
+                .await
+                .map_err(failed("the driver API failed"))?;
+            let driver = driver.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(driver) = driver {
+                driver.shutdown().await;
+            }
+            return Ok(());
+        }
         let config = self.clone().resolve().await?;
         if let (Some(url), Some(token_file)) = (&self.link, &self.identity_token_file) {
             let target = crate::link::LinkTarget::new(url, token_file).map_err(refused)?;
@@ -206,6 +232,9 @@ impl DriverSettings {
         if let Some(seconds) = assignment.turn_timeout_secs {
             self.turn_timeout = seconds;
         }
+        if let Some(path) = &assignment.secret_digests {
+            self.secret_digests = Some(PathBuf::from(path));
+        }
     }
 
     /// The agent's profile, its program, files, environment and delivery: a [`DriverConfig`].
@@ -247,8 +276,8 @@ impl DriverSettings {
             )),
             _ => None,
         };
-        // An assigned pod's relay runs already (`serve` started it before the assignment).
-        let running = self.await_assignment && self.egress_over_link;
+        // An assigned driver's relay runs already (`serve` started it before the assignment).
+        let running = self.await_assignment && (self.egress_over_link || self.listen_on_stdin);
         if let Some(upstream) = upstream {
             if !running {
                 crate::relay::start(upstream)

@@ -275,8 +275,9 @@ pub struct DriverStatus {
     pub active_turn: Option<u32>,
 }
 
-/// `POST /assignment`: the session a generic pod's driver (`sortie driver --await-assignment`) serves,
-/// given once, by the host, over the driver's link. What the local runtime gives as flags.
+/// `POST /assignment`: the session a driver that awaits it (`sortie driver --await-assignment`: a generic
+/// pod's, over its link, or a warm local sandbox's, on its socket) serves, given once, by the host. What a
+/// cold local sandbox is given as flags.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Assignment {
@@ -296,9 +297,14 @@ pub struct Assignment {
     pub remote: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub turn_timeout_secs: Option<u64>,
-    /// The workspace to make before the agent starts (a pod's is empty until it is assigned).
+    /// The workspace to make before the agent starts (a pod's is empty until it is assigned). A warm
+    /// local sandbox's is bound in by the host before the assignment, so it has none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkout: Option<Checkout>,
+    /// Where, inside the sandbox, the host keeps the digests of the session's known secret values (a
+    /// warm local sandbox's; read again at each delivery, as `--secret-digests` is).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_digests: Option<String>,
 }
 
 /// A generic pod's workspace, cloned at its assignment through the session's git proxy, with the

@@ -68,6 +68,13 @@ pub struct SandboxSpec {
     pub egress_dir: Option<PathBuf>,
     /// Bound read-only at the same path (the agent's install dir, the `sortie` binary's dir, a mirror).
     pub read_only: Vec<PathBuf>,
+    /// Bound read-only elsewhere: `(host path, path inside)` (a warm sandbox's empty directory that
+    /// receives the session's mirror where the workspace's alternates name it, [`local::slot`]).
+    pub read_only_at: Vec<(PathBuf, PathBuf)>,
+    /// The workspace and home are a warm slot's, which the host binds a session's over once the
+    /// sandbox runs ([`local::slot`]): they stay root's (nothing inside may write under them) and the
+    /// command starts in `/`, so no process keeps a way into them.
+    pub late_binds: bool,
     /// The whole environment inside (besides HOME, USER, PATH, LANG, TMPDIR, which the runtime sets).
     pub env: Vec<(String, String)>,
     /// The command to run inside, e.g. `sortie driver …`.

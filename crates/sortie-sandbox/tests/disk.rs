@@ -117,6 +117,8 @@ fn sandbox_spec(name: &str, workspace: PathBuf, home: PathBuf, script: &str) -> 
         home,
         egress_dir: None,
         read_only: Vec::new(),
+        read_only_at: Vec::new(),
+        late_binds: false,
         env: Vec::new(),
         command: vec!["sh".into(), "-c".into(), script.into()],
         limits: Limits::default(),

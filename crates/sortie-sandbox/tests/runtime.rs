@@ -34,6 +34,8 @@ fn spec(layout: &Layout, name: &str, command: &[&str]) -> SandboxSpec {
         home: layout.root.join("home"),
         egress_dir: None,
         read_only: Vec::new(),
+        read_only_at: Vec::new(),
+        late_binds: false,
         env: Vec::new(),
         command: command.iter().map(|s| (*s).to_owned()).collect(),
         limits: Limits::default(),
@@ -304,4 +306,85 @@ async fn kill_newer_spares_what_ran_before_and_kills_what_came_since() {
     );
     runtime.destroy("sweep").await.expect("destroy");
     assert_eq!(processes_with(&marker), 0);
+}
+
+/// A warm sandbox gets its session after it started: what the host binds into its slot then appears
+/// inside, a mirror read-only (its directory is the sandbox uid's, so only the mount's flag stops a
+/// write) and nothing set-uid, and the sandbox can neither write nor remount it, nor write under the
+/// session's workspace through a process that was there before it (bwrap's pid 1). Releasing the slot
+/// takes every bind down and leaves what was bound whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_is_bound_into_a_running_warm_sandbox_appears_inside_read_only_where_asked() {
+    use sortie_sandbox::local::slot::WarmSlot;
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: binding into a running sandbox needs root");
+        return;
+    }
+    let layout = layout();
+    let runtime = runtime(&layout);
+    let (uid, gid) = runtime.host_owner().expect("as root, sandboxes have a host uid");
+    let (workspace, mirror) = (layout.root.join("session-workspace"), layout.root.join("mirror"));
+    for dir in [&workspace, &mirror] {
+        std::fs::create_dir_all(dir).expect("dir");
+        std::os::unix::fs::chown(dir, Some(uid), Some(gid)).expect("chown");
+    }
+    std::fs::write(workspace.join("hello"), "hello").expect("write");
+    std::fs::write(mirror.join("obj"), "obj").expect("write");
+    let slot = WarmSlot::new(layout.root.join("pool/warm_test"), layout.root.join("warm/warm_test"));
+    slot.prepare().expect("prepare");
+    let script = "i=0; until [ -f /workspace/hello ] && [ -f /srv/mirrors/m/obj ]; do i=$((i+1)); \
+                  [ $i -gt 2000 ] && exit 9; sleep 0.01; done; r=/workspace/report; \
+                  echo \"ws-$(cat /workspace/hello)\" > $r; touch /workspace/new && echo ws-writable >> $r; \
+                  (touch /srv/mirrors/m/x 2>/dev/null && echo mirror-writable || echo mirror-read-only) >> $r; \
+                  grep ' /srv/mirrors/m ' /proc/self/mountinfo >> $r; \
+                  (mount -o remount,rw /srv/mirrors/m 2>/dev/null && echo remounted || echo not-remounted) >> $r; \
+                  (touch /proc/1/cwd/x 2>/dev/null && echo under-the-bind || echo not-under-the-bind) >> $r; \
+                  (touch /proc/self/cwd/x 2>/dev/null && echo in-its-start || echo not-in-its-start) >> $r";
+    let mut spec = spec(&layout, "warm_test", &["sh", "-c", script]);
+    spec.workspace = slot.workspace();
+    spec.home = slot.home();
+    spec.read_only_at = vec![(slot.mirrors(), PathBuf::from("/srv/mirrors"))];
+    spec.late_binds = true;
+    runtime.create(spec).await.expect("create");
+    runtime.start("warm_test").await.expect("start");
+    slot.bind(&workspace, &slot.workspace(), false)
+        .expect("bind the workspace");
+    slot.bind(&mirror, &slot.mirrors().join("m"), true)
+        .expect("bind the mirror");
+    let exit = tokio::time::timeout(Duration::from_secs(60), runtime.wait("warm_test"))
+        .await
+        .expect("the sandbox ended")
+        .expect("wait");
+    assert_eq!(exit.code, Some(0), "{exit:?}");
+    runtime.destroy("warm_test").await.expect("destroy");
+    let report = std::fs::read_to_string(workspace.join("report")).expect("the sandbox's report");
+    // Nothing inside writes under the session's binds, through a process that started before them.
+    for said in [
+        "ws-hello",
+        "ws-writable",
+        "mirror-read-only",
+        "not-remounted",
+        "not-under-the-bind",
+        "not-in-its-start",
+    ] {
+        assert!(report.contains(said), "{said}: {report}");
+    }
+    let mount = report
+        .lines()
+        .find(|line| line.contains(" /srv/mirrors/m "))
+        .expect("the mirror's mount");
+    let options = mount.split(' ').nth(5).expect("mount options");
+    for option in ["ro", "nosuid", "nodev"] {
+        assert!(options.split(',').any(|o| o == option), "{option}: {mount}");
+    }
+    slot.release().expect("release");
+    assert!(!slot.root().exists() && !slot.egress().exists());
+    assert!(sortie_sandbox::local::slot::unmount_if_empty(&layout.root.join("pool")));
+    assert!(workspace.join("new").is_file() && mirror.join("obj").is_file());
+    assert!(!mirror.join("x").exists());
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    assert!(
+        !mountinfo.contains(layout.root.join("pool").to_str().expect("utf-8")),
+        "{mountinfo}"
+    );
 }

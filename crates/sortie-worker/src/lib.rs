@@ -15,6 +15,7 @@ mod github;
 pub mod host;
 pub mod meter;
 pub mod pods;
+mod pool;
 pub mod prepare;
 pub mod priming;
 pub mod pull_request;
@@ -92,6 +93,8 @@ pub struct WorkerConfig {
     /// Author of delivered commits.
     pub author_name: String,
     pub author_email: String,
+    /// Warm sandboxes to keep started, by agent (`--warm-sandboxes AGENT=N`; local runtime, as root).
+    pub warm_pool: Vec<(String, usize)>,
 }
 
 /// This host and work dir: what a restarted worker finds again (its sandboxes lived there and
@@ -127,6 +130,7 @@ impl WorkerConfig {
             forge_ca_bundle: None,
             author_name: "sortie".into(),
             author_email: "sortie@localhost".into(),
+            warm_pool: Vec::new(),
         }
     }
 }
@@ -173,6 +177,8 @@ pub(crate) struct Context {
     pub app_tokens: forge::AppTokens,
     /// Whom the worker last refused on GitHub, to answer each once in a while.
     pub(crate) github_refusals: github::Refusals,
+    /// Sandboxes started ahead of their sessions (local runtime, as root), if the operator wants them.
+    pub(crate) pool: Option<Arc<pool::WarmPool>>,
 }
 
 impl Context {
@@ -249,6 +255,18 @@ impl Worker {
                 .inspect_err(|error| tracing::error!(%error, "forges cannot be reached"))
                 .ok();
         }
+        let pool = match pods {
+            Some(_) => None,
+            None if runtime.host_owner().is_none() => {
+                if !config.warm_pool.is_empty() {
+                    tracing::warn!(
+                        "no warm sandboxes: they need sortie to run as root (a session's workspace is bound into one)"
+                    );
+                }
+                None
+            }
+            None => pool::WarmPool::new(&config.warm_pool, config.sandboxes_per_workspace).map(Arc::new),
+        };
         Self {
             context: Arc::new(Context {
                 config,
@@ -260,6 +278,7 @@ impl Worker {
                 releasing: std::sync::Mutex::new(HashMap::new()),
                 app_tokens: forge::AppTokens::default(),
                 github_refusals: github::Refusals::default(),
+                pool,
             }),
             adopted: std::sync::Mutex::new(Vec::new()),
             feed_url: None,
@@ -334,6 +353,11 @@ impl Worker {
                 });
             }
         }
+        let (pool_stop, pool_stopped) = tokio::sync::oneshot::channel::<()>();
+        let pool = context
+            .pool
+            .clone()
+            .map(|pool| tokio::spawn(pool::keep_full(context.clone(), pool, pool_stopped)));
         let (triggers_stop, triggers_stopped) = tokio::sync::oneshot::channel::<()>();
         let triggers = tokio::spawn(github::run_triggers(context.clone(), async move {
             let _ = triggers_stopped.await;
@@ -381,6 +405,11 @@ impl Worker {
         }
         let _ = triggers_stop.send(());
         let _ = triggers.await;
+        // Sandboxes started for sessions that never came go with this process.
+        let _ = pool_stop.send(());
+        if let Some(pool) = pool {
+            let _ = pool.await;
+        }
         // The sandboxes of turns still running outlive this process (their keepers wait the orphan grace)
         // for the next start to adopt; warm ones are cheap to make again and go now.
         for (session_id, slot) in slots {
@@ -388,6 +417,8 @@ impl Worker {
                 turn::destroy(&context, &session_id, &sandbox).await;
             }
         }
+        // The warm slots' directory stays a mount only while a running sandbox still has a slot in it.
+        sortie_sandbox::local::slot::unmount_if_empty(&context.config.work_dir.join("pool"));
     }
 }
 
@@ -732,6 +763,10 @@ fn release_pod(context: &Arc<Context>, session_id: &SessionId, sandbox: SandboxH
 /// again. Otherwise its running turn is `lost` (its log harvested into the transcript first) and its
 /// session `failed` with a reason; a warm session becomes `hibernated`.
 async fn reconcile(context: &Arc<Context>) -> Vec<Adopted> {
+    // Warm sandboxes an earlier process started and gave no session, whether or not a pool is kept now.
+    if context.pods.is_none() {
+        pool::clear_leftovers(context).await;
+    }
     let me = context.config.worker_id.as_str();
     let mut had_sandbox = std::collections::HashSet::new();
     let mut adopted = Vec::new();
@@ -756,7 +791,7 @@ async fn reconcile(context: &Arc<Context>) -> Vec<Adopted> {
             // Whatever is left of it (adopt made it this runtime's if it still ran) goes.
             // Both are best effort: a sandbox that cannot be destroyed has no session to serve any
             // more, and a row left behind is replaced by the session's next sandbox.
-            let _ = context.runtime.destroy(&row.handle).await;
+            let _ = turn::destroy_named(context, &row.handle).await;
             let _ = context.store.delete_sandbox(&row.session_id).await;
             had_sandbox.insert(row.session_id);
         }

@@ -54,6 +54,9 @@ pub mod env {
     pub const AGENTS_DIR: &str = "SORTIE_AGENTS_DIR";
     /// The host uid sandboxes run as when sortie runs as root (default 61000; needs no passwd entry).
     pub const SANDBOX_UID: &str = "SORTIE_SANDBOX_UID";
+    /// Warm sandboxes kept started per agent, `agent=n` comma-separated (`--warm-sandboxes`; the local
+    /// runtime's, as `SORTIE_WARM_POOL` is the Kubernetes runtime's pods).
+    pub const WARM_SANDBOXES: &str = "SORTIE_WARM_SANDBOXES";
     /// The model proxy's upstream for Anthropic (`--upstream-anthropic`).
     pub const UPSTREAM_ANTHROPIC: &str = "SORTIE_UPSTREAM_ANTHROPIC";
     /// The model proxy's upstream for OpenAI (`--upstream-openai`).
@@ -116,6 +119,12 @@ pub struct WorkerSettings {
     /// The host uid sandboxes run as when sortie runs as root.
     #[arg(long, env = env::SANDBOX_UID, default_value_t = sortie_sandbox::local::DEFAULT_SANDBOX_UID)]
     pub sandbox_uid: u32,
+    /// Sandboxes kept started for an agent, its driver up and awaiting a session, `AGENT=N` (e.g.
+    /// `claude-code=2`; repeat or comma-separate for more agents). A session of that agent takes one
+    /// and skips the sandbox's start. At most the workspace's sandbox limit in all; local runtime as
+    /// root only. Default: none.
+    #[arg(long, env = env::WARM_SANDBOXES, value_delimiter = ',', value_parser = parse_warm_sandboxes)]
+    pub warm_sandboxes: Vec<(String, usize)>,
     /// Where `sortie agents install` put the agents; default `<data dir>/agents`.
     #[arg(long, env = env::AGENTS_DIR)]
     pub agents_dir: Option<PathBuf>,
@@ -259,6 +268,15 @@ impl WorkerSettings {
         config.setup_timeout = Duration::from_secs(self.setup_timeout.max(1));
         config.limits.disk_bytes = self.sandbox_disk_mib << 20;
         config.agent_profiles = self.agent_profiles.clone();
+        if !self.warm_sandboxes.is_empty() {
+            let profiles = sortie_profile::load(self.agent_profiles.as_deref())
+                .map_err(|error| SettingsError::Refused(format!("--warm-sandboxes: {error}")))?;
+            for (agent, _) in &self.warm_sandboxes {
+                sortie_profile::find(&profiles, agent)
+                    .map_err(|error| SettingsError::Refused(format!("--warm-sandboxes {agent}: {error}")))?;
+            }
+            config.warm_pool = self.warm_sandboxes.clone();
+        }
         config.agents_dir = Some(self.agents_dir(data_dir));
         config.keyring = Some(keyring);
         self.model_upstreams(&mut config.model_upstreams)?;
@@ -396,4 +414,20 @@ impl Resolver for TableFirst {
             }
         })
     }
+}
+
+/// One `--warm-sandboxes` entry: `agent=n`.
+fn parse_warm_sandboxes(text: &str) -> Result<(String, usize), String> {
+    let (agent, size) = text
+        .split_once('=')
+        .ok_or_else(|| format!("{text:?} is not AGENT=N (e.g. claude-code=2)"))?;
+    let size = size
+        .trim()
+        .parse::<usize>()
+        .map_err(|_| format!("{text:?}: {size:?} is not a number of sandboxes"))?;
+    let agent = agent.trim();
+    if agent.is_empty() {
+        return Err(format!("{text:?} names no agent"));
+    }
+    Ok((agent.to_owned(), size))
 }

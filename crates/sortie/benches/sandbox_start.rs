@@ -94,6 +94,8 @@ fn main() {
                 home,
                 egress_dir: None,
                 read_only: vec![bin_dir.clone()],
+                read_only_at: Vec::new(),
+                late_binds: false,
                 env: Vec::new(),
                 command: command.iter().map(|s| (*s).to_owned()).collect(),
                 limits: Limits::default(),

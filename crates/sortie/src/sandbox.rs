@@ -143,6 +143,8 @@ async fn exec_in(scratch: &std::path::Path, args: SandboxExecArgs) -> anyhow::Re
         home,
         egress_dir,
         read_only,
+        read_only_at: Vec::new(),
+        late_binds: false,
         env,
         command,
         limits,

@@ -34,6 +34,8 @@ fn the_bench_runs_every_row_it_measures_and_names_where_the_rest_are() {
         "workspace prep, small repository (mirrored)",
         "create → first part (cold: a new sandbox)",
         "create → idle, trivial scripted turn",
+        "create → first part (warm pool)",
+        "create → idle (warm pool), trivial scripted turn",
         "idle RSS of sortie serve",
         "sandbox start (sortie sandbox exec -- true)",
         "create-accept p99 under load",

@@ -354,6 +354,7 @@ async fn a_session_gets_a_warm_pod_or_a_cold_one_and_its_own_pods_driver() {
         remote: None,
         turn_timeout_secs: Some(60),
         checkout: None,
+        secret_digests: None,
     };
     client.assign(&assignment).await.expect("assigned");
     client

@@ -257,6 +257,8 @@ impl Cluster {
             home,
             egress_dir: Some(link_dir),
             read_only: vec![self.bin_dir.clone()],
+            read_only_at: Vec::new(),
+            late_binds: false,
             env: Vec::new(),
             command: match fault {
                 Some(PodFault::Silent) => vec!["/bin/sh".into(), "-c".into(), "sleep 3600".into()],

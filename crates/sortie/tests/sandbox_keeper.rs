@@ -32,6 +32,8 @@ fn spec(root: &Path, name: &str, marker: &str) -> SandboxSpec {
         home: dir.join("home"),
         egress_dir: None,
         read_only: Vec::new(),
+        read_only_at: Vec::new(),
+        late_binds: false,
         env: Vec::new(),
         command: vec!["sh".into(), "-c".into(), format!("sleep 600; : {marker}")],
         limits: Limits::default(),

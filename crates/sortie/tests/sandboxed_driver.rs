@@ -101,6 +101,8 @@ impl Layout {
             home: self.home.clone(),
             egress_dir: Some(self.egress_dir.clone()),
             read_only: vec![self.bin_dir.clone()],
+            read_only_at: Vec::new(),
+            late_binds: false,
             env: Vec::new(),
             command: command.iter().map(|s| (*s).to_owned()).collect(),
             limits: Limits::default(),
@@ -325,6 +327,8 @@ async fn a_pods_driver_in_a_sandbox_links_is_assigned_and_reaches_out_only_throu
         home: layout.home.clone(),
         egress_dir: Some(layout.egress_dir.clone()),
         read_only: vec![layout.bin_dir.clone()],
+        read_only_at: Vec::new(),
+        late_binds: false,
         env: Vec::new(),
         command: command.iter().map(|s| (*s).to_owned()).collect(),
         limits: Limits::default(),
@@ -347,6 +351,7 @@ async fn a_pods_driver_in_a_sandbox_links_is_assigned_and_reaches_out_only_throu
             remote: None,
             turn_timeout_secs: None,
             checkout: None,
+            secret_digests: None,
         })
         .await
         .expect("assigned");

@@ -862,6 +862,212 @@ async fn capacity_limits_live_sandboxes_and_every_session_finishes() {
     assert!(most >= 1);
 }
 
+/// The mounts of the host under `under`: (mount point, device, root within the device), from mountinfo.
+fn mounts_under(under: &Path) -> Vec<(PathBuf, String, String)> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    text.lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(' ').collect();
+            let (device, root, point) = (fields.get(2)?, fields.get(3)?, PathBuf::from(fields.get(4)?));
+            point
+                .starts_with(under)
+                .then(|| (point, (*device).to_owned(), (*root).to_owned()))
+        })
+        .collect()
+}
+
+fn warm_slots(pool: &Path) -> Vec<String> {
+    std::fs::read_dir(pool)
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warm_sandboxes_each_serve_one_session_and_the_pool_stays_within_the_limit() {
+    // More asked than the workspace may hold: the pool holds the limit.
+    let mut world = World::start(&["--sandboxes-per-workspace", "2", "--warm-sandboxes", "scripted=4"]);
+    let work = world.data_dir.join("work");
+    let pool = work.join("pool");
+    let gauge = "sortie_warm_sandboxes{agent=\"scripted\"}";
+    let metrics_url = format!("{}/metrics", world.url());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let metrics = reqwest::get(&metrics_url)
+            .await
+            .expect("scrape")
+            .text()
+            .await
+            .expect("text");
+        if sample(&metrics, gauge) == Some(2.0) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the pool did not fill: {:?}",
+            sample(&metrics, gauge)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(warm_slots(&pool).len(), 2, "{:?}", warm_slots(&pool));
+
+    // Three sessions at once, one past the limit: no warm sandbox is given twice, whatever the order.
+    let task = |i: usize| format!("#!scripted\nsleep: 300\nwrite: f{i}.txt\n{i}\n>>>\nsay: wrote {i}");
+    let tasks = [task(0), task(1), task(2)];
+    let (a, b, c) = tokio::join!(
+        world.create(&tasks[0], json!({})),
+        world.create(&tasks[1], json!({})),
+        world.create(&tasks[2], json!({}))
+    );
+    let ids = [a, b, c];
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (stop, work) = (stop.clone(), work.clone());
+        std::thread::spawn(move || {
+            // slot → the sessions whose disk was bound as its workspace (matched by device at the
+            // same moment: a loop device is used again once a disk is let go), and the most mounts
+            // seen stacked on one slot's workspace at once.
+            let mut bound: std::collections::HashMap<String, HashSet<String>> = Default::default();
+            let mut most_stacked = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let mounts = mounts_under(&work);
+                let disks: std::collections::HashMap<&String, String> = mounts
+                    .iter()
+                    .filter(|(point, _, root)| point.ends_with("disk") && root == "/")
+                    .filter_map(|(point, device, _)| {
+                        Some((device, point.parent()?.file_name()?.to_string_lossy().into_owned()))
+                    })
+                    .collect();
+                let mut stacked: std::collections::HashMap<&PathBuf, usize> = Default::default();
+                for (point, device, root) in &mounts {
+                    if point.ends_with("binds/workspace") {
+                        let slot = point.iter().rev().nth(2).expect("slot").to_string_lossy().into_owned();
+                        assert_eq!(root, "/workspace", "a slot's workspace is a session's");
+                        // A disk seen between two reads of a changing table is looked for again next round.
+                        if let Some(session) = disks.get(device) {
+                            bound.entry(slot).or_default().insert(session.clone());
+                        }
+                        *stacked.entry(point).or_default() += 1;
+                    }
+                }
+                most_stacked = most_stacked.max(stacked.values().copied().max().unwrap_or(0));
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            (bound, most_stacked)
+        })
+    };
+    let mut warm = 0;
+    for (i, id) in ids.iter().enumerate() {
+        let (session, turns) = world
+            .wait(id, 120, |s, t| {
+                t.first().is_some_and(|t| t["completed_at"].is_string()) && s["phase"] != "queued"
+            })
+            .await;
+        assert_eq!(status_of(&turns, 1), "completed", "{session:#} {turns:#?}");
+        assert_eq!(
+            world.files_on_branch(id),
+            vec![format!("f{i}.txt")],
+            "each session's own work"
+        );
+        assert!(world.assistant_said(id, &format!("wrote {i}")).await);
+        if turns[0]["timings"]["warm_sandbox"].is_u64() {
+            warm += 1;
+            assert!(turns[0]["timings"].get("sandbox").is_none(), "{turns:#?}");
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (bound, most_stacked) = sampler.join().expect("sampler");
+    assert!(
+        warm >= 2,
+        "the two sessions that found the pool full took from it: {warm} did"
+    );
+    assert_eq!(most_stacked, 1, "one workspace per warm sandbox");
+    assert!(
+        bound.values().all(|sessions| sessions.len() == 1),
+        "one session per warm sandbox: {bound:?}"
+    );
+    let mut sessions: Vec<&String> = bound.values().flatten().collect();
+    let seen = sessions.len();
+    sessions.sort();
+    sessions.dedup();
+    assert_eq!(sessions.len(), seen, "no session in two warm sandboxes: {bound:?}");
+    assert!(sessions.iter().all(|s| ids.contains(*s)), "{bound:?} {ids:?}");
+    assert_eq!(bound.len(), warm, "{bound:?}");
+
+    // A server killed outright leaves its sandboxes to their keepers: the next one takes up the
+    // sessions' (a steer runs in the same warm sandbox, its egress linked again) and ends the ones no
+    // session had.
+    // The pool refills behind the sessions (a failed start is tried again in 5 s: polled, not assumed).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let unassigned = loop {
+        let metrics = reqwest::get(&metrics_url)
+            .await
+            .expect("scrape")
+            .text()
+            .await
+            .expect("text");
+        let unassigned: Vec<String> = warm_slots(&pool)
+            .into_iter()
+            .filter(|slot| !bound.contains_key(slot))
+            .collect();
+        if sample(&metrics, gauge) == Some(2.0) && unassigned.len() == 2 {
+            break unassigned;
+        }
+        assert!(Instant::now() < deadline, "the pool did not refill: {unassigned:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // A session that took a warm sandbox and holds it still (the limit hibernated the others).
+    let mut last = None;
+    for id in bound.values().flatten() {
+        if world.session(id).await["phase"] == "idle" {
+            last = Some(id.clone());
+        }
+    }
+    let last = &last.expect("a session idle in its warm sandbox");
+    world.kill_server();
+    world.restart_server();
+    world
+        .steer(last, "#!scripted\nwrite: again.txt\nagain\n>>>\nsay: again", "queue")
+        .await;
+    let (session, turns) = world.settled(last, 2).await;
+    assert_eq!(status_of(&turns, 2), "completed", "{session:#} {turns:#?}");
+    assert!(world.files_on_branch(last).contains(&"again.txt".to_owned()));
+    let timings = &turns[1]["timings"];
+    assert!(
+        timings.get("sandbox").is_none() && timings.get("warm_sandbox").is_none(),
+        "the steer ran in the sandbox the session had: {timings}"
+    );
+    let metrics_url = format!("{}/metrics", world.url());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let metrics = reqwest::get(&metrics_url)
+            .await
+            .expect("scrape")
+            .text()
+            .await
+            .expect("text");
+        let slots = warm_slots(&pool);
+        if sample(&metrics, gauge) == Some(2.0) && !unassigned.iter().any(|slot| slots.contains(slot)) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{slots:?}, left by the killed server: {unassigned:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // A stop takes every warm sandbox down with its binds: nothing of a session stays mounted.
+    drop(world.server.take());
+    assert_eq!(mounts_under(&pool), Vec::new());
+    assert_eq!(warm_slots(&pool), Vec::<String>::new());
+    assert_eq!(warm_slots(&work.join("warm")), Vec::<String>::new());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_server_or_driver_never_leaves_a_session_hanging() {
     let mut world = World::start(&[]);

@@ -102,6 +102,10 @@ pub fn arguments(spec: &SandboxSpec, etc_dir: &Path, status_fd: u32, exists: imp
         let text = path.display().to_string();
         bind(&mut args, "--ro-bind", path, &text);
     }
+    for (from, to) in &spec.read_only_at {
+        let text = to.display().to_string();
+        bind(&mut args, "--ro-bind", from, &text);
+    }
     let mut setenv = |key: &str, value: &str| args.extend(["--setenv".to_owned(), key.to_owned(), value.to_owned()]);
     setenv("HOME", inside::HOME);
     setenv("USER", "agent");
@@ -112,7 +116,8 @@ pub fn arguments(spec: &SandboxSpec, etc_dir: &Path, status_fd: u32, exists: imp
     for (key, value) in &spec.env {
         setenv(key, value);
     }
-    args.extend(["--chdir", inside::WORKSPACE, "--json-status-fd"].map(str::to_owned));
+    let start_in = if spec.late_binds { "/" } else { inside::WORKSPACE };
+    args.extend(["--chdir", start_in, "--json-status-fd"].map(str::to_owned));
     args.push(status_fd.to_string());
     // Last of the setup: after it every mount operation fails.
     args.extend(["--remount-ro", "/", "--"].map(str::to_owned));
@@ -134,6 +139,8 @@ mod tests {
             home: PathBuf::from("/srv/home"),
             egress_dir: Some(PathBuf::from("/srv/egress")),
             read_only: vec![PathBuf::from("/opt/agent")],
+            read_only_at: Vec::new(),
+            late_binds: false,
             env: vec![("HTTPS_PROXY".into(), "http://127.0.0.1:3128".into())],
             command: vec!["sortie".into(), "driver".into()],
             limits: Limits::default(),

@@ -16,6 +16,7 @@ pub mod bwrap;
 pub mod cgroup;
 pub mod disk;
 pub mod keeper;
+pub mod slot;
 
 use std::collections::HashMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -236,6 +237,10 @@ impl LocalRuntime {
         let mut paths: Vec<&Path> = vec![&spec.workspace, &spec.home];
         paths.extend(spec.egress_dir.as_deref());
         paths.extend(spec.read_only.iter().map(PathBuf::as_path));
+        paths.extend(spec.read_only_at.iter().map(|(from, _)| from.as_path()));
+        if let Some((_, to)) = spec.read_only_at.iter().find(|(_, to)| !to.is_absolute()) {
+            return Err(SandboxError::Spec(format!("{} must be an absolute path", to.display())));
+        }
         for path in paths {
             if !path.is_absolute() || !path.exists() {
                 return Err(SandboxError::Spec(format!(
@@ -256,7 +261,7 @@ impl LocalRuntime {
 
     /// Hands the writable directories to the sandbox uid (as root).
     fn hand_over(&self, spec: &SandboxSpec) -> Result<(), SandboxError> {
-        if !self.as_root {
+        if !self.as_root || spec.late_binds {
             return Ok(());
         }
         for dir in [&spec.workspace, &spec.home] {

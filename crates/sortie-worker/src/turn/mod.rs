@@ -29,8 +29,9 @@ use sortie_store::{SessionRow, TurnOutcome, TurnRow};
 pub(crate) use self::lost::end_lost_turn;
 use self::lost::{foreign_turn, lose};
 pub(crate) use self::pod::keep_home;
+pub(crate) use self::provision::{DriverCommand, await_driver, driver_command};
 pub use self::sandbox::SandboxHandle;
-pub(crate) use self::sandbox::{adopt, destroy};
+pub(crate) use self::sandbox::{adopt, destroy, destroy_named};
 use self::watch::{TurnWatch, Watched, Watching};
 use crate::transcript::{Ending, Transcript};
 use crate::{Context, priming};
@@ -161,7 +162,7 @@ async fn provisioned(
 }
 
 /// The phases of making a session's sandbox, as its turn's timings name them (and the wait before).
-const PROVISION_PHASES: [&str; 4] = ["queued", "clone", "sandbox", "setup"];
+const PROVISION_PHASES: [&str; 5] = ["queued", "clone", "sandbox", "warm_sandbox", "setup"];
 
 /// Ends a resume without a prompt whose sandbox could not be made (no turn to end): the session fails.
 async fn fail_resume(context: &Arc<Context>, session_id: &SessionId) {

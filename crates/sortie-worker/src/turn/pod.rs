@@ -121,6 +121,7 @@ pub(super) async fn provision(
             commit,
             wip,
         }),
+        secret_digests: None,
     };
     if let Err(error) = handle.driver().assign(&assignment).await {
         destroy(context, &session.id, &handle).await;

@@ -100,81 +100,71 @@ pub(super) async fn provision(
     }
     timings.insert("clone".into(), ms(clock));
 
+    write_known_secrets(context, session, &dirs.known_secrets)
+        .await
+        .map_err(start_failed)?;
+    let current = Arc::new(CurrentTurn::default());
+    let proxy = serve_proxy(context, session, &dirs, upstream, &current)?;
+
+    if let Some(warm) = context.pool.as_ref().and_then(|pool| pool.take(&session.agent)) {
+        let clock = Instant::now();
+        match crate::pool::assign(context, session, &dirs, &mirror, &warm).await {
+            Ok(()) => {
+                timings.insert("warm_sandbox".into(), ms(clock));
+                let handle = SandboxHandle::new(warm.name.clone(), dirs.clone(), current, proxy);
+                if let Err(error) = context
+                    .store
+                    .put_sandbox(&session.id, "local", &warm.name, &config.worker_id)
+                    .await
+                {
+                    tracing::warn!(%error, session = %session.id, "cannot record the sandbox; it cannot be adopted");
+                }
+                let clock = Instant::now();
+                run_setup(context, session, &handle).await?;
+                timings.insert("setup".into(), ms(clock));
+                return Ok(handle);
+            }
+            Err(reason) => {
+                // Nothing of the session is lost: it gets a sandbox of its own, as without a pool.
+                tracing::warn!(session = %session.id, sandbox = %warm.name, %reason, "the warm sandbox could not be assigned; starting a new one");
+                crate::pool::discard(context, &warm.name).await;
+            }
+        }
+    }
+
     let clock = Instant::now();
     // The driver's socket: made here, in a directory only the host can open, and handed to the driver
     // as its stdin; nothing in the sandbox has a name for it (DESIGN §9 invariant 8).
     let driver_listener = bind_driver_socket(&dirs).map_err(start_failed)?;
-    let current = Arc::new(CurrentTurn::default());
-    let proxy = serve_proxy(context, session, &dirs, upstream, &current)?;
-
-    let exe = &config.sortie_exe;
-    let exe_dir = exe
-        .parent()
-        .ok_or_else(|| start_failed("the sortie binary has no directory"))?
-        .to_owned();
-    if !context.runtime.is_reachable(exe) {
-        return Err(start_failed(format!(
-            "the sandbox uid cannot reach the sortie binary at {}: install sortie under a path every user can read \
-             (e.g. /usr/local/bin)",
-            exe.display()
-        )));
-    }
-    let mut command = vec![
-        exe.display().to_string(),
-        "driver".into(),
-        "--listen-on-stdin".into(),
-        "--workspace".into(),
-        inside::WORKSPACE.into(),
-        "--home".into(),
-        inside::HOME.into(),
+    let DriverCommand {
+        mut command,
+        mut read_only,
+    } = driver_command(context, &session.agent)?;
+    command.extend([
         "--agent".into(),
         session.agent.clone(),
         "--session".into(),
         session.id.to_string(),
-        "--egress-socket".into(),
-        inside::EGRESS_SOCKET.into(),
-        "--turn-timeout".into(),
-        config.turn_timeout.as_secs().max(1).to_string(),
         "--branch".into(),
         session.id.branch(),
         "--remote".into(),
         "origin".into(),
-        "--author-name".into(),
-        config.author_name.clone(),
-        "--author-email".into(),
-        config.author_email.clone(),
-    ];
-    write_known_secrets(context, session, &dirs.known_secrets)
-        .await
-        .map_err(start_failed)?;
-    command.push("--secret-digests".into());
-    command.push(dirs.known_secrets.display().to_string());
-    let mut read_only = vec![exe.clone(), mirror, dirs.known_secrets.clone()];
+        "--secret-digests".into(),
+        dirs.known_secrets.display().to_string(),
+    ]);
+    read_only.extend([mirror, dirs.known_secrets.clone()]);
     if let Some(model) = &session.model {
         command.push("--model".into());
         command.push(model.clone());
     }
-    if let Some(agents) = config.agents_dir.as_ref().filter(|dir| dir.is_dir()) {
-        command.push("--agents-dir".into());
-        command.push(agents.display().to_string());
-        read_only.push(agents.clone());
-    }
-    if let Some(profiles) = &config.agent_profiles {
-        command.push("--profiles".into());
-        command.push(profiles.display().to_string());
-        read_only.push(profiles.clone());
-    }
-    read_only.extend(agent_read_only_paths(
-        config.agent_profiles.as_deref(),
-        &session.agent,
-        &exe_dir,
-    )?);
     let spec = SandboxSpec {
         name: session.id.to_string(),
         workspace: dirs.workspace.clone(),
         home: dirs.home.clone(),
         egress_dir: Some(dirs.egress.clone()),
         read_only,
+        read_only_at: Vec::new(),
+        late_binds: false,
         env: Vec::new(),
         command,
         limits: config.limits,
@@ -200,25 +190,9 @@ pub(super) async fn provision(
         destroy(context, &session.id, &handle).await;
         return Err(start_failed(error));
     }
-    let driver = handle.driver();
-    let ready_by = Instant::now() + DRIVER_READY_DEADLINE;
-    loop {
-        if driver.status().await.is_ok() {
-            break;
-        }
-        if let Ok(SandboxStatus::Exited(exit)) = context.runtime.status(&name).await {
-            destroy(context, &session.id, &handle).await;
-            let what = format!("the sandbox's driver {} before it answered", exit.describe());
-            if exit.code == Some(i32::from(sortie_protocol::driver::EXIT_AGENT_NOT_FOUND)) {
-                return Err((FailureCode::AgentStartFailed, what));
-            }
-            return Err(start_failed(what));
-        }
-        if Instant::now() >= ready_by {
-            destroy(context, &session.id, &handle).await;
-            return Err(start_failed("the sandbox's driver did not answer within 30 s"));
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+    if let Err(failure) = await_driver(context, &name, &handle.driver(), Result::is_ok).await {
+        destroy(context, &session.id, &handle).await;
+        return Err(failure);
     }
     timings.insert("sandbox".into(), ms(clock));
 
@@ -226,6 +200,90 @@ pub(super) async fn provision(
     run_setup(context, session, &handle).await?;
     timings.insert("setup".into(), ms(clock));
     Ok(handle)
+}
+
+/// The driver's command line and what its sandbox binds read-only, as every sandbox of `agent` has
+/// them: a cold sandbox's adds its session, a warm one's awaits its assignment.
+pub(crate) struct DriverCommand {
+    pub command: Vec<String>,
+    pub read_only: Vec<PathBuf>,
+}
+
+pub(crate) fn driver_command(context: &Arc<Context>, agent: &str) -> Result<DriverCommand, Failure> {
+    let config = &context.config;
+    let exe = &config.sortie_exe;
+    let exe_dir = exe
+        .parent()
+        .ok_or_else(|| start_failed("the sortie binary has no directory"))?
+        .to_owned();
+    if !context.runtime.is_reachable(exe) {
+        return Err(start_failed(format!(
+            "the sandbox uid cannot reach the sortie binary at {}: install sortie under a path every user can read \
+             (e.g. /usr/local/bin)",
+            exe.display()
+        )));
+    }
+    let mut command = vec![
+        exe.display().to_string(),
+        "driver".into(),
+        "--listen-on-stdin".into(),
+        "--workspace".into(),
+        inside::WORKSPACE.into(),
+        "--home".into(),
+        inside::HOME.into(),
+        "--egress-socket".into(),
+        inside::EGRESS_SOCKET.into(),
+        "--turn-timeout".into(),
+        config.turn_timeout.as_secs().max(1).to_string(),
+        "--author-name".into(),
+        config.author_name.clone(),
+        "--author-email".into(),
+        config.author_email.clone(),
+    ];
+    let mut read_only = vec![exe.clone()];
+    if let Some(agents) = config.agents_dir.as_ref().filter(|dir| dir.is_dir()) {
+        command.push("--agents-dir".into());
+        command.push(agents.display().to_string());
+        read_only.push(agents.clone());
+    }
+    if let Some(profiles) = &config.agent_profiles {
+        command.push("--profiles".into());
+        command.push(profiles.display().to_string());
+        read_only.push(profiles.clone());
+    }
+    read_only.extend(agent_read_only_paths(
+        config.agent_profiles.as_deref(),
+        agent,
+        &exe_dir,
+    )?);
+    Ok(DriverCommand { command, read_only })
+}
+
+/// Waits for the driver of sandbox `name` to answer on `driver` (`ready` says whether an answer is
+/// the one wanted); the sandbox is destroyed if it ends or stays silent first.
+pub(crate) async fn await_driver(
+    context: &Arc<Context>,
+    name: &str,
+    driver: &crate::client::DriverClient,
+    ready: impl Fn(&Result<sortie_protocol::driver::DriverStatus, crate::client::DriverError>) -> bool,
+) -> Result<(), Failure> {
+    let ready_by = Instant::now() + DRIVER_READY_DEADLINE;
+    loop {
+        if ready(&driver.status().await) {
+            return Ok(());
+        }
+        if let Ok(SandboxStatus::Exited(exit)) = context.runtime.status(name).await {
+            let what = format!("the sandbox's driver {} before it answered", exit.describe());
+            if exit.code == Some(i32::from(sortie_protocol::driver::EXIT_AGENT_NOT_FOUND)) {
+                return Err((FailureCode::AgentStartFailed, what));
+            }
+            return Err(start_failed(what));
+        }
+        if Instant::now() >= ready_by {
+            return Err(start_failed("the sandbox's driver did not answer within 30 s"));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// The host's mirror of the session's repository, fetched now (one fetch at a time per repository),

@@ -69,7 +69,7 @@ pub(crate) async fn destroy(context: &Arc<Context>, session_id: &SessionId, sand
     if let Some(task) = &sandbox.0.proxy.task {
         task.abort();
     }
-    match context.runtime.destroy(sandbox.name()).await {
+    match destroy_named(context, sandbox.name()).await {
         Ok(usage) => {
             // What it used since its last turn ended counts to that turn.
             let turn = context
@@ -90,6 +90,22 @@ pub(crate) async fn destroy(context: &Arc<Context>, session_id: &SessionId, sand
     let _ = std::fs::remove_file(sandbox.0.dirs.egress_socket());
     let _ = std::fs::remove_file(sandbox.0.dirs.driver_socket());
     unmount_disk(&sandbox.0.dirs).await;
+}
+
+/// Destroys sandbox `name` with the runtime and, when it was started warm, its slot: the binds into it
+/// go before the session's disk is unmounted.
+pub(crate) async fn destroy_named(
+    context: &Arc<Context>,
+    name: &str,
+) -> Result<sortie_sandbox::Usage, sortie_sandbox::SandboxError> {
+    let destroyed = context.runtime.destroy(name).await;
+    // Only once nothing of the sandbox runs: a process that survived keeps the slot (and the session's
+    // disk, bound in it) until its keeper ends it and the next start clears the slot.
+    let gone = matches!(destroyed, Ok(_) | Err(sortie_sandbox::SandboxError::Unknown(_)));
+    if gone && context.pods.is_none() && crate::pool::is_warm(name) {
+        crate::pool::release(&crate::pool::slot_of(&context.config.work_dir, name)).await;
+    }
+    destroyed
 }
 
 /// Meters what the sandbox used during turn `n`, read from its cgroups as the turn ends (before it
@@ -128,7 +144,7 @@ pub(crate) async fn adopt(context: &Arc<Context>, session: &SessionRow, name: &s
     let answered_by = Instant::now() + Duration::from_secs(2);
     while driver.status().await.is_err() {
         if Instant::now() >= answered_by {
-            let _ = context.runtime.destroy(name).await;
+            let _ = destroy_named(context, name).await;
             return Err("its driver does not answer".into());
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -141,10 +157,16 @@ pub(crate) async fn adopt(context: &Arc<Context>, session: &SessionRow, name: &s
     let proxy = match proxy {
         Ok(proxy) => proxy,
         Err((_, reason)) => {
-            let _ = context.runtime.destroy(name).await;
+            let _ = destroy_named(context, name).await;
             return Err(reason);
         }
     };
+    if crate::pool::is_warm(name)
+        && let Err(reason) = crate::pool::relink_egress(&context.config.work_dir, name, &dirs)
+    {
+        let _ = destroy_named(context, name).await;
+        return Err(reason);
+    }
     // Only a sandbox past its setup is adopted: the agent phase's allowlist.
     proxy.allowlist.end_setup();
     Ok(SandboxHandle::new(name.to_owned(), dirs, current, proxy))
