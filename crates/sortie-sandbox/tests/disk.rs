@@ -629,3 +629,49 @@ async fn refusals_say_what_to_do() {
 
     scratch.assert_no_loop_device_within(Duration::from_secs(10));
 }
+
+/// A spare made ahead becomes one session's disk, once: a second session finds none left and makes its
+/// own; a spare of another size is passed over, and neither replaces an image a session has already.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spare_disk_becomes_one_sessions_disk_and_only_of_its_size() {
+    if !as_root() {
+        return;
+    }
+    let scratch = Scratch::new();
+    let spares = scratch.root().join("spares");
+    std::fs::create_dir_all(&spares).expect("spares");
+    disk::make_spare(&spares.join("a.img"), 32 * MIB).await.expect("spare");
+    disk::make_spare(&spares.join("other.img"), 64 * MIB)
+        .await
+        .expect("spare");
+    assert!(disk::is_spare(&spares.join("a.img"), 32 * MIB));
+    assert!(!disk::is_spare(&spares.join("other.img"), 32 * MIB));
+
+    let (image, mount_point) = scratch.session("ses first");
+    let first = SessionDisk::ensure_from_spares(&image, &mount_point, 32 * MIB, &spares)
+        .await
+        .expect("ensure");
+    // The spare's image, mounted: not one made now.
+    assert_eq!(first.ensured(), Ensured::Remounted);
+    assert!(!spares.join("a.img").exists());
+    assert_eq!(first.quota(), &Quota::Enforced { size_bytes: 32 * MIB });
+
+    let (image, mount_point) = scratch.session("ses second");
+    let second = SessionDisk::ensure_from_spares(&image, &mount_point, 32 * MIB, &spares)
+        .await
+        .expect("ensure");
+    assert_eq!(second.ensured(), Ensured::Created);
+    assert!(spares.join("other.img").exists(), "a spare of another size stays");
+
+    // An image of its own is kept whatever spare there is.
+    disk::unmount(&mount_point).await.expect("unmount");
+    disk::make_spare(&spares.join("b.img"), 32 * MIB).await.expect("spare");
+    let again = SessionDisk::ensure_from_spares(&image, &mount_point, 32 * MIB, &spares)
+        .await
+        .expect("ensure");
+    assert_eq!(again.ensured(), Ensured::Remounted);
+    assert!(spares.join("b.img").exists());
+    for (_, mount_point) in [scratch.session("ses first"), scratch.session("ses second")] {
+        disk::unmount(&mount_point).await.expect("unmount");
+    }
+}

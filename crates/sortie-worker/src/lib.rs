@@ -179,6 +179,8 @@ pub(crate) struct Context {
     pub(crate) github_refusals: github::Refusals,
     /// Sandboxes started ahead of their sessions (local runtime, as root), if the operator wants them.
     pub(crate) pool: Option<Arc<pool::WarmPool>>,
+    /// Session disks formatted ahead (local runtime, as root: only then has a session a disk).
+    pub(crate) spares: Option<Arc<pool::SpareDisks>>,
 }
 
 impl Context {
@@ -267,6 +269,8 @@ impl Worker {
             }
             None => pool::WarmPool::new(&config.warm_pool, config.sandboxes_per_workspace).map(Arc::new),
         };
+        let spares = (pods.is_none() && runtime.host_owner().is_some())
+            .then(|| Arc::new(pool::SpareDisks::new(&config.work_dir, config.limits.disk_bytes)));
         Self {
             context: Arc::new(Context {
                 config,
@@ -279,6 +283,7 @@ impl Worker {
                 app_tokens: forge::AppTokens::default(),
                 github_refusals: github::Refusals::default(),
                 pool,
+                spares,
             }),
             adopted: std::sync::Mutex::new(Vec::new()),
             feed_url: None,
@@ -358,6 +363,11 @@ impl Worker {
             .pool
             .clone()
             .map(|pool| tokio::spawn(pool::keep_full(context.clone(), pool, pool_stopped)));
+        let (spares_stop, spares_stopped) = tokio::sync::oneshot::channel::<()>();
+        let spares = context
+            .spares
+            .clone()
+            .map(|spares| tokio::spawn(pool::keep_spare_disks(spares, spares_stopped)));
         let (triggers_stop, triggers_stopped) = tokio::sync::oneshot::channel::<()>();
         let triggers = tokio::spawn(github::run_triggers(context.clone(), async move {
             let _ = triggers_stopped.await;
@@ -409,6 +419,10 @@ impl Worker {
         let _ = pool_stop.send(());
         if let Some(pool) = pool {
             let _ = pool.await;
+        }
+        let _ = spares_stop.send(());
+        if let Some(spares) = spares {
+            let _ = spares.await;
         }
         // The sandboxes of turns still running outlive this process (their keepers wait the orphan grace)
         // for the next start to adopt; warm ones are cheap to make again and go now.

@@ -156,6 +156,23 @@ impl SessionDisk {
         Self::ensure_with(&DiskTools::default(), image, mount_point, size_bytes).await
     }
 
+    /// [`SessionDisk::ensure`], taking a spare image from `spares` ([`make_spare`]) instead of making
+    /// one when there is none yet: a spare of another size, or one another caller took first, is passed
+    /// over.
+    pub async fn ensure_from_spares(
+        image: &Path,
+        mount_point: &Path,
+        size_bytes: u64,
+        spares: &Path,
+    ) -> Result<Self, DiskError> {
+        // A mount point with something in it is refused below, spare or not: none is spent on it.
+        let mount_point_empty = !mount_point.exists() || is_empty_dir(mount_point).unwrap_or(false);
+        if !image.exists() && mount_point_empty {
+            take_spare(spares, image, size_bytes.div_ceil(4096) * 4096);
+        }
+        Self::ensure(image, mount_point, size_bytes).await
+    }
+
     pub async fn ensure_with(
         tools: &DiskTools,
         image: &Path,
@@ -488,6 +505,48 @@ fn partial_image(image: &Path) -> PathBuf {
 fn is_empty_dir(dir: &Path) -> Result<bool, DiskError> {
     let mut entries = std::fs::read_dir(dir).map_err(io_error(format!("cannot read {}", dir.display())))?;
     Ok(entries.next().is_none())
+}
+
+/// Makes a spare image of `size_bytes` (rounded up to 4 KiB) at `image`, formatted and never mounted,
+/// for [`SessionDisk::ensure_from_spares`]: a session's first disk then costs a rename and a mount.
+pub async fn make_spare(image: &Path, size_bytes: u64) -> Result<(), DiskError> {
+    if size_bytes < MIN_DISK_BYTES {
+        return Err(DiskError::TooSmall { size_bytes });
+    }
+    create_image(&DiskTools::default(), image, size_bytes.div_ceil(4096) * 4096).await
+}
+
+/// Whether `path` is a spare image [`make_spare`] finished (a partial one is not) of `size_bytes`
+/// (rounded up to 4 KiB, as made).
+pub fn is_spare(path: &Path, size_bytes: u64) -> bool {
+    path.extension().is_some_and(|ext| ext == "img")
+        && std::fs::symlink_metadata(path)
+            .is_ok_and(|meta| meta.file_type().is_file() && meta.len() == size_bytes.div_ceil(4096) * 4096)
+}
+
+/// Moves a whole spare of `size_bytes` from `spares` to `image`; `false` when there was none. The rename
+/// is the claim: of two callers, one gets a spare and the other `ENOENT`.
+fn take_spare(spares: &Path, image: &Path, size_bytes: u64) -> bool {
+    let Ok(entries) = std::fs::read_dir(spares) else {
+        return false;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        // Never over an image that appeared meanwhile: that one is the session's.
+        let taken = is_spare(&path, size_bytes)
+            && nix::fcntl::renameat2(
+                nix::fcntl::AT_FDCWD,
+                &path,
+                nix::fcntl::AT_FDCWD,
+                image,
+                nix::fcntl::RenameFlags::RENAME_NOREPLACE,
+            )
+            .is_ok();
+        if taken {
+            return true;
+        }
+    }
+    false
 }
 
 async fn create_image(tools: &DiskTools, image: &Path, size_bytes: u64) -> Result<(), DiskError> {

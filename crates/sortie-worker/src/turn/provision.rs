@@ -64,10 +64,23 @@ pub(super) async fn provision(
     let (upstream, forge_auth) = session_upstream(context, session).await?;
 
     let clock = Instant::now();
-    let (mirror, mirror_hold) = session_mirror(context, session, forge_auth.as_ref()).await?;
-    std::fs::create_dir_all(&dirs.root)
-        .map_err(|e| start_failed(format!("cannot create {}: {e}", dirs.root.display())))?;
-    mount_disk(context, &dirs).await?;
+    // Apart until the clone: the mirror's fetch waits on the repository, the disk on the kernel.
+    let disk = async {
+        std::fs::create_dir_all(&dirs.root)
+            .map_err(|e| start_failed(format!("cannot create {}: {e}", dirs.root.display())))?;
+        mount_disk(context, &dirs).await
+    };
+    let (mirrored, disk) = tokio::join!(session_mirror(context, session, forge_auth.as_ref()), disk);
+    let (mirror, mirror_hold) = match (mirrored, disk) {
+        (Ok(mirrored), Ok(())) => mirrored,
+        (Err(failure), disk) => {
+            if disk.is_ok() {
+                super::sandbox::unmount_disk(&dirs).await;
+            }
+            return Err(failure);
+        }
+        (Ok(_), Err(failure)) => return Err(failure),
+    };
     for dir in [&dirs.home, &dirs.egress] {
         std::fs::create_dir_all(dir).map_err(|e| start_failed(format!("cannot create {}: {e}", dir.display())))?;
     }

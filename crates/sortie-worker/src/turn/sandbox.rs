@@ -179,9 +179,17 @@ pub(super) async fn mount_disk(context: &Arc<Context>, dirs: &SessionDirs) -> Re
     if !dirs.has_disk() {
         return Ok(());
     }
-    let disk = SessionDisk::ensure(&dirs.image, &dirs.disk, context.config.limits.disk_bytes)
-        .await
-        .map_err(|error| super::start_failed(format!("the session's disk could not be mounted: {error}")))?;
+    let size_bytes = context.config.limits.disk_bytes;
+    let disk = match &context.spares {
+        Some(spares) => {
+            let disk = SessionDisk::ensure_from_spares(&dirs.image, &dirs.disk, size_bytes, &spares.dir).await;
+            spares.taken();
+            disk
+        }
+        None => SessionDisk::ensure(&dirs.image, &dirs.disk, size_bytes).await,
+    };
+    let disk =
+        disk.map_err(|error| super::start_failed(format!("the session's disk could not be mounted: {error}")))?;
     if let Quota::Unenforced { reason } = disk.quota() {
         tracing::warn!(disk = %dirs.disk.display(), %reason, "the session has no disk quota");
     }
