@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use sortie_protocol::driver::{Assignment, DriverErrorCode};
+use sortie_protocol::driver::DriverErrorCode;
 use sortie_sandbox::local::slot::WarmSlot;
 use sortie_sandbox::{SandboxSpec, SandboxStdio};
 use sortie_store::SessionRow;
@@ -278,24 +278,9 @@ pub(crate) async fn assign(
     // The host's names, in directories the sandbox cannot write: the same inodes under the slot.
     link(&dirs.egress_socket(), &warm.slot.egress().join("egress.sock"))?;
     link(&dirs.known_secrets, &warm.slot.egress().join("known-secrets"))?;
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::create_dir_all(&dirs.host).map_err(|e| format!("cannot create {}: {e}", dirs.host.display()))?;
-        std::fs::set_permissions(&dirs.host, std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| format!("cannot close {} to others: {e}", dirs.host.display()))?;
-    }
+    crate::turn::make_host_dir(dirs)?;
     link(&warm.slot.host().join("driver.sock"), &dirs.driver_socket())?;
-    let assignment = Assignment {
-        session: session.id.to_string(),
-        agent: session.agent.clone(),
-        model: session.model.clone(),
-        model_proxy: None,
-        branch: Some(session.id.branch()),
-        remote: Some("origin".into()),
-        turn_timeout_secs: Some(config.turn_timeout.as_secs().max(1)),
-        checkout: None,
-        secret_digests: Some(SECRET_DIGESTS_INSIDE.into()),
-    };
+    let assignment = crate::turn::assignment(config, session, None, Some(SECRET_DIGESTS_INSIDE.into()));
     DriverClient::new(dirs.driver_socket())
         .assign(&assignment)
         .await

@@ -876,6 +876,15 @@ fn mounts_under(under: &Path) -> Vec<(PathBuf, String, String)> {
         .collect()
 }
 
+async fn scrape(metrics_url: &str) -> String {
+    reqwest::get(metrics_url)
+        .await
+        .expect("scrape")
+        .text()
+        .await
+        .expect("text")
+}
+
 fn warm_slots(pool: &Path) -> Vec<String> {
     std::fs::read_dir(pool)
         .map(|entries| {
@@ -897,12 +906,7 @@ async fn warm_sandboxes_each_serve_one_session_and_the_pool_stays_within_the_lim
     let metrics_url = format!("{}/metrics", world.url());
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let metrics = reqwest::get(&metrics_url)
-            .await
-            .expect("scrape")
-            .text()
-            .await
-            .expect("text");
+        let metrics = scrape(&metrics_url).await;
         if sample(&metrics, gauge) == Some(2.0) {
             break;
         }
@@ -1004,12 +1008,7 @@ async fn warm_sandboxes_each_serve_one_session_and_the_pool_stays_within_the_lim
     // The pool refills behind the sessions (a failed start is tried again in 5 s: polled, not assumed).
     let deadline = Instant::now() + Duration::from_secs(60);
     let unassigned = loop {
-        let metrics = reqwest::get(&metrics_url)
-            .await
-            .expect("scrape")
-            .text()
-            .await
-            .expect("text");
+        let metrics = scrape(&metrics_url).await;
         let unassigned: Vec<String> = warm_slots(&pool)
             .into_iter()
             .filter(|slot| !bound.contains_key(slot))
@@ -1044,12 +1043,7 @@ async fn warm_sandboxes_each_serve_one_session_and_the_pool_stays_within_the_lim
     let metrics_url = format!("{}/metrics", world.url());
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let metrics = reqwest::get(&metrics_url)
-            .await
-            .expect("scrape")
-            .text()
-            .await
-            .expect("text");
+        let metrics = scrape(&metrics_url).await;
         let slots = warm_slots(&pool);
         if sample(&metrics, gauge) == Some(2.0) && !unassigned.iter().any(|slot| slots.contains(slot)) {
             break;

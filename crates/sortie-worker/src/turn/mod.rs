@@ -29,7 +29,7 @@ use sortie_store::{SessionRow, TurnOutcome, TurnRow};
 pub(crate) use self::lost::end_lost_turn;
 use self::lost::{foreign_turn, lose};
 pub(crate) use self::pod::keep_home;
-pub(crate) use self::provision::{DriverCommand, await_driver, driver_command};
+pub(crate) use self::provision::{DriverCommand, await_driver, driver_command, make_host_dir};
 pub use self::sandbox::SandboxHandle;
 pub(crate) use self::sandbox::{adopt, destroy, destroy_named};
 use self::watch::{TurnWatch, Watched, Watching};
@@ -163,6 +163,27 @@ async fn provisioned(
 
 /// The phases of making a session's sandbox, as its turn's timings name them (and the wait before).
 const PROVISION_PHASES: [&str; 5] = ["queued", "clone", "sandbox", "warm_sandbox", "setup"];
+
+/// What a driver awaiting its session is told of `session` (a pod's, with its checkout; a warm
+/// sandbox's, with where its secret digests are): the same session, agent, branch and deadline.
+pub(crate) fn assignment(
+    config: &crate::WorkerConfig,
+    session: &SessionRow,
+    checkout: Option<sortie_protocol::driver::Checkout>,
+    secret_digests: Option<String>,
+) -> sortie_protocol::driver::Assignment {
+    sortie_protocol::driver::Assignment {
+        session: session.id.to_string(),
+        agent: session.agent.clone(),
+        model: session.model.clone(),
+        model_proxy: None,
+        branch: Some(session.id.branch()),
+        remote: Some("origin".into()),
+        turn_timeout_secs: Some(config.turn_timeout.as_secs().max(1)),
+        checkout,
+        secret_digests,
+    }
+}
 
 /// Ends a resume without a prompt whose sandbox could not be made (no turn to end): the session fails.
 async fn fail_resume(context: &Arc<Context>, session_id: &SessionId) {

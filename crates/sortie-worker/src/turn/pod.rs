@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use sortie_protocol::FailureCode;
-use sortie_protocol::driver::{Assignment, Checkout, RELAY_ADDRESS};
+use sortie_protocol::driver::{Checkout, RELAY_ADDRESS};
 use sortie_store::SessionRow;
 
 use super::provision::{run_setup, session_mirror};
@@ -108,21 +108,12 @@ pub(super) async fn provision(
             None
         }
     };
-    let assignment = Assignment {
-        session: session.id.to_string(),
-        agent: session.agent.clone(),
-        model: session.model.clone(),
-        model_proxy: None,
-        branch: Some(session.id.branch()),
-        remote: Some("origin".into()),
-        turn_timeout_secs: Some(config.turn_timeout.as_secs().max(1)),
-        checkout: Some(Checkout {
-            url: format!("http://{RELAY_ADDRESS}/_sortie/git/{}.git", session.id),
-            commit,
-            wip,
-        }),
-        secret_digests: None,
+    let checkout = Checkout {
+        url: format!("http://{RELAY_ADDRESS}/_sortie/git/{}.git", session.id),
+        commit,
+        wip,
     };
+    let assignment = super::assignment(config, session, Some(checkout), None);
     if let Err(error) = handle.driver().assign(&assignment).await {
         destroy(context, &session.id, &handle).await;
         let code = if error.code() == Some(sortie_protocol::driver::DriverErrorCode::CheckoutFailed) {

@@ -363,13 +363,18 @@ pub(super) async fn run_setup(
     Ok(())
 }
 
-/// Binds the driver's listening socket at its host path (a stale one of an earlier sandbox is
-/// replaced: the directory is the host's, so nothing else can have put it there).
-fn bind_driver_socket(dirs: &SessionDirs) -> Result<std::os::unix::net::UnixListener, String> {
+/// Makes the session's directory only the host opens (0700), where its driver socket is.
+pub(crate) fn make_host_dir(dirs: &SessionDirs) -> Result<(), String> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::create_dir_all(&dirs.host).map_err(|e| format!("cannot create {}: {e}", dirs.host.display()))?;
     std::fs::set_permissions(&dirs.host, std::fs::Permissions::from_mode(0o700))
-        .map_err(|e| format!("cannot close {} to others: {e}", dirs.host.display()))?;
+        .map_err(|e| format!("cannot close {} to others: {e}", dirs.host.display()))
+}
+
+/// Binds the driver's listening socket at its host path (a stale one of an earlier sandbox is
+/// replaced: the directory is the host's, so nothing else can have put it there).
+fn bind_driver_socket(dirs: &SessionDirs) -> Result<std::os::unix::net::UnixListener, String> {
+    make_host_dir(dirs)?;
     let socket = dirs.driver_socket();
     match std::fs::remove_file(&socket) {
         Ok(()) => {}
