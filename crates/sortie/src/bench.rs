@@ -328,8 +328,8 @@ fn large_repository(root: &Path, files: usize, commits: usize) -> anyhow::Result
     Ok(bare)
 }
 
-fn start_serve(root: &Path, extra: &[&str]) -> anyhow::Result<Serve> {
-    let data_dir = root.join("data");
+fn start_serve(root: &Path, data_dir: &str, extra: &[&str]) -> anyhow::Result<Serve> {
+    let data_dir = root.join(data_dir);
     let mut child = sortie_command()?
         .args(["serve", "--listen", "127.0.0.1:0", "--sandboxes-per-workspace", "64"])
         .args(extra)
@@ -775,8 +775,8 @@ fn sandbox_starts(runs: usize) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
 
 /// Unmounts the session disks a `serve` under `root` left mounted (killed before its shutdown ended),
 /// so that the run's directory can go; how many there were.
-async fn unmount_left_disks(root: &Path) -> usize {
-    let Ok(sessions) = std::fs::read_dir(root.join("data/work/sessions")) else {
+async fn unmount_left_disks(data_dir: &Path) -> usize {
+    let Ok(sessions) = std::fs::read_dir(data_dir.join("work/sessions")) else {
         return 0;
     };
     let mut left = 0;
@@ -816,6 +816,23 @@ async fn pool_full(http: &reqwest::Client, serve: &Serve) -> anyhow::Result<()> 
     }
 }
 
+/// Waits (30 s at most) until no loop device holds a session disk of `data_dir` any more: the kernel
+/// frees them after the serve that used them is gone, and the next rows should not share the machine
+/// with that.
+async fn loop_devices_released(data_dir: &Path) {
+    let images: Vec<PathBuf> = std::fs::read_dir(data_dir.join("work/sessions"))
+        .map(|sessions| sessions.flatten().map(|s| s.path().join("disk.img")).collect())
+        .unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline
+        && images
+            .iter()
+            .any(|image| !sortie_sandbox::local::disk::loop_devices_backed_by(image).is_empty())
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn timing(runs: &[SessionRun], key: &str) -> Vec<f64> {
     runs.iter()
         .filter_map(|run| run.timings.get(key))
@@ -849,15 +866,45 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     say("sandbox starts");
     let (sandbox_start, bare_bwrap) = sandbox_starts(args.sessions.max(10))?;
 
-    let serve = start_serve(&root, &[])?;
+    let http = reqwest::Client::new();
+    let sessions = args.sessions.max(2);
+    // First, before anything else has run on this machine's loop devices and cgroups (as the cold rows
+    // come first on theirs): a serve with a warm pool, on a data dir of its own. Each session is created
+    // once the pool is full again, as when people create sessions at a person's pace.
+    say("sessions taking a warm sandbox");
+    let warm_serve = start_serve(
+        &root,
+        "data-warm",
+        &["--warm-sandboxes", &format!("{WARM_AGENT}={WARM_POOL_SIZE}")],
+    )?;
+    // Its first session makes its mirror, as in the cold rows.
+    pool_full(&http, &warm_serve).await?;
+    session(&http, &warm_serve, &small, 1999, 0).await?;
+    let mut warm_runs = Vec::new();
+    let mut cold_in_warm = 0;
+    for n in 0..sessions {
+        pool_full(&http, &warm_serve).await?;
+        let run = session(&http, &warm_serve, &small, 2000 + n, 0).await?;
+        if run.timings.contains_key("warm_sandbox") {
+            warm_runs.push(run);
+        } else {
+            cold_in_warm += 1;
+        }
+    }
+    drop(warm_serve);
+    let left = unmount_left_disks(&root.join("data-warm")).await;
+    if left > 0 {
+        eprintln!("sortie bench: serve left {left} session disks mounted when it ended; the bench unmounted them");
+    }
+    loop_devices_released(&root.join("data-warm")).await;
+
+    let serve = start_serve(&root, "data", &[])?;
     let serve_pid = serve.child.id();
     // Idle: started, nothing asked of it yet; a moment for its first tasks to settle.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let idle_rss = proc_kib(serve_pid, "status", "VmRSS:").unwrap_or(0.0) / 1024.0;
     let idle_pss = proc_kib(serve_pid, "smaps_rollup", "Pss:").unwrap_or(0.0) / 1024.0;
 
-    let http = reqwest::Client::new();
-    let sessions = args.sessions.max(2);
     say(&format!("{sessions} sessions on the small repository"));
     // The first makes the mirror; the measured ones find it, as every session after a repository's first.
     let first = session(&http, &serve, &small, 0, 0).await?;
@@ -894,28 +941,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     say("creates while the worker is busy");
     let (accepts, health) = accepts_under_load(&http, &serve, &small, if args.quick { 20 } else { 100 }).await?;
     drop(serve);
-    let left = unmount_left_disks(&root).await;
-    if left > 0 {
-        eprintln!("sortie bench: serve left {left} session disks mounted when it ended; the bench unmounted them");
-    }
-
-    // A serve with a warm pool, on the same data dir: each session is created once the pool is full
-    // again, as when people create sessions at a person's pace.
-    say("sessions taking a warm sandbox");
-    let serve = start_serve(&root, &["--warm-sandboxes", &format!("{WARM_AGENT}={WARM_POOL_SIZE}")])?;
-    let mut warm_runs = Vec::new();
-    let mut cold_in_warm = 0;
-    for n in 0..sessions {
-        pool_full(&http, &serve).await?;
-        let run = session(&http, &serve, &small, 2000 + n, 0).await?;
-        if run.timings.contains_key("warm_sandbox") {
-            warm_runs.push(run);
-        } else {
-            cold_in_warm += 1;
-        }
-    }
-    drop(serve);
-    let left = unmount_left_disks(&root).await;
+    let left = unmount_left_disks(&root.join("data")).await;
     if left > 0 {
         eprintln!("sortie bench: serve left {left} session disks mounted when it ended; the bench unmounted them");
     }
