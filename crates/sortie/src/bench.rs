@@ -869,12 +869,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let http = reqwest::Client::new();
     let sessions = args.sessions.max(2);
     // First, before anything else has run on this machine's loop devices and cgroups (as the cold rows
-    // come first on theirs): a serve with a warm pool, on a data dir of its own. Each session is created
+    // come first on theirs): a serve with a warm pool, on a data dir of its own (a short name, like
+    // `data`: a session's sockets live deep under it, and a socket path has at most 107 bytes). Each session is created
     // once the pool is full again, as when people create sessions at a person's pace.
     say("sessions taking a warm sandbox");
     let warm_serve = start_serve(
         &root,
-        "data-warm",
+        "dw",
         &["--warm-sandboxes", &format!("{WARM_AGENT}={WARM_POOL_SIZE}")],
     )?;
     // Its first session makes its mirror, as in the cold rows.
@@ -892,11 +893,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         }
     }
     drop(warm_serve);
-    let left = unmount_left_disks(&root.join("data-warm")).await;
+    let left = unmount_left_disks(&root.join("dw")).await;
     if left > 0 {
         eprintln!("sortie bench: serve left {left} session disks mounted when it ended; the bench unmounted them");
     }
-    loop_devices_released(&root.join("data-warm")).await;
+    loop_devices_released(&root.join("dw")).await;
 
     let serve = start_serve(&root, "data", &[])?;
     let serve_pid = serve.child.id();
