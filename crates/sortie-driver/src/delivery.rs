@@ -332,6 +332,10 @@ const GIT_OVERRIDES: &[&str] = &[
     "push.gpgSign=false",
     // The workspace may belong to another uid than the driver's (a clone lent to the sandbox).
     "safe.directory=*",
+    // A workspace lives one session: the maintenance git starts after each commit (and the delivery
+    // waits on) would tidy objects that go with the sandbox.
+    "maintenance.auto=false",
+    "gc.auto=0",
 ];
 
 /// Runs git in the workspace with the agent's environment, bounded in time.
@@ -531,11 +535,14 @@ impl Git {
             .await?;
         Ok(parse_ls_remote(&listed, branch))
     }
+}
 
-    /// The id of the empty tree in this repository's hash (diffs of a first commit start there).
-    async fn empty_tree(&self) -> Result<String, GitError> {
-        self.output("compute the empty tree", &["hash-object", "-t", "tree", "/dev/null"])
-            .await
+/// The empty tree's id in the object format `commit` is written in (SHA-256 ids are 64 digits).
+fn empty_tree(commit: &str) -> &'static str {
+    if commit.len() == 64 {
+        "6ef19b41225c5369f1c104d45d8d85efa9b057b53b14b4b9b939dd74decc5321"
+    } else {
+        "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
     }
 }
 
@@ -678,7 +685,21 @@ async fn try_deliver(
     }
     report.changed = true;
 
-    let findings = scan(config, git, start, &candidate).await?;
+    let from = start.unwrap_or_else(|| empty_tree(&candidate));
+    let count = [
+        "diff",
+        "--shortstat",
+        "--no-ext-diff",
+        "--no-textconv",
+        from,
+        &candidate,
+    ];
+    // Side by side: each is mostly a git process starting, and neither needs the other.
+    let (findings, stat) = tokio::join!(
+        scan(config, git, start, &candidate),
+        git.output("count the changes", &count)
+    );
+    let findings = findings?;
     if !findings.is_empty() {
         report.head_sha = None;
         if committed {
@@ -687,24 +708,7 @@ async fn try_deliver(
         return Err(DeliveryError::SecretDetected(secret_reason(&findings, committed)));
     }
 
-    let from = match start {
-        Some(start) => start.to_owned(),
-        None => git.empty_tree().await?,
-    };
-    let stat = git
-        .output(
-            "count the changes",
-            &[
-                "diff",
-                "--shortstat",
-                "--no-ext-diff",
-                "--no-textconv",
-                &from,
-                &candidate,
-            ],
-        )
-        .await?;
-    (report.files, report.insertions, report.deletions) = parse_shortstat(&stat);
+    (report.files, report.insertions, report.deletions) = parse_shortstat(&stat?);
 
     publish(config, git, &candidate, input).await?;
     report.pushed = true;
@@ -923,6 +927,31 @@ mod tests {
         let message = commit_message(&long_prompt, "ses_1");
         assert!(message.len() < 2048 + 100, "{}", message.len());
         assert!(message.ends_with("[…]\n\nSortie-Session: ses_1\n"), "{message}");
+    }
+
+    #[test]
+    fn empty_trees_are_the_ones_git_computes() {
+        for (format, commit) in [("sha1", "a".repeat(40)), ("sha256", "a".repeat(64))] {
+            let repo = tempfile::tempdir().expect("temp dir");
+            let git = |args: &[&str]| {
+                std::process::Command::new("git")
+                    .args(args)
+                    .current_dir(repo.path())
+                    .output()
+                    .expect("git runs")
+            };
+            assert!(
+                git(&["init", "-q", &format!("--object-format={format}")])
+                    .status
+                    .success()
+            );
+            let computed = git(&["hash-object", "-t", "tree", "/dev/null"]);
+            assert_eq!(
+                String::from_utf8_lossy(&computed.stdout).trim(),
+                empty_tree(&commit),
+                "{format}"
+            );
+        }
     }
 
     #[test]
