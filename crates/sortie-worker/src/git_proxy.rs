@@ -116,6 +116,7 @@ pub(crate) fn build(
         let cgroup = cgroup::create_for_host_processes(Path::new(CGROUP_ROOT), &name, GIT_MEMORY_BYTES, GIT_PIDS)
             .map_err(|e| format!("cannot make the cgroup of the session's git processes: {e}"))?;
         proxy.processes.cgroup_procs = cgroup.procs_files();
+        proxy.processes.launcher = config.git_launcher.clone();
         proxy.keep_alive = Some(Arc::new(GitCgroup(Some(cgroup))));
     }
     Ok(SessionGitProxy { config: proxy, pushes })

@@ -59,6 +59,9 @@ pub struct WorkerConfig {
     /// Where `sortie agents install` put agents; bound read-only when it exists.
     pub agents_dir: Option<PathBuf>,
     pub git_binary: PathBuf,
+    /// What parks in a session's git cgroup ahead of each of its git children (`sortie git-launch`);
+    /// `None`: each is forked into the cgroup when it is needed.
+    pub git_launcher: Option<sortie_gateway::git::config::GitLauncher>,
     /// Live sandboxes (provisioning, running or warm) per workspace; more turns wait in `queued`.
     pub sandboxes_per_workspace: usize,
     /// A turn running longer fails `TURN_TIMEOUT` (the driver enforces it; the worker gives up on a
@@ -113,6 +116,7 @@ impl WorkerConfig {
             agent_profiles: None,
             agents_dir: None,
             git_binary: PathBuf::from("git"),
+            git_launcher: None,
             sandboxes_per_workspace: 4,
             turn_timeout: Duration::from_secs(30 * 60),
             idle_grace: Duration::from_secs(10 * 60),

@@ -219,6 +219,11 @@ impl WorkerSettings {
         std::fs::set_permissions(&work_dir, std::fs::Permissions::from_mode(0o755))
             .map_err(io(format!("cannot open {} to the sandbox uid", work_dir.display())))?;
         let runtime = self.runtime(&work_dir, sortie_exe.clone())?;
+        // Runs as root on the host, so this binary itself (not the sandboxes' copy).
+        let git_launcher = sortie_gateway::git::config::GitLauncher {
+            program: sortie_exe.clone(),
+            args: vec!["git-launch".into()],
+        };
 
         let mut exe = sortie_exe;
         if !runtime.is_reachable(&exe) {
@@ -230,7 +235,8 @@ impl WorkerSettings {
             exe = bin.join("sortie");
         }
 
-        let config = self.config(data_dir, work_dir, exe, keyring)?;
+        let mut config = self.config(data_dir, work_dir, exe, keyring)?;
+        config.git_launcher = Some(git_launcher);
         Ok(Worker::new(config, store, Arc::new(runtime)))
     }
 

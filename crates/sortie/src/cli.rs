@@ -52,6 +52,10 @@ pub enum Command {
     /// Inside a sandbox: relay 127.0.0.1:3128 to the egress socket while running a command.
     #[command(hide = true)]
     Relay(RelayArgs),
+    /// The git proxy's parked launcher: waits in a session's cgroup for a launch frame on stdin, then
+    /// becomes the git it names.
+    #[command(hide = true)]
+    GitLaunch,
     /// The scripted agent: an ACP agent on stdin/stdout whose prompts are scripts (no model needed);
     /// the `scripted` profile runs it.
     ScriptedAgent,

@@ -30,6 +30,12 @@ fn main() -> ExitCode {
     // One TLS provider for the whole process (ref/deps.md §3): reqwest and the gateway share it.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
+    if let Command::GitLaunch = cli.command {
+        // Before anything else: it is on the path of every git request (see `git::launch`).
+        let error = sortie_gateway::git::launch::exec_from_stdin();
+        eprintln!("error: cannot launch git: {error}");
+        return ExitCode::from(127);
+    }
     init_tracing(matches!(cli.command, Command::Serve(_) | Command::Driver(_)));
     if let Command::Sandbox(cli::SandboxCommand::Keep(args)) = &cli.command {
         return sandbox::keep(args).unwrap_or_else(|error| {
@@ -51,6 +57,7 @@ fn main() -> ExitCode {
             Command::Sandbox(command) => sandbox::run(command).await,
             Command::Relay(args) => sandbox::relay(args).await,
             Command::ScriptedAgent => scripted_agent().await,
+            Command::GitLaunch => Err(anyhow::anyhow!("git-launch runs before the runtime starts")),
             Command::Doctor(args) => doctor::run(&cli.client, args).await,
             Command::Workspace(command) => admin::workspace(&cli.client, command).await,
             Command::Token(command) => admin::token(&cli.client, command).await,

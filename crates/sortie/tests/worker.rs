@@ -402,6 +402,58 @@ async fn a_turn_is_metered_when_it_ends_not_when_its_sandbox_goes() {
     );
 }
 
+/// The `sortie git-launch` processes waiting in session `id`'s git cgroup.
+fn parked_git_launchers(id: &str) -> Vec<u32> {
+    let cgroup = format!("/{id}.git");
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let pid = entry.file_name().to_str()?.parse::<u32>().ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let launcher = cmdline.split(|b| *b == 0).nth(1) == Some(&b"git-launch"[..]);
+            let groups = std::fs::read_to_string(entry.path().join("cgroup")).ok()?;
+            (launcher && groups.lines().any(|line| line.ends_with(&cgroup))).then_some(pid)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_turns_git_launcher_waits_in_the_sessions_cgroup_and_a_resting_session_holds_none() {
+    let world = World::start(&["--idle-grace", "600"]);
+    let id = world
+        .create(
+            "#!scripted\nsay: thinking\nsleep: 4000\nwrite: parked.txt\nx\n>>>\nsay: done",
+            json!({}),
+        )
+        .await;
+    // While the agent thinks, one launcher is parked in the session's git cgroup, ahead of the push.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut parked = Vec::new();
+    while parked.is_empty() && Instant::now() < deadline {
+        parked = parked_git_launchers(&id);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(parked.len(), 1, "one launcher parked while the turn runs: {parked:?}");
+    let (session, turns) = world.settled(&id, 1).await;
+    assert_eq!(status_of(&turns, 1), "completed", "{turns:#?}");
+    assert_eq!(session["phase"], "idle", "{session:#}");
+    // The push went through launchers: the branch is there, and git children started from them.
+    assert_eq!(world.files_on_branch(&id), vec!["parked.txt".to_owned()]);
+    let metrics = scrape(&format!("{}/metrics", world.url())).await;
+    let from_launchers = sample(&metrics, "sortie_git_children_total{start=\"parked\"}").unwrap_or(0.0);
+    assert!(from_launchers >= 1.0, "{metrics}");
+    // The session rests (its sandbox warm): it holds no launcher.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !parked_git_launchers(&id).is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(parked_git_launchers(&id), Vec::<u32>::new(), "an idle session parks nothing");
+    assert!(live_sandboxes().contains(&id), "the sandbox is still warm");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gc_frees_what_ended_sessions_left_and_keeps_the_idle_ones() {
     // `sortie gc` runs beside the live server on the same data dir, as an operator would run it.

@@ -148,6 +148,16 @@ pub struct GitProcessLimits {
     /// The `cgroup.procs` files every child is written to before it runs anything (the worker's
     /// per-session cgroup with memory and pids limits); empty: no cgroup.
     pub cgroup_procs: Vec<PathBuf>,
+    /// The program that parks in the cgroup ahead of each git child (`sortie git-launch`, see
+    /// `git::launch`); `None`: each child is forked into the cgroup as it is needed.
+    pub launcher: Option<GitLauncher>,
+}
+
+/// A command that waits for a launch frame on stdin and becomes the git it names.
+#[derive(Clone, Debug)]
+pub struct GitLauncher {
+    pub program: PathBuf,
+    pub args: Vec<std::ffi::OsString>,
 }
 
 impl Default for GitProcessLimits {
@@ -158,6 +168,7 @@ impl Default for GitProcessLimits {
             body_idle_timeout: Duration::from_secs(60),
             max_lifetime: Duration::from_secs(30 * 60),
             cgroup_procs: Vec::new(),
+            launcher: None,
         }
     }
 }

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use sortie_protocol::api::{FileDiff, FileStatus, StoredDiff};
 use sortie_protocol::limits::{DIFF_FILE_PATCH_MAX_BYTES, DIFF_FILES_MAX, DIFF_PATCH_MAX_BYTES};
 
-use crate::git::process::GitCommand;
+use crate::git::process::{GitCommand, Spawner};
 use crate::git::scan::{Input, ObjectFormat, Quarantine, ScanContext, run};
 use sortie_secrets::KnownSecrets;
 
@@ -57,9 +57,10 @@ pub async fn branch_diff(
             .arg(base)
             .arg(to)
     };
+    let spawner = Spawner::new(Vec::new(), None);
     let context = ScanContext {
         git,
-        cgroup_procs: &[],
+        spawner: &spawner,
         known: &KnownSecrets::default(),
     };
     // Every file is counted up to 16 MiB of counts (about 300,000 files); the status list is bounded

@@ -33,7 +33,8 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::git::config::{ForeignOwner, GitProxyConfig, PushOutcome, PushRecord};
-use crate::git::process::{self, GitCommand};
+pub use crate::git::process::GitChildren;
+use crate::git::process::{self, GitCommand, Spawner};
 use crate::git::receive_pack::{self, Decision, RefUpdate};
 use crate::git::report_status;
 use crate::git::scan::{self, ObjectFormat, Quarantine, ScanContext, SpoolError, Verdict};
@@ -156,20 +157,30 @@ struct Inner {
     slots: Arc<Semaphore>,
     /// One push at a time (each spools up to `max_push_bytes` to disk).
     pushes: Arc<Semaphore>,
+    /// Where this session's git children start.
+    spawner: Arc<Spawner>,
 }
 
 /// The routes of one session's git proxy.
 pub fn router(config: GitProxyConfig) -> Router {
+    router_and_children(config).0
+}
+
+/// The routes of one session's git proxy, and the handle that parks its git children ahead.
+pub fn router_and_children(config: GitProxyConfig) -> (Router, GitChildren) {
     let slots = Arc::new(Semaphore::new(config.processes.max_concurrent.max(1)));
-    Router::new()
+    let spawner = Spawner::new(config.processes.cgroup_procs.clone(), config.processes.launcher.clone());
+    let routes = Router::new()
         .route("/_sortie/git/{repo}/info/refs", get(info_refs))
         .route("/_sortie/git/{repo}/git-upload-pack", post(upload_pack))
         .route("/_sortie/git/{repo}/git-receive-pack", post(receive_pack_route))
         .with_state(GitProxy(Arc::new(Inner {
-            config,
             slots,
             pushes: Arc::new(Semaphore::new(1)),
-        })))
+            spawner: spawner.clone(),
+            config,
+        })));
+    (routes, GitChildren(spawner))
 }
 
 impl GitProxy {
@@ -248,7 +259,7 @@ async fn forward(
     slot: OwnedSemaphorePermit,
 ) -> Response {
     match upstream {
-        Upstream::Local(path) => cgi(proxy.config(), path, request, slot).await,
+        Upstream::Local(path) => cgi(proxy.config(), &proxy.0.spawner, path, request, slot).await,
         Upstream::Remote { url, token } => match &proxy.config().forge_http {
             Some(http) => remote(http, url, token, request, slot).await,
             None => plain(StatusCode::BAD_GATEWAY, "the gateway cannot reach forges"),
@@ -747,7 +758,7 @@ impl Push<'_> {
         let known = config.known_secrets.known_secrets().await;
         let context = ScanContext {
             git: &config.git,
-            cgroup_procs: &config.processes.cgroup_procs,
+            spawner: &proxy.0.spawner,
             known: &known,
         };
         let deadline = config.pushes.scan_deadline;
@@ -831,7 +842,13 @@ fn report_status(body: Vec<u8>) -> Response {
 /// turned into the response, its body streamed. The child runs as the repository's owner (when this
 /// process is root and the owner is not), in the session's cgroup, with hooks off; `slot` is held
 /// until it has ended.
-async fn cgi(config: &GitProxyConfig, repo: &Path, request: Forwarded<'_>, slot: OwnedSemaphorePermit) -> Response {
+async fn cgi(
+    config: &GitProxyConfig,
+    spawner: &Arc<Spawner>,
+    repo: &Path,
+    request: Forwarded<'_>,
+    slot: OwnedSemaphorePermit,
+) -> Response {
     let Forwarded {
         method,
         tail,
@@ -884,7 +901,7 @@ async fn cgi(config: &GitProxyConfig, repo: &Path, request: Forwarded<'_>, slot:
     {
         command = command.env("GIT_PROTOCOL", protocol);
     }
-    let spawned = match process::spawn(command, &config.processes.cgroup_procs).await {
+    let spawned = match spawner.spawn(command).await {
         Ok(spawned) => spawned,
         Err(error) => {
             tracing::error!(%error, "cannot run git http-backend");

@@ -1,9 +1,9 @@
-//! How the git proxy runs host-side git (S5, S6): every child starts as a tiny `sh` gate that waits
-//! for one line on its stdin; meanwhile the proxy writes the child's pid into the session's cgroup
-//! (memory and pids limits), then releases the gate, so nothing the child runs is ever outside the
-//! cgroup. A child for a repository owned by another uid runs as that uid and gid, without
-//! supplementary groups (std's `CommandExt::uid` clears them when it drops root), and never with a
-//! config that runs code: hooks are off through `GIT_CONFIG_*` and `safe.directory` is never touched.
+//! How the git proxy runs host-side git (S5, S6): every child joins the session's cgroup (memory and
+//! pids limits) between fork and exec, by writing `0` to `cgroup.procs` files the proxy opened as
+//! root, so nothing the child runs is ever outside the cgroup and no gate process or round trip stands
+//! before git. A child for a repository owned by another uid then drops to that uid and gid, without
+//! supplementary groups, and never runs with a config that runs code: hooks are off through
+//! `GIT_CONFIG_*` and `safe.directory` is never touched.
 //!
 //! It must never run git as root inside a repository root does not own.
 
@@ -11,11 +11,12 @@ use std::ffi::OsString;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio::io::AsyncWriteExt;
 
-/// Waits for the go line (the proxy has placed the pid in the cgroup by then), then becomes git.
-const GATE: &str = r#"IFS= read -r _ || exit 97; exec "$@""#;
+use super::config::GitLauncher;
 
 /// The only `PATH` host-side git gets.
 pub(crate) const GIT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
@@ -88,13 +89,11 @@ impl GitCommand {
 pub(crate) enum SpawnError {
     #[error("cannot start git: {0}")]
     Start(std::io::Error),
-    #[error("cannot place git in the session's cgroup ({path}): {source}")]
+    #[error("cannot open the session's cgroup ({path}): {source}")]
     Cgroup { path: PathBuf, source: std::io::Error },
-    #[error("git ended before it was released")]
-    Gate(std::io::Error),
 }
 
-/// A started child: its stdin (past the gate), stdout and stderr are piped.
+/// A started child: its stdin, stdout and stderr are piped.
 pub(crate) struct Spawned {
     pub child: tokio::process::Child,
     pub stdin: tokio::process::ChildStdin,
@@ -102,14 +101,141 @@ pub(crate) struct Spawned {
     pub stderr: tokio::process::ChildStderr,
 }
 
+/// Where a session's git children start: in its cgroup (when it has one), each from a launcher
+/// parked there ahead while one is wanted and a launcher is configured (see [`super::launch`]), else
+/// forked into it.
+pub(crate) struct Spawner {
+    procs: Vec<PathBuf>,
+    launcher: Option<GitLauncher>,
+    parked: std::sync::Mutex<Option<Spawned>>,
+    wanted: AtomicBool,
+    refilling: AtomicBool,
+}
+
+impl Spawner {
+    pub fn new(procs: Vec<PathBuf>, launcher: Option<GitLauncher>) -> Arc<Self> {
+        Arc::new(Self {
+            launcher: launcher.filter(|_| !procs.is_empty()),
+            procs,
+            parked: std::sync::Mutex::new(None),
+            wanted: AtomicBool::new(false),
+            refilling: AtomicBool::new(false),
+        })
+    }
+
+    /// Keeps a launcher parked from now on (and another after each is taken).
+    pub fn park(self: &Arc<Self>) {
+        self.wanted.store(true, Ordering::SeqCst);
+        self.refill();
+    }
+
+    /// Parks none any more, and ends the one parked: a process and ~2 MiB an idle session need not hold.
+    pub fn unpark(&self) {
+        self.wanted.store(false, Ordering::SeqCst);
+        drop(self.lock().take());
+    }
+
+    /// Starts `command`: its stdin (past the launch frame), stdout and stderr are piped.
+    pub async fn spawn(self: &Arc<Self>, command: GitCommand) -> Result<Spawned, SpawnError> {
+        if self.launcher.is_none() {
+            return start(command, &self.procs).await;
+        }
+        let parked = self.lock().take().and_then(|mut parked| {
+            let running = matches!(parked.child.try_wait(), Ok(None));
+            running.then_some(parked)
+        });
+        self.refill();
+        let start_kind = if parked.is_some() { "parked" } else { "forked" };
+        metrics::counter!("sortie_git_children_total", "start" => start_kind).increment(1);
+        match parked {
+            Some(mut parked) => {
+                parked
+                    .stdin
+                    .write_all(&super::launch::encode(&command))
+                    .await
+                    .map_err(SpawnError::Start)?;
+                Ok(parked)
+            }
+            // None parked (not wanted, not yet there, or it died): forked into the cgroup now, the
+            // grace period paid here.
+            None => start(command, &self.procs).await,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Spawned>> {
+        self.parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Parks the next launcher, in the background, when one is wanted and none is parked or on its way.
+    fn refill(self: &Arc<Self>) {
+        let Some(launcher) = &self.launcher else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if !self.wanted.load(Ordering::SeqCst) || self.lock().is_some() || self.refilling.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let command = GitCommand {
+            git: launcher.program.clone(),
+            args: launcher.args.clone(),
+            env: Vec::new(),
+            identity: None,
+        };
+        let procs = self.procs.clone();
+        let spawner = Arc::downgrade(self);
+        runtime.spawn(async move {
+            let parked = start(command, &procs).await;
+            // A proxy gone meanwhile takes its launcher with it (killed on drop).
+            let Some(spawner) = spawner.upgrade() else {
+                return;
+            };
+            match parked {
+                Ok(parked) if spawner.wanted.load(Ordering::SeqCst) => *spawner.lock() = Some(parked),
+                Ok(_) => {}
+                Err(error) => tracing::warn!(%error, "cannot park a git launcher; git is forked into the cgroup"),
+            }
+            spawner.refilling.store(false, Ordering::SeqCst);
+        });
+    }
+}
+
+/// A session's git children, for whoever knows when they will be needed: parked ahead while its
+/// turn runs (a fetch, the delivery's push), none while it rests.
+#[derive(Clone)]
+pub struct GitChildren(pub(crate) Arc<Spawner>);
+
+impl GitChildren {
+    pub fn park(&self) {
+        self.0.park();
+    }
+
+    pub fn unpark(&self) {
+        self.0.unpark();
+    }
+}
+
 /// Starts `command` in the cgroup whose `cgroup.procs` files are `procs`.
-pub(crate) async fn spawn(command: GitCommand, procs: &[PathBuf]) -> Result<Spawned, SpawnError> {
-    let mut process = tokio::process::Command::new("/bin/sh");
+async fn start(command: GitCommand, procs: &[PathBuf]) -> Result<Spawned, SpawnError> {
+    // Opened here, as this process: the kernel judges a migration by the credentials the file was
+    // opened with, so the child may write to it after it dropped to the repository's owner. Every file
+    // is opened close-on-exec: git never holds one.
+    let cgroups = procs
+        .iter()
+        .map(|path| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(path)
+                .map_err(|source| SpawnError::Cgroup {
+                    path: path.clone(),
+                    source,
+                })
+        })
+        .collect::<Result<Vec<std::fs::File>, SpawnError>>()?;
+    let identity = command.identity;
+    let mut process = tokio::process::Command::new(&command.git);
     process
-        .arg("-c")
-        .arg(GATE)
-        .arg("sh")
-        .arg(&command.git)
         .args(&command.args)
         .env_clear()
         .envs(command.env.iter().map(|(k, v)| (k, v)))
@@ -121,31 +247,21 @@ pub(crate) async fn spawn(command: GitCommand, procs: &[PathBuf]) -> Result<Spaw
         // the first alone would orphan.
         .process_group(0)
         .kill_on_drop(true);
-    if let Some(identity) = command.identity {
-        // gid first, then uid; as root, std also clears the supplementary groups (setgroups(0)).
-        process.gid(identity.gid).uid(identity.uid);
+    super::child::confine(&mut process, cgroups, identity);
+    // The fork returns once the child has exec'd: after its cgroup migration, which may wait out a
+    // grace period. Not on a runtime thread.
+    let mut child = if procs.is_empty() {
+        process.spawn()
+    } else {
+        tokio::task::spawn_blocking(move || process.spawn())
+            .await
+            .unwrap_or_else(|joined| Err(std::io::Error::other(joined)))
     }
-    let mut child = process.spawn().map_err(SpawnError::Start)?;
-    let (Some(mut stdin), Some(stdout), Some(stderr)) = (child.stdin.take(), child.stdout.take(), child.stderr.take())
+    .map_err(SpawnError::Start)?;
+    let (Some(stdin), Some(stdout), Some(stderr)) = (child.stdin.take(), child.stdout.take(), child.stderr.take())
     else {
         return Err(SpawnError::Start(std::io::Error::other("no pipes")));
     };
-    if !procs.is_empty() {
-        let Some(pid) = child.id() else {
-            return Err(SpawnError::Gate(std::io::Error::other("the child is gone")));
-        };
-        for path in procs {
-            // The child waits at the gate: nothing of it runs outside the cgroup.
-            if let Err(source) = tokio::fs::write(path, pid.to_string()).await {
-                let _ = child.start_kill();
-                return Err(SpawnError::Cgroup {
-                    path: path.clone(),
-                    source,
-                });
-            }
-        }
-    }
-    stdin.write_all(b"\n").await.map_err(SpawnError::Gate)?;
     Ok(Spawned {
         child,
         stdin,

@@ -13,13 +13,14 @@
 use std::collections::HashSet;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use axum::body::Bytes;
 use futures::{Stream, StreamExt};
 use sortie_secrets::{Finding, KnownSecrets, PatchScanner};
 use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 
-use crate::git::process::{self, GitCommand};
+use crate::git::process::{self, GitCommand, Spawner};
 use crate::git::receive_pack::RefUpdate;
 
 /// A line of git's output longer than this is scanned in pieces ([`LineSplitter`]).
@@ -204,7 +205,7 @@ pub(crate) enum Verdict {
 /// What a scan runs with.
 pub(crate) struct ScanContext<'a> {
     pub git: &'a Path,
-    pub cgroup_procs: &'a [PathBuf],
+    pub spawner: &'a Arc<Spawner>,
     pub known: &'a KnownSecrets,
 }
 
@@ -559,9 +560,7 @@ pub(crate) async fn run(
     input: Input,
     mut on_output: impl FnMut(&[u8]),
 ) -> Result<(), String> {
-    let spawned = process::spawn(command, context.cgroup_procs)
-        .await
-        .map_err(|e| e.to_string())?;
+    let spawned = context.spawner.spawn(command).await.map_err(|e| e.to_string())?;
     let process::Spawned {
         mut child,
         mut stdin,

@@ -265,7 +265,25 @@ fn new_nonce() -> Result<String, getrandom::Error> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// A turn's git (a fetch, its delivery's push) starts from a launcher parked in the session's cgroup
+/// ahead; a resting session holds none.
 async fn run_agent_turn(
+    context: &Arc<Context>,
+    session: &SessionRow,
+    turn: &TurnRow,
+    sandbox: SandboxHandle,
+    fresh: bool,
+    timings: BTreeMap<String, u64>,
+) -> Option<SandboxHandle> {
+    sandbox.0.proxy.git_children.park();
+    let kept = agent_turn(context, session, turn, sandbox, fresh, timings).await;
+    if let Some(sandbox) = &kept {
+        sandbox.0.proxy.git_children.unpark();
+    }
+    kept
+}
+
+async fn agent_turn(
     context: &Arc<Context>,
     session: &SessionRow,
     turn: &TurnRow,

@@ -9,7 +9,7 @@ use sortie_gateway::egress::policy::Denial;
 use sortie_gateway::egress::proxy::{DenialHook, EgressProxy, SessionAllowlist};
 use sortie_gateway::egress::registries::PhasedAllowlist;
 use sortie_gateway::git::config::PushRecords;
-use sortie_gateway::git::http::{Upstream, Upstreams};
+use sortie_gateway::git::http::{GitChildren, Upstream, Upstreams};
 use sortie_protocol::sortie_data::{EgressDeniedData, SortieData};
 use sortie_protocol::{FailureCode, SessionId};
 use sortie_store::SessionRow;
@@ -127,6 +127,8 @@ pub(super) struct SandboxProxy {
     pub upstream: Arc<SessionUpstream>,
     /// The git proxy's record of every push it decided on.
     pub pushes: Arc<PushRecords>,
+    /// The git proxy's children, parked in the session's cgroup ahead while a turn runs.
+    pub git_children: GitChildren,
     /// Object stores the host trusts for the session's delivered history (for its diff stat).
     pub trusted_objects: Vec<PathBuf>,
     /// The proxy itself: served on `egress.sock`, or bound to a pod's uid.
@@ -193,7 +195,7 @@ pub(super) fn build_proxy(
     ]
     .concat();
     let pushes = git.pushes.clone();
-    let git_routes = sortie_gateway::git::http::router(git.config);
+    let (git_routes, git_children) = sortie_gateway::git::http::router_and_children(git.config);
     let meter = TurnMeter::new(
         context.store.clone(),
         session.id.clone(),
@@ -228,6 +230,7 @@ pub(super) fn build_proxy(
         meter,
         upstream,
         pushes,
+        git_children,
         trusted_objects,
         egress: proxy,
         task: None,
