@@ -183,6 +183,9 @@ impl SandboxError {
 /// A sandbox backend (DESIGN §6.1).
 #[async_trait]
 pub trait SandboxRuntime: Send + Sync {
+    /// A sandbox is to start soon: the runtime may begin, in the background, what takes long and
+    /// needs nothing of it (the local runtime: its cgroup migration's grace period).
+    fn start_soon(&self) {}
     /// Prepares a sandbox (cgroups, limits, files) without starting it.
     async fn create(&self, spec: SandboxSpec) -> Result<(), SandboxError>;
     /// Starts its command.

@@ -305,13 +305,11 @@ impl WorkerSettings {
         Ok(config)
     }
 
-    /// The local runtime: bwrap and setpriv as the operator's PATH names them, sandboxes kept by this
+    /// The local runtime: bwrap as the operator's PATH names it, sandboxes kept by this
     /// binary so they outlive a restart of `serve`, and a work dir the sandbox uid can reach.
     fn runtime(&self, work_dir: &Path, sortie_exe: PathBuf) -> Result<LocalRuntime, SettingsError> {
         let mut local = LocalConfig::new(work_dir.join("state"));
-        for (tool, slot) in [("bwrap", &mut local.bwrap), ("setpriv", &mut local.setpriv)] {
-            *slot = crate::host::on_path(tool).unwrap_or_else(|| PathBuf::from(tool));
-        }
+        local.bwrap = crate::host::on_path("bwrap").unwrap_or_else(|| PathBuf::from("bwrap"));
         local.sandbox_uid = self.sandbox_uid;
         local.sandbox_gid = self.sandbox_uid;
         local.keeper = Some(Keeper {

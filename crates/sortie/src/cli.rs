@@ -175,7 +175,19 @@ pub struct SandboxKeepArgs {
     /// Seconds the lease may go untouched before the sandbox is killed.
     #[arg(long)]
     pub grace_secs: u64,
-    /// The sandbox's command (the cgroup wrapper, setpriv, bwrap).
+    /// A `cgroup.procs` file the command joins before it runs (repeatable).
+    #[arg(long)]
+    pub cgroup_procs: Vec<PathBuf>,
+    /// The file the command gets as fd 3 (bwrap's status), created or emptied.
+    #[arg(long)]
+    pub status_file: Option<PathBuf>,
+    /// The uid the command runs as (with `--gid`; the keeper runs as root).
+    #[arg(long, requires = "gid")]
+    pub uid: Option<u32>,
+    /// The gid the command runs as.
+    #[arg(long, requires = "uid")]
+    pub gid: Option<u32>,
+    /// The sandbox's command (bwrap and its arguments).
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
 }

@@ -23,8 +23,17 @@ pub async fn run(command: SandboxCommand) -> anyhow::Result<ExitCode> {
 /// runtime exists: it blocks, and its threads and their heaps would be each sandbox's cost.
 pub fn keep(args: &SandboxKeepArgs) -> anyhow::Result<ExitCode> {
     let grace = std::time::Duration::from_secs(args.grace_secs);
-    let status =
-        sortie_sandbox::local::keeper::keep(&args.lease, grace, &args.command).context("cannot keep the sandbox")?;
+    let drop_to = args.uid.zip(args.gid);
+    let confinement = match &args.status_file {
+        Some(status_file) => Some(
+            sortie_sandbox::local::child::Confinement::prepare(&args.cgroup_procs, status_file, drop_to)
+                .context("cannot prepare the sandbox's cgroups and status file")?,
+        ),
+        None if args.cgroup_procs.is_empty() && drop_to.is_none() => None,
+        None => anyhow::bail!("--cgroup-procs and --uid need --status-file"),
+    };
+    let status = sortie_sandbox::local::keeper::keep(&args.lease, grace, confinement, &args.command)
+        .context("cannot keep the sandbox")?;
     Ok(exit_like(status))
 }
 
@@ -68,6 +77,7 @@ async fn exec_in(scratch: &std::path::Path, args: SandboxExecArgs) -> anyhow::Re
             return Ok(ExitCode::from(125));
         }
     };
+    runtime.start_soon();
 
     let (workspace, lent) = match &args.dir {
         Some(dir) => {

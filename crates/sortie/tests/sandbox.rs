@@ -248,9 +248,60 @@ fn as_root_the_sandbox_runs_as_the_unprivileged_uid() {
         assert!(Instant::now() < deadline, "the sandboxed process did not appear");
         std::thread::sleep(Duration::from_millis(20));
     };
+    // bwrap itself, as the host sees it (the outermost one, whose parent is this run's `sortie`):
+    // the sandbox uid and gid in every slot, no groups, and no capability it holds, could inherit
+    // or could ever gain back.
+    let (pid, _) = processes_with(&marker)[0];
+    let mut outer = None;
+    let mut at = pid;
+    while let Some(parent) = parent_of(at) {
+        if comm_of(at) == "bwrap" && comm_of(parent) != "bwrap" {
+            outer = Some(at);
+            break;
+        }
+        at = parent;
+    }
+    let outer = outer.expect("the sandbox's bwrap");
+    let status = std::fs::read_to_string(format!("/proc/{outer}/status")).expect("status");
     let _ = child.kill();
     let _ = child.wait();
     assert_eq!(uid, 61_000, "host uid of the sandbox's process");
+    for (field, value) in [
+        ("Uid", "61000\t61000\t61000\t61000"),
+        ("Gid", "61000\t61000\t61000\t61000"),
+        ("Groups", ""),
+        ("CapInh", "0000000000000000"),
+        ("CapPrm", "0000000000000000"),
+        ("CapEff", "0000000000000000"),
+        ("CapBnd", "0000000000000000"),
+        ("CapAmb", "0000000000000000"),
+    ] {
+        let line = status.lines().find(|line| line.starts_with(&format!("{field}:")));
+        assert_eq!(
+            line.map(|line| line[field.len() + 1..].trim()),
+            Some(value),
+            "bwrap's {field}: {status}"
+        );
+    }
+}
+
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // `pid (comm) state ppid …`: the comm may hold spaces, so read after its last `)`.
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+        .filter(|ppid| *ppid > 0)
+}
+
+fn comm_of(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
 }
 
 /// Host processes whose command line contains `marker`: (pid, uid).

@@ -450,7 +450,11 @@ async fn a_running_turns_git_launcher_waits_in_the_sessions_cgroup_and_a_resting
     while !parked_git_launchers(&id).is_empty() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(parked_git_launchers(&id), Vec::<u32>::new(), "an idle session parks nothing");
+    assert_eq!(
+        parked_git_launchers(&id),
+        Vec::<u32>::new(),
+        "an idle session parks nothing"
+    );
     assert!(live_sandboxes().contains(&id), "the sandbox is still warm");
 }
 

@@ -23,7 +23,8 @@ fn enter(cgroups: &[File], identity: Option<Identity>) -> std::io::Result<()> {
     for file in cgroups {
         // `0` names the writer itself.
         if nix::unistd::write(file, b"0").map_err(std::io::Error::from)? != 1 {
-            return Err(std::io::Error::other("short write to cgroup.procs"));
+            // Nothing is allocated in the child: an error is its number.
+            return Err(std::io::Error::from(nix::errno::Errno::EIO));
         }
     }
     if let Some(identity) = identity {

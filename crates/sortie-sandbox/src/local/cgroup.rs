@@ -43,6 +43,34 @@ pub fn detect(root: &Path) -> Result<CgroupVersion, SandboxError> {
     )))
 }
 
+/// Starts a cgroup migration now, on a thread of its own, moving this process where it already is.
+/// The kernel's first migration after a quiet spell waits out an RCU grace period (6–13 ms on this
+/// project's machines, the most of a sandbox start); migrations in its wake are quick. Called ahead of
+/// a sandbox start, its grace period passes beside the work before it. Best effort: a failure (no
+/// permission, a cgroup namespace) changes nothing.
+pub fn start_migration_grace(root: &Path, version: CgroupVersion) {
+    let root = root.to_owned();
+    let _ = std::thread::Builder::new().name("cgroup-grace".into()).spawn(move || {
+        let Ok(own) = std::fs::read_to_string("/proc/self/cgroup") else {
+            return;
+        };
+        let line = own.lines().find_map(|line| {
+            let mut fields = line.splitn(3, ':');
+            let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
+            match version {
+                CgroupVersion::V1 => controllers
+                    .split(',')
+                    .any(|c| c == "pids")
+                    .then(|| root.join("pids").join(path.trim_start_matches('/'))),
+                CgroupVersion::V2 => controllers.is_empty().then(|| root.join(path.trim_start_matches('/'))),
+            }
+        });
+        if let Some(dir) = line {
+            let _ = std::fs::write(dir.join("cgroup.procs"), std::process::id().to_string());
+        }
+    });
+}
+
 /// A cgroup for processes the host runs on a sandbox's behalf (a session's git proxy children and
 /// secret scans): under the same parent as sandboxes, with memory and pids limits of its own and no
 /// CPU quota; [`Cgroup::procs_files`] says where a process writes its pid to join it.

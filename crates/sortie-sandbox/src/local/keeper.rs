@@ -8,16 +8,28 @@ use std::process::ExitStatus;
 use std::sync::mpsc::{RecvTimeoutError, channel};
 use std::time::Duration;
 
+use super::child::Confinement;
+
 /// How often the keeper looks at the lease.
 const LEASE_CHECK: Duration = Duration::from_millis(500);
 
-/// Runs `command` and waits for it, killing it once `lease` has gone untouched for `grace`. Blocks:
-/// the keeper is a process of its own and needs no runtime.
-pub fn keep(lease: &Path, grace: Duration, command: &[String]) -> std::io::Result<ExitStatus> {
+/// Runs `command`, confined as `confinement` says, and waits for it, killing it once `lease` has gone
+/// untouched for `grace`. Blocks: the keeper is a process of its own and needs no runtime.
+pub fn keep(
+    lease: &Path,
+    grace: Duration,
+    confinement: Option<Confinement>,
+    command: &[String],
+) -> std::io::Result<ExitStatus> {
     let (program, rest) = command
         .split_first()
         .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "no command to keep"))?;
-    let mut child = std::process::Command::new(program).args(rest).spawn()?;
+    let mut command = std::process::Command::new(program);
+    command.args(rest);
+    if let Some(confinement) = confinement {
+        confinement.apply(&mut command);
+    }
+    let mut child = command.spawn()?;
     let child_pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).map_err(std::io::Error::other)?);
     let (ended_tx, ended) = channel();
     std::thread::spawn(move || {

@@ -1,19 +1,20 @@
 //! The local backend: `bwrap` as a subprocess, never as root.
 //!
-//! As root, the host side is a small `sh` wrapper that joins the sandbox's cgroups, opens the status
-//! file on fd 3, then execs `setpriv` to drop to the dedicated unprivileged sandbox uid, which execs
-//! `bwrap`: inside, the agent is uid 1000; on the host, every process of the sandbox is that uid and
-//! owns nothing of the host's. Run without root, bwrap runs as the invoking user. The process is
-//! spawned from a thread that lives as long as the sandbox (the parent-death signal follows the
-//! spawning thread), and teardown kills every pid in the sandbox's cgroup whatever bwrap did.
+//! As root, bwrap's process joins the sandbox's cgroups, takes the status file as fd 3 and drops to
+//! the dedicated unprivileged sandbox uid between fork and exec ([`child::Confinement`]): inside, the
+//! agent is uid 1000; on the host, every process of the sandbox is that uid and owns nothing of the
+//! host's. Run without root, bwrap runs as the invoking user. The process is spawned from a thread that
+//! lives as long as the sandbox (the parent-death signal follows the spawning thread), and teardown
+//! kills every pid in the sandbox's cgroup whatever bwrap did.
 //!
 //! With a [`Keeper`] (what `sortie serve` uses), bwrap's parent is instead a small keeper process of
-//! its own, so a sandbox outlives a restart of the process that made it and the next one can
-//! [`adopt`](SandboxRuntime::adopt) it; the keeper kills its sandbox once no runtime has renewed its
-//! lease for the orphan grace, so nothing runs unowned for long.
+//! its own, which confines bwrap the same way, so a sandbox outlives a restart of the process that
+//! made it and the next one can [`adopt`](SandboxRuntime::adopt) it; the keeper kills its sandbox once
+//! no runtime has renewed its lease for the orphan grace, so nothing runs unowned for long.
 
 pub mod bwrap;
 pub mod cgroup;
+pub mod child;
 pub mod disk;
 pub mod keeper;
 pub mod slot;
@@ -36,12 +37,6 @@ pub const DEFAULT_SANDBOX_UID: u32 = 61_000;
 /// How long `start` waits for bwrap to report the sandbox's pid.
 const START_DEADLINE: Duration = Duration::from_secs(10);
 
-/// Joins the cgroups, opens the status file as fd 3, then execs the rest of its arguments.
-const WRAPPER: &str = r#"for p in $SORTIE_CGROUP_PROCS; do echo $$ > "$p" || exit 97; done
-exec 3>"$SORTIE_STATUS_FILE" || exit 98
-unset SORTIE_CGROUP_PROCS SORTIE_STATUS_FILE
-exec "$@""#;
-
 /// The process that holds a sandbox's bwrap in place of the runtime's own process: `program args…
 /// --lease FILE --grace-secs N -- COMMAND…` runs COMMAND, exits as it exits, and SIGKILLs it once FILE
 /// has not been touched for N seconds (`sortie sandbox keep`).
@@ -56,7 +51,6 @@ pub struct Keeper {
 #[derive(Clone, Debug)]
 pub struct LocalConfig {
     pub bwrap: PathBuf,
-    pub setpriv: PathBuf,
     pub cgroup_root: PathBuf,
     /// Per-sandbox state (the `/etc` files, bwrap's status); must be reachable by the sandbox uid.
     pub state_dir: PathBuf,
@@ -70,7 +64,6 @@ impl LocalConfig {
     pub fn new(state_dir: PathBuf) -> Self {
         Self {
             bwrap: PathBuf::from("/usr/bin/bwrap"),
-            setpriv: PathBuf::from("/usr/bin/setpriv"),
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
             state_dir,
             sandbox_uid: DEFAULT_SANDBOX_UID,
@@ -136,18 +129,12 @@ fn spawn_lease_renewal(entries: &Entries, grace: Duration) {
 }
 
 impl LocalRuntime {
-    /// Checks the host (bwrap, setpriv, cgroups) and returns a runtime, or says what is missing.
+    /// Checks the host (bwrap, cgroups) and returns a runtime, or says what is missing.
     pub fn new(config: LocalConfig) -> Result<Self, SandboxError> {
         if !config.bwrap.is_file() {
             return Err(SandboxError::BwrapMissing(config.bwrap.clone()));
         }
         let as_root = nix::unistd::geteuid().is_root();
-        if as_root && !config.setpriv.is_file() {
-            return Err(SandboxError::Unsupported(format!(
-                "setpriv not found at {}: apt-get install util-linux (sortie runs as root and must drop to the sandbox uid before bwrap)",
-                config.setpriv.display()
-            )));
-        }
         if as_root && config.sandbox_uid == 0 {
             return Err(SandboxError::Unsupported("the sandbox uid must not be 0".into()));
         }
@@ -436,6 +423,12 @@ impl SandboxRuntime for LocalRuntime {
         Ok(())
     }
 
+    fn start_soon(&self) {
+        if self.as_root {
+            cgroup::start_migration_grace(&self.config.cgroup_root, self.cgroups);
+        }
+    }
+
     async fn start(&self, name: &str) -> Result<(), SandboxError> {
         let (spec, cgroup, state_dir) = {
             let sandboxes = self.lock();
@@ -449,8 +442,11 @@ impl SandboxRuntime for LocalRuntime {
         };
         let status_file = state_dir.join("status.json");
         let stderr_file = state_dir.join("stderr.log");
-        let args = bwrap::arguments(&spec, &state_dir.join("etc"), 3, |path| path.exists());
-        let procs: Vec<String> = cgroup.procs_files().iter().map(|p| p.display().to_string()).collect();
+        let args = bwrap::arguments(&spec, &state_dir.join("etc"), child::STATUS_FD, |path| path.exists());
+        let procs = cgroup.procs_files();
+        let drop_to = self
+            .as_root
+            .then_some((self.config.sandbox_uid, self.config.sandbox_gid));
 
         let mut command = match &self.config.keeper {
             Some(keeper) => {
@@ -462,37 +458,39 @@ impl SandboxRuntime for LocalRuntime {
                     .arg("--lease")
                     .arg(&lease)
                     .arg("--grace-secs")
-                    .arg(keeper.orphan_grace.as_secs().max(1).to_string())
-                    .arg("--")
-                    .arg("/bin/sh");
+                    .arg(keeper.orphan_grace.as_secs().max(1).to_string());
+                // The keeper confines bwrap as this process would.
+                for path in &procs {
+                    command.arg("--cgroup-procs").arg(path);
+                }
+                command.arg("--status-file").arg(&status_file);
+                if let Some((uid, gid)) = drop_to {
+                    command
+                        .arg("--uid")
+                        .arg(uid.to_string())
+                        .arg("--gid")
+                        .arg(gid.to_string());
+                }
+                command.arg("--").arg(&self.config.bwrap);
                 // Its own process group: a signal to this process's group (a terminal's Ctrl-C) is not
                 // the sandbox's end.
                 std::os::unix::process::CommandExt::process_group(&mut command, 0);
                 command
             }
-            None => Command::new("/bin/sh"),
+            None => {
+                let mut command = Command::new(&self.config.bwrap);
+                child::Confinement::prepare(&procs, &status_file, drop_to)
+                    .map_err(SandboxError::io("cannot prepare the sandbox's cgroups and status file"))?
+                    .apply(&mut command);
+                command
+            }
         };
-        command.arg("-c").arg(WRAPPER).arg("sortie-sandbox");
-        if self.as_root {
-            command.arg(&self.config.setpriv).args([
-                "--reuid",
-                &self.config.sandbox_uid.to_string(),
-                "--regid",
-                &self.config.sandbox_gid.to_string(),
-                "--clear-groups",
-                "--inh-caps=-all",
-                "--bounding-set=-all",
-                "--",
-            ]);
-        }
-        command.arg(&self.config.bwrap).args(&args);
-        // Nothing of the host process's environment or working directory reaches the wrapper.
+        command.args(&args);
+        // Nothing of the host process's environment or working directory reaches bwrap.
         command
             .current_dir("/")
             .env_clear()
-            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-            .env("SORTIE_CGROUP_PROCS", procs.join(" "))
-            .env("SORTIE_STATUS_FILE", &status_file);
+            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin");
         match &spec.stdio {
             SandboxStdio::Inherit => {
                 command
@@ -508,7 +506,7 @@ impl SandboxRuntime for LocalRuntime {
             SandboxStdio::Listener(listener) => {
                 let log = std::fs::File::create(&stderr_file)
                     .map_err(SandboxError::io("cannot create the sandbox's stderr log"))?;
-                // The keeper, the wrapper, setpriv and bwrap each pass stdin on to the command.
+                // The keeper and bwrap each pass stdin on to the command.
                 let listener = std::os::fd::OwnedFd::from(
                     listener
                         .try_clone()
@@ -547,7 +545,16 @@ impl SandboxRuntime for LocalRuntime {
             .map_err(SandboxError::io("cannot start the sandbox's thread"))?;
         let pid = match spawned.recv() {
             Ok(Ok(pid)) => pid,
-            Ok(Err(error)) => return Err(SandboxError::Start(format!("cannot run /bin/sh: {error}"))),
+            Ok(Err(error)) => {
+                return Err(SandboxError::Start(format!(
+                    "cannot run {}: {error}",
+                    self.config
+                        .keeper
+                        .as_ref()
+                        .map_or(&self.config.bwrap, |keeper| &keeper.program)
+                        .display()
+                )));
+            }
             Err(_) => return Err(SandboxError::Start("the sandbox's thread ended early".into())),
         };
         {
@@ -564,12 +571,7 @@ impl SandboxRuntime for LocalRuntime {
                 return Ok(());
             }
             if let Some(exit) = exit_rx.borrow().clone() {
-                let reason = match exit.code {
-                    Some(97) => "cannot join the sandbox's cgroups".to_owned(),
-                    Some(98) => "cannot open the sandbox's status file".to_owned(),
-                    _ => format!("bwrap {}", exit.describe()),
-                };
-                return Err(SandboxError::Start(reason));
+                return Err(SandboxError::Start(format!("bwrap {}", exit.describe())));
             }
             if Instant::now() >= deadline {
                 return Err(SandboxError::Start(format!(

@@ -64,6 +64,8 @@ pub(super) async fn provision(
     let (upstream, forge_auth) = session_upstream(context, session).await?;
 
     let clock = Instant::now();
+    // The sandbox starts after the clone; what its start waits on in the kernel begins now.
+    context.runtime.start_soon();
     // Apart until the clone: the mirror's fetch waits on the repository, the disk on the kernel.
     let disk = async {
         std::fs::create_dir_all(&dirs.root)
