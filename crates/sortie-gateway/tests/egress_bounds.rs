@@ -188,10 +188,12 @@ async fn a_quiet_tunnel_is_closed_and_gives_its_slot_back() {
     let started = Instant::now();
     let mut last_traffic = started;
     while started.elapsed() < idle * 2 {
+        // Stamped before the write: the proxy sees this traffic (and its echo) after the stamp, never
+        // before, however the threads are scheduled.
+        last_traffic = Instant::now();
         tunnel.write_all(b"ping").await.expect("write");
         let echoed = answer_within(&mut tunnel, DEADLINE).await.expect("echo");
         assert_eq!(echoed, "ping");
-        last_traffic = Instant::now();
         tokio::time::sleep(idle / 4).await;
     }
     // The tunnel holds the sandbox's only slot: another connection waits.

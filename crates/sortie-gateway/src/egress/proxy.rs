@@ -600,7 +600,9 @@ impl Activity {
     }
 
     fn touch(&self) {
-        let elapsed = u64::try_from(self.since.elapsed().as_millis()).unwrap_or(u64::MAX);
+        // Rounded up: a byte is never taken for older than it is, so a connection is never closed before
+        // it was quiet for the whole limit.
+        let elapsed = u64::try_from(self.since.elapsed().as_micros().div_ceil(1000)).unwrap_or(u64::MAX);
         self.last.store(elapsed, Ordering::Relaxed);
     }
 

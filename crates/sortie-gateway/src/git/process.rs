@@ -145,21 +145,20 @@ impl Spawner {
             running.then_some(parked)
         });
         self.refill();
-        let start_kind = if parked.is_some() { "parked" } else { "forked" };
-        metrics::counter!("sortie_git_children_total", "start" => start_kind).increment(1);
-        match parked {
-            Some(mut parked) => {
-                parked
-                    .stdin
-                    .write_all(&super::launch::encode(&command))
-                    .await
-                    .map_err(SpawnError::Start)?;
-                Ok(parked)
+        if let Some(mut parked) = parked {
+            match parked.stdin.write_all(&super::launch::encode(&command)).await {
+                Ok(()) => {
+                    metrics::counter!("sortie_git_children_total", "start" => "parked").increment(1);
+                    return Ok(parked);
+                }
+                // It died since it was looked at: forked, as if none had been parked.
+                Err(error) => tracing::warn!(%error, "a parked git launcher was gone; git is forked into the cgroup"),
             }
-            // None parked (not wanted, not yet there, or it died): forked into the cgroup now, the
-            // grace period paid here.
-            None => start(command, &self.procs).await,
         }
+        // None parked (not wanted, not yet there, or it died): forked into the cgroup now, the grace
+        // period paid here.
+        metrics::counter!("sortie_git_children_total", "start" => "forked").increment(1);
+        start(command, &self.procs).await
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<Spawned>> {
