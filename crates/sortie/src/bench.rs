@@ -397,6 +397,34 @@ async fn call(
     Ok(value)
 }
 
+/// A ticket to attach to session `id`, as the dashboard asks for one.
+async fn attach_ticket(http: &reqwest::Client, serve: &Serve, id: &str) -> anyhow::Result<String> {
+    let ticket = call(
+        http,
+        serve,
+        reqwest::Method::POST,
+        &format!("/v1/sessions/{id}/attach-ticket"),
+        Some(json!({"action": "attach"})),
+    )
+    .await?;
+    Ok(ticket["ticket"].as_str().context("no ticket")?.to_owned())
+}
+
+/// Session `id`'s stream with `ticket` (`query`: e.g. `?turn=1`).
+async fn open_stream(
+    http: &reqwest::Client,
+    serve: &Serve,
+    id: &str,
+    ticket: &str,
+    query: &str,
+) -> anyhow::Result<reqwest::Response> {
+    http.get(format!("{}/v1/sessions/{id}/stream{query}", serve.url))
+        .header("authorization", format!("Ticket {ticket}"))
+        .send()
+        .await
+        .context("cannot attach")
+}
+
 /// Creates a session of the scripted agent on `repo` with `task` and attaches to its stream, as the
 /// dashboard does (a ticket, then the stream).
 async fn create_and_attach(
@@ -414,21 +442,8 @@ async fn create_and_attach(
     )
     .await?;
     let id = created["id"].as_str().context("the create answered no id")?.to_owned();
-    let ticket = call(
-        http,
-        serve,
-        reqwest::Method::POST,
-        &format!("/v1/sessions/{id}/attach-ticket"),
-        Some(json!({"action": "attach"})),
-    )
-    .await?;
-    let ticket = ticket["ticket"].as_str().context("no ticket")?.to_owned();
-    let stream = http
-        .get(format!("{}/v1/sessions/{id}/stream", serve.url))
-        .header("authorization", format!("Ticket {ticket}"))
-        .send()
-        .await
-        .context("cannot attach")?;
+    let ticket = attach_ticket(http, serve, &id).await?;
+    let stream = open_stream(http, serve, &id, &ticket, "").await?;
     Ok((id, stream))
 }
 
@@ -537,22 +552,9 @@ async fn replay_rates(
             _ => tokio::time::sleep(Duration::from_millis(20)).await,
         }
     }
-    let ticket = call(
-        http,
-        serve,
-        reqwest::Method::POST,
-        &format!("/v1/sessions/{id}/attach-ticket"),
-        Some(json!({"action": "attach"})),
-    )
-    .await?;
-    let ticket = ticket["ticket"].as_str().context("no ticket")?.to_owned();
+    let ticket = attach_ticket(http, serve, &id).await?;
     let began = Instant::now();
-    let through = http
-        .get(format!("{}/v1/sessions/{id}/stream?turn=1", serve.url))
-        .header("authorization", format!("Ticket {ticket}"))
-        .send()
-        .await
-        .context("cannot attach")?;
+    let through = open_stream(http, serve, &id, &ticket, "?turn=1").await?;
     let via_gateway = count_parts(through).await?;
     let gateway_rate = via_gateway as f64 / began.elapsed().as_secs_f64();
     let socket = data_dir.join("work/sessions").join(&id).join("host/driver.sock");
