@@ -30,6 +30,8 @@ pub fn keep(
         confinement.apply(&mut command);
     }
     let mut child = command.spawn()?;
+    // What bwrap was confined with (cgroup files, the status file) is not the keeper's to hold.
+    drop(command);
     let child_pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).map_err(std::io::Error::other)?);
     let (ended_tx, ended) = channel();
     std::thread::spawn(move || {

@@ -524,22 +524,28 @@ impl SandboxRuntime for LocalRuntime {
         let waiter_stderr = stderr_file.clone();
         std::thread::Builder::new()
             .name(format!("sandbox-{name}"))
-            .spawn(move || match command.spawn() {
-                Ok(mut child) => {
-                    let _ = spawned_tx.send(Ok(child.id()));
-                    let exit = match child.wait() {
-                        Ok(status) => exit_of(status, waiter_cgroup.out_of_memory(), &waiter_stderr),
-                        Err(_) => SandboxExit {
-                            code: None,
-                            signal: None,
-                            out_of_memory: waiter_cgroup.out_of_memory(),
-                            last_words: last_words(&waiter_stderr),
-                        },
-                    };
-                    exit_tx.send_replace(Some(exit));
-                }
-                Err(error) => {
-                    let _ = spawned_tx.send(Err(error));
+            .spawn(move || {
+                let spawned = command.spawn();
+                // The command holds what its child was confined with (cgroup files opened as root,
+                // the status file): none of it is this thread's to keep while the sandbox runs.
+                drop(command);
+                match spawned {
+                    Ok(mut child) => {
+                        let _ = spawned_tx.send(Ok(child.id()));
+                        let exit = match child.wait() {
+                            Ok(status) => exit_of(status, waiter_cgroup.out_of_memory(), &waiter_stderr),
+                            Err(_) => SandboxExit {
+                                code: None,
+                                signal: None,
+                                out_of_memory: waiter_cgroup.out_of_memory(),
+                                last_words: last_words(&waiter_stderr),
+                            },
+                        };
+                        exit_tx.send_replace(Some(exit));
+                    }
+                    Err(error) => {
+                        let _ = spawned_tx.send(Err(error));
+                    }
                 }
             })
             .map_err(SandboxError::io("cannot start the sandbox's thread"))?;
