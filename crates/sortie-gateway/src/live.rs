@@ -45,6 +45,11 @@ pub trait LiveTails: Send + Sync + 'static {
     fn appeared(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
         None
     }
+
+    /// Whether each open tail holds a connection (a descriptor) of this process.
+    fn opens_a_connection(&self) -> bool {
+        true
+    }
 }
 
 /// The worker's live turns: one hub per running turn, registered while the host writes it.
@@ -115,6 +120,11 @@ impl LiveTails for Feeds {
 
     fn appeared(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
         Some(self.appeared.subscribe())
+    }
+
+    /// A subscription to a hub in this process's memory.
+    fn opens_a_connection(&self) -> bool {
+        false
     }
 }
 
@@ -293,6 +303,30 @@ pub struct RoutedTails {
     pub near: Arc<dyn LiveTails>,
     pub store: Arc<dyn sortie_store::GatewayStore>,
     pub secret: Arc<[u8]>,
+    /// One permit per tail read through a connection, near or routed (`DescriptorPlan`'s `T`).
+    pub connections: Arc<tokio::sync::Semaphore>,
+}
+
+impl RoutedTails {
+    /// A descriptor for one more tail through a connection, if the budget has one.
+    fn take_connection(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let permit = self.connections.clone().try_acquire_owned().ok();
+        if permit.is_none() {
+            metrics::counter!("sortie_feed_routes_total", "result" => "no_descriptor").increment(1);
+        }
+        permit
+    }
+}
+
+/// `body`, holding `permit` for as long as it is read.
+fn holding(body: TailBody, permit: Option<tokio::sync::OwnedSemaphorePermit>) -> TailBody {
+    match permit {
+        None => body,
+        Some(permit) => Box::pin(body.map(move |item| {
+            let _held = &permit;
+            item
+        })),
+    }
 }
 
 impl LiveTails for RoutedTails {
@@ -303,10 +337,17 @@ impl LiveTails for RoutedTails {
         after: Option<u64>,
     ) -> Pin<Box<dyn Future<Output = Option<TailBody>> + Send + 'a>> {
         Box::pin(async move {
+            let near_permit = if self.near.opens_a_connection() {
+                Some(self.take_connection()?)
+            } else {
+                None
+            };
             if let Some(body) = self.near.open(session, n, after).await {
-                return Some(body);
+                return Some(holding(body, near_permit));
             }
+            drop(near_permit);
             let url = self.store.live_feed(session, n).await.ok()??;
+            let permit = self.take_connection()?;
             let Ok(feed) = FeedUrl::parse(&url) else {
                 tracing::warn!(%url, "a worker registered a feed address this gateway cannot use");
                 return None;
@@ -332,7 +373,7 @@ impl LiveTails for RoutedTails {
             .await;
             let result = if body.is_some() { "routed" } else { "refused" };
             metrics::counter!("sortie_feed_routes_total", "result" => result).increment(1);
-            body
+            body.map(|body| holding(body, Some(permit)))
         })
     }
 

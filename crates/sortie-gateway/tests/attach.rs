@@ -379,3 +379,47 @@ async fn heartbeats_keep_an_idle_stream_open_and_only_ever_go_between_events() {
         "heartbeats while the turn was quiet: {text:?}"
     );
 }
+
+/// Tails read through a connection hold a descriptor each: past the budget the gateway's tails give
+/// none (the attach waits with heartbeats), and a closed tail gives its descriptor back.
+#[tokio::test]
+async fn tails_through_a_connection_stay_within_their_descriptors() {
+    let temp = tempfile::tempdir().expect("temp");
+    let store = Arc::new(
+        SqlStore::connect(&TestDatabase::sqlite(temp.path()).url)
+            .await
+            .expect("store"),
+    );
+    let near = FakeTails::new(true, || Box::pin(futures::stream::pending()) as TailBody);
+    let tails = sortie_gateway::live::RoutedTails {
+        near,
+        store,
+        secret: Arc::from(SECRET),
+        connections: Arc::new(tokio::sync::Semaphore::new(2)),
+    };
+    let session = SessionId::generate();
+    let first = tails.open(&session, 1, None).await.expect("a first tail");
+    let second = tails.open(&session, 1, None).await.expect("a second tail");
+    assert!(tails.open(&session, 1, None).await.is_none(), "past the budget");
+    drop(first);
+    let third = tails.open(&session, 1, None).await.expect("the first one's descriptor");
+    drop((second, third));
+
+    // The worker's own hubs cost no descriptor: never counted.
+    let feeds = sortie_gateway::live::Feeds::new();
+    let hub = sortie_feed::hub::TurnHub::new(1, None, 1 << 20).expect("hub");
+    feeds.insert(&session, 1, hub);
+    let in_memory = sortie_gateway::live::RoutedTails {
+        near: feeds,
+        store: Arc::new(
+            SqlStore::connect(&TestDatabase::sqlite(temp.path()).url)
+                .await
+                .expect("store"),
+        ),
+        secret: Arc::from(SECRET),
+        connections: Arc::new(tokio::sync::Semaphore::new(0)),
+    };
+    for _ in 0..3 {
+        assert!(in_memory.open(&session, 1, None).await.is_some());
+    }
+}

@@ -42,8 +42,8 @@ use utoipa_axum::router::OpenApiRouter;
 
 pub use health::operations_router;
 pub use listener::{
-    DESCRIPTOR_RESERVE, DescriptorPlan, FDS_PER_API_CONNECTION, HEADER_READ_TIMEOUT, ListenerLimits, MAX_CONNECTIONS,
-    MAX_CONNECTIONS_PER_IP,
+    ConnectionCaps, DESCRIPTOR_RESERVE, DescriptorPlan, FDS_PER_API_CONNECTION, HEADER_READ_TIMEOUT, ListenerLimits,
+    MAX_CONNECTIONS, MAX_CONNECTIONS_PER_IP,
 };
 pub use metrics_layer::{install_recorder as install_metrics_recorder, render as render_metrics};
 pub use tokens::Secret;

@@ -35,19 +35,22 @@ use tower::ServiceExt;
 /// sit idle between requests). Browsers and the CLI send a head in one packet; ten seconds is
 /// generous for any real client over a slow link and short for one that holds connections open.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// The API connections open at once, when `sortie serve` could not size them from the descriptor
-/// limit ([`DescriptorPlan`] lowers it on a small limit).
+/// The API connections open at once by default ([`DescriptorPlan`] lowers it on a small descriptor
+/// limit; an operator raises it with `sortie serve --max-connections`, e.g. for thousands of people
+/// watching streams).
 pub const MAX_CONNECTIONS: usize = 4096;
 /// The API connections one IP address may hold at once. A browser opens at most 6 per origin over
 /// HTTP/1.1 and a CLI a handful; 512 leaves room for many users behind one NAT. Behind a reverse
-/// proxy every client has the proxy's address: raise it there (or let the proxy limit).
+/// proxy every client has the proxy's address: raise it there (`sortie serve
+/// --max-connections-per-ip`), or let the proxy limit.
 pub const MAX_CONNECTIONS_PER_IP: usize = 512;
 /// Descriptors kept for the store, logs, the process's own files and the worker's per-sandbox
 /// handles: no cap of [`DescriptorPlan`] reaches into them.
 pub const DESCRIPTOR_RESERVE: u64 = 256;
-/// The descriptors one API connection can hold: its socket and, for an attach stream, the
-/// connection to the session's driver.
-pub const FDS_PER_API_CONNECTION: u64 = 2;
+/// The descriptors one API connection holds: its socket. An attach stream whose live tail is read
+/// through a connection (another worker's feed) holds a second, counted apart:
+/// [`DescriptorPlan::tail_connections`].
+pub const FDS_PER_API_CONNECTION: u64 = 1;
 
 /// The bounds of the API listener (see the constants for each value's reason).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -67,36 +70,70 @@ impl Default for ListenerLimits {
     }
 }
 
-/// How the process's descriptors are shared, from its `RLIMIT_NOFILE` (`L`):
+/// The API connections an operator asks for: at most `total` open at once, `per_ip` from one
+/// address. [`DescriptorPlan`] grants them as far as the descriptor limit allows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConnectionCaps {
+    pub total: usize,
+    pub per_ip: usize,
+}
+
+impl Default for ConnectionCaps {
+    fn default() -> Self {
+        Self {
+            total: MAX_CONNECTIONS,
+            per_ip: MAX_CONNECTIONS_PER_IP,
+        }
+    }
+}
+
+/// How the process's descriptors are shared, from its `RLIMIT_NOFILE` (`L`) and the operator's
+/// [`ConnectionCaps`] (`C`, by default [`MAX_CONNECTIONS`]):
 ///
 /// - `R` = [`DESCRIPTOR_RESERVE`] (256) stay free for the store and the process;
-/// - the API takes at most half of the rest: `A = min(MAX_CONNECTIONS, (L - R) / 2 / 2)` connections
-///   of [`FDS_PER_API_CONNECTION`] (2) descriptors each;
-/// - the sandboxes' egress proxies share what is left: `E = (L - R - 2A) / W` connections, `W` the
+/// - the API takes at most half of the rest, or three quarters when the operator raised `C` past its
+///   default (thousands of people watching streams): `A = min(C, (L - R) / 2)` connections of
+///   [`FDS_PER_API_CONNECTION`] (1) descriptor each;
+/// - live tails read through a connection (a gateway's attach to a turn of another worker) take a
+///   quarter of what is left, `T = (L - R - A) / 4`, one descriptor each; past it such an attach
+///   waits for one (heartbeats go on) rather than take another's descriptor;
+/// - the sandboxes' egress proxies share the rest: `E = (L - R - A - T) / W` connections, `W` the
 ///   descriptors one egress connection can hold (`FDS_PER_CONNECTION` of the gateway, 4).
 ///
-/// So `2A + W·E ≤ L - R`: API and sandboxes together never take the last `R` descriptors. For
-/// `L = 1024`: `A = 192`, `E = 96`; `L = 20000`: `A = 4096`, `E = 2888`; `L = 1048576`: `A = 4096`,
-/// `E = 260032`. One sandbox never takes more than its own cap of `E`.
+/// So `A + T + W·E ≤ L - R`: API, tails and sandboxes together never take the last `R` descriptors.
+/// For `L = 1024`: `A = 384`, `E = 72`; `L = 20000`: `A = 4096`, `E = 2934` (`C = 12000`:
+/// `A = 12000`, `E = 1452`); `L = 1048576`: `A = 4096`, `E = 195792`. One sandbox never takes more
+/// than its own cap of `E`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DescriptorPlan {
     pub open_files_limit: u64,
     pub api_connections: usize,
     pub api_connections_per_ip: usize,
+    pub tail_connections: usize,
     pub egress_connections: usize,
 }
 
 impl DescriptorPlan {
-    pub fn for_limit(open_files_limit: u64, fds_per_egress_connection: u64) -> Self {
+    pub fn for_limit(open_files_limit: u64, fds_per_egress_connection: u64, caps: ConnectionCaps) -> Self {
         let usable = open_files_limit.saturating_sub(DESCRIPTOR_RESERVE);
-        let api = (usable / 2 / FDS_PER_API_CONNECTION).clamp(1, MAX_CONNECTIONS as u64);
-        let egress = usable.saturating_sub(api * FDS_PER_API_CONNECTION) / fds_per_egress_connection.max(1);
-        let api_connections = usize::try_from(api).unwrap_or(MAX_CONNECTIONS);
+        let share = if caps.total > MAX_CONNECTIONS {
+            usable / 4 * 3
+        } else {
+            usable / 2
+        };
+        let wanted = u64::try_from(caps.total).unwrap_or(u64::MAX).max(1);
+        let api = (share / FDS_PER_API_CONNECTION).clamp(1, wanted);
+        let left = usable.saturating_sub(api * FDS_PER_API_CONNECTION);
+        let tails = left / 4;
+        let egress = left.saturating_sub(tails) / fds_per_egress_connection.max(1);
+        let count = |n: u64| usize::try_from(n.max(1)).unwrap_or(usize::MAX);
+        let api_connections = count(api);
         Self {
             open_files_limit,
             api_connections,
-            api_connections_per_ip: api_connections.min(MAX_CONNECTIONS_PER_IP),
-            egress_connections: usize::try_from(egress.max(1)).unwrap_or(usize::MAX),
+            api_connections_per_ip: api_connections.min(caps.per_ip.max(1)),
+            tail_connections: count(tails),
+            egress_connections: count(egress),
         }
     }
 
@@ -356,14 +393,14 @@ mod tests {
     #[test]
     fn descriptors_are_shared_with_a_reserve_kept() {
         let cases = [
-            (1024, 192, 192, 96),
-            (20_000, 4096, 512, 2888),
-            (1_048_576, 4096, 512, 260_032),
+            (1024, 384, 384, 72),
+            (20_000, 4096, 512, 2934),
+            (1_048_576, 4096, 512, 195_792),
             (256, 1, 1, 1),
             (0, 1, 1, 1),
         ];
         for (limit, api, per_ip, egress) in cases {
-            let plan = DescriptorPlan::for_limit(limit, 4);
+            let plan = DescriptorPlan::for_limit(limit, 4, ConnectionCaps::default());
             assert_eq!(
                 (
                     plan.api_connections,
@@ -374,22 +411,47 @@ mod tests {
                 "limit {limit}"
             );
             if limit > DESCRIPTOR_RESERVE + 8 {
-                let used = plan.api_connections as u64 * FDS_PER_API_CONNECTION + plan.egress_connections as u64 * 4;
+                let used = plan.api_connections as u64 * FDS_PER_API_CONNECTION
+                    + plan.tail_connections as u64
+                    + plan.egress_connections as u64 * 4;
                 assert!(used <= limit - DESCRIPTOR_RESERVE, "limit {limit}: {used} used");
                 // An api, a feed and a link listener in one process share the API's part.
                 let three: usize = (0..3).map(|_| plan.shared_listener_limits(3).max_connections).sum();
                 assert!(three <= plan.api_connections, "limit {limit}: {three} listener slots");
             }
         }
-        let plan = DescriptorPlan::for_limit(20_000, 4);
+        let plan = DescriptorPlan::for_limit(20_000, 4, ConnectionCaps::default());
+        assert_eq!(plan.tail_connections, 3912);
         assert_eq!(plan.shared_listener_limits(2).max_connections, 2048);
         assert_eq!(plan.shared_listener_limits(1), plan.listener_limits());
         assert_eq!(
-            DescriptorPlan::for_limit(0, 4)
+            DescriptorPlan::for_limit(0, 4, ConnectionCaps::default())
                 .shared_listener_limits(3)
                 .max_connections,
             1
         );
+    }
+
+    #[test]
+    fn an_operators_caps_are_granted_as_far_as_the_descriptors_go() {
+        let many = ConnectionCaps {
+            total: 12_000,
+            per_ip: 2_000,
+        };
+        // Room for them: granted whole, with descriptors left for tails and egress.
+        for limit in [20_000, 1_048_576] {
+            let plan = DescriptorPlan::for_limit(limit, 4, many);
+            assert_eq!((plan.api_connections, plan.api_connections_per_ip), (12_000, 2_000));
+            let used = 12_000 + plan.tail_connections as u64 + plan.egress_connections as u64 * 4;
+            assert!(used <= limit - DESCRIPTOR_RESERVE, "limit {limit}: {used} used");
+        }
+        // Past the default the API may take three quarters of what is not reserved, never more.
+        let plan = DescriptorPlan::for_limit(10_000, 4, many);
+        assert_eq!(plan.api_connections, 7_308);
+        assert_eq!((plan.tail_connections, plan.egress_connections), (609, 456));
+        // Fewer than the default is honoured too, and a zero is read as one (a listener that serves).
+        let few = DescriptorPlan::for_limit(1_048_576, 4, ConnectionCaps { total: 0, per_ip: 0 });
+        assert_eq!((few.api_connections, few.api_connections_per_ip), (1, 1));
     }
 
     #[test]

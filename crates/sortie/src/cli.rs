@@ -260,6 +260,17 @@ pub struct ServeArgs {
     /// CIDRs webhooks may reach although private (an internal receiver).
     #[arg(long, env = env::WEBHOOK_EXEMPT, value_delimiter = ',')]
     pub webhook_exempt: Vec<String>,
+    /// API connections open at once (streams included). Granted as far as the open-files limit
+    /// allows: each takes one descriptor; the API takes at most half of them, three quarters when
+    /// this is raised past its default.
+    #[arg(long, env = env::MAX_CONNECTIONS, default_value_t = sortie_server::MAX_CONNECTIONS as u64,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections: u64,
+    /// API connections one address may hold at once; raise it behind a reverse proxy, where every
+    /// client has the proxy's address.
+    #[arg(long, env = env::MAX_CONNECTIONS_PER_IP, default_value_t = sortie_server::MAX_CONNECTIONS_PER_IP as u64,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections_per_ip: u64,
     #[command(flatten)]
     pub worker: sortie_worker::WorkerSettings,
     #[command(flatten)]

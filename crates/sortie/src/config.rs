@@ -29,6 +29,10 @@ pub mod env {
     pub const CORS_ORIGINS: &str = "SORTIE_CORS_ORIGINS";
     /// CIDRs webhooks may reach although private (an internal receiver), comma-separated.
     pub const WEBHOOK_EXEMPT: &str = "SORTIE_WEBHOOK_EXEMPT";
+    /// API connections open at once (`--max-connections`).
+    pub const MAX_CONNECTIONS: &str = "SORTIE_MAX_CONNECTIONS";
+    /// API connections one address may hold at once (`--max-connections-per-ip`).
+    pub const MAX_CONNECTIONS_PER_IP: &str = "SORTIE_MAX_CONNECTIONS_PER_IP";
     /// Master key sealing model keys at rest, base64 of 32 bytes; default: the file `<data dir>/keyring.key` (created once, 0600).
     pub const KEYRING_KEY: &str = "SORTIE_KEYRING_KEY";
 }

@@ -25,6 +25,10 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
     let descriptors = sortie_server::DescriptorPlan::for_limit(
         bootstrap::raise_open_files_limit(),
         sortie_gateway::egress::proxy::FDS_PER_CONNECTION as u64,
+        sortie_server::ConnectionCaps {
+            total: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+            per_ip: usize::try_from(args.max_connections_per_ip).unwrap_or(usize::MAX),
+        },
     );
     sortie_gateway::egress::proxy::HostConnections::set_process_wide(descriptors.egress_connections);
     tracing::info!(
@@ -32,6 +36,7 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
         reserve = sortie_server::DESCRIPTOR_RESERVE,
         api_connections = descriptors.api_connections,
         api_connections_per_ip = descriptors.api_connections_per_ip,
+        tail_connections = descriptors.tail_connections,
         egress_connections = descriptors.egress_connections,
         "file descriptors shared"
     );
@@ -152,6 +157,9 @@ pub async fn serve(client: ClientArgs, args: ServeArgs) -> anyhow::Result<ExitCo
         },
         store: store.clone(),
         secret: Arc::from(ticket_secret.expose()),
+        connections: Arc::new(tokio::sync::Semaphore::new(
+            descriptors.tail_connections.min(tokio::sync::Semaphore::MAX_PERMITS),
+        )),
     });
 
     let cors_origins = args
