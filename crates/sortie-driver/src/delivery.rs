@@ -347,8 +347,8 @@ pub struct Git {
 }
 
 /// A finished git command.
-struct Ran {
-    status: ExitStatus,
+pub(crate) struct Ran {
+    pub(crate) status: ExitStatus,
     stdout: Vec<u8>,
     stderr: Vec<u8>,
 }
@@ -377,7 +377,12 @@ impl Git {
     }
 
     /// Runs `git <args>`; a non-zero exit is returned, not an error.
-    async fn run_with(&self, what: &'static str, args: &[&str], env: &[(&str, &str)]) -> Result<Ran, GitError> {
+    pub(crate) async fn run_with(
+        &self,
+        what: &'static str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Ran, GitError> {
         let mut command = self.command(args);
         command.envs(env.iter().copied());
         let child = command.spawn().map_err(|source| GitError::Spawn { what, source })?;

@@ -25,6 +25,7 @@ use crate::agent::{AgentEvent, AgentHandle, AgentLaunch, AgentState};
 use crate::delivery::{DeliveryConfig, DeliveryInput, DeliveryReport, Git};
 use crate::mapping::{Mapped, Mapper, TurnEnd};
 use crate::priming::{AgentOrigin, PrimingContext, prime};
+use crate::refresh::EarlyRefresh;
 use crate::setup::{SetupError, SetupOutcome};
 
 /// How often a cancel is repeated until the agent ends its turn or the grace runs out.
@@ -426,12 +427,17 @@ async fn run_turn(mut turn: Turn, request: TurnRequest, cancel: Arc<Notify>) {
     if let Some((_, git)) = &delivery {
         record_start_head(&shared, git).await;
     }
+    let early_refresh = delivery.as_ref().and_then(|(_, git)| EarlyRefresh::start(git));
 
     let ran = run_agent(&mut turn, &request, &cancel).await;
     let mut ending = Ending::from(ran.outcome);
     if ran.agent_started
         && let Some((config, git)) = &delivery
     {
+        if let Some(early_refresh) = early_refresh {
+            let handed_over = early_refresh.hand_over().await;
+            tracing::debug!(handed_over, "the index refreshed while the agent worked");
+        }
         let report = deliver(&mut turn, config, git, &request).await;
         // A turn that failed already keeps its failure; one that went well fails with the delivery.
         if let Some(failure) = report.error
