@@ -96,6 +96,9 @@ struct Shared {
     /// HEAD when the first turn started (`Some(None)`: unborn): where a never-delivered branch's
     /// changes begin. Unset when it could not be read.
     start_head: tokio::sync::OnceCell<Option<String>>,
+    /// The first turn refreshes the index beside the agent ([`EarlyRefresh`]): the workspace was just
+    /// checked out for this sandbox. After it, each delivery left the index refreshed.
+    refreshed_early: std::sync::atomic::AtomicBool,
 }
 
 /// Why a turn was not started.
@@ -152,6 +155,7 @@ impl Driver {
                 }),
                 acp_session: Mutex::new(acp_session),
                 start_head: tokio::sync::OnceCell::new(),
+                refreshed_early: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -427,7 +431,10 @@ async fn run_turn(mut turn: Turn, request: TurnRequest, cancel: Arc<Notify>) {
     if let Some((_, git)) = &delivery {
         record_start_head(&shared, git).await;
     }
-    let early_refresh = delivery.as_ref().and_then(|(_, git)| EarlyRefresh::start(git));
+    let early_refresh = delivery
+        .as_ref()
+        .filter(|_| !shared.refreshed_early.swap(true, std::sync::atomic::Ordering::SeqCst))
+        .and_then(|(_, git)| EarlyRefresh::start(git));
 
     let ran = run_agent(&mut turn, &request, &cancel).await;
     let mut ending = Ending::from(ran.outcome);

@@ -458,6 +458,28 @@ async fn a_running_turns_git_launcher_waits_in_the_sessions_cgroup_and_a_resting
     assert!(live_sandboxes().contains(&id), "the sandbox is still warm");
 }
 
+/// The index the driver refreshes beside the agent (`sortie_driver::refresh`) loses no edit: the agent
+/// rewrites a file at its own size at once, most often within the checkout's second, then thinks long
+/// enough for the refresh to be put in place at delivery; the edit is delivered all the same. (Here
+/// the checkout's owner differs from the agent's view of it, so the copy's refresh reads every file;
+/// where the agent's own uid checked out, in a pod, the copy keeping the index's time is what catches
+/// such an edit: the driver's unit test covers that case.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edit_at_the_same_size_in_the_checkouts_second_is_delivered() {
+    let world = World::start(&[]);
+    let id = world
+        .create(
+            "#!scripted\nwrite: README.md\nHELLO\n>>>\nsleep: 2500\nsay: done",
+            json!({}),
+        )
+        .await;
+    let (_, turns) = world.settled(&id, 1).await;
+    assert_eq!(status_of(&turns, 1), "completed", "{turns:#?}");
+    assert_eq!(world.files_on_branch(&id), vec!["README.md".to_owned()]);
+    let delivered = git(&world.upstream, &["show", &format!("refs/heads/sortie/{id}:README.md")]);
+    assert_eq!(delivered, "HELLO");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gc_frees_what_ended_sessions_left_and_keeps_the_idle_ones() {
     // `sortie gc` runs beside the live server on the same data dir, as an operator would run it.
