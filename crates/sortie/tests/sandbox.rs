@@ -325,6 +325,31 @@ fn processes_with(marker: &str) -> Vec<(u32, u32)> {
     found
 }
 
+/// How long killed processes may take to be gone. The chain crosses three deaths (the host
+/// process, bwrap by its parent-death signal, the pid namespace's init by its own) while this
+/// binary's other tests load the machine (a fork bomb among them); one second failed once in CI,
+/// where it takes 10-60 ms here. The processes sleep 60 s, so a broken chain still fails this bound.
+const GONE_WITHIN: Duration = Duration::from_secs(15);
+
+/// What is left of the processes carrying `marker`: pid, uid, state and command line, for a failure.
+fn survivors(marker: &str) -> String {
+    processes_with(marker)
+        .into_iter()
+        .map(|(pid, uid)| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let state = stat
+                .rsplit_once(") ")
+                .map_or("?", |(_, rest)| &rest[..1.min(rest.len())]);
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            format!(
+                "{pid} uid {uid} state {state}: {}",
+                String::from_utf8_lossy(&cmdline).replace('\0', " ")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 fn wait_until_gone(marker: &str, within: Duration) -> bool {
     let deadline = Instant::now() + within;
     while Instant::now() < deadline {
@@ -375,8 +400,9 @@ fn every_process_dies_with_the_command_or_the_host_process() {
     let output = run(&[], &script);
     assert!(output.status.success(), "{}", text(&output));
     assert!(
-        wait_until_gone(&marker, Duration::from_secs(1)),
-        "processes survived the command"
+        wait_until_gone(&marker, GONE_WITHIN),
+        "processes survived the command: {}",
+        survivors(&marker)
     );
 
     let temp = tempfile::tempdir().expect("temp");
@@ -386,15 +412,25 @@ fn every_process_dies_with_the_command_or_the_host_process() {
         .spawn()
         .expect("spawn");
     let deadline = Instant::now() + Duration::from_secs(10);
-    while processes_with(&held).len() < 2 {
+    // Both sleepers, not the shell whose command line names them too: the setsid one must be running.
+    let sleepers = || {
+        processes_with(&held)
+            .into_iter()
+            .filter(|(pid, _)| {
+                std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmdline| cmdline.starts_with(b"python3"))
+            })
+            .count()
+    };
+    while sleepers() < 2 {
         assert!(Instant::now() < deadline, "the sandbox did not start its processes");
         std::thread::sleep(Duration::from_millis(20));
     }
     let _ = holder.kill();
     let _ = holder.wait();
     assert!(
-        wait_until_gone(&held, Duration::from_secs(1)),
-        "processes survived the host process holding the sandbox"
+        wait_until_gone(&held, GONE_WITHIN),
+        "processes survived the host process holding the sandbox: {}",
+        survivors(&held)
     );
 }
 
