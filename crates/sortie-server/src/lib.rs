@@ -242,11 +242,11 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
     api_routes().split_for_parts().1
 }
 
-/// The api role's router and its OpenAPI document, built from the same handler list.
-pub fn router_and_openapi(state: ApiState) -> (Router, utoipa::openapi::OpenApi) {
+/// The api role's router, serving its OpenAPI document, built from the same handler list.
+pub fn router(state: ApiState) -> Router {
     let (api_routes, openapi) = api_routes().split_for_parts();
-    let openapi_json = Arc::new(openapi.clone());
-    let router = api_routes
+    let openapi_json = health::OpenApiJson::new(&openapi);
+    api_routes
         .route(
             "/v1/openapi.json",
             axum::routing::get(move || health::openapi_document(openapi_json.clone())),
@@ -255,8 +255,7 @@ pub fn router_and_openapi(state: ApiState) -> (Router, utoipa::openapi::OpenApi)
         .method_not_allowed_fallback(error::method_not_allowed)
         .layer(DefaultBodyLimit::max(REQUEST_BODY_MAX_BYTES))
         .layer(axum::middleware::from_fn(metrics_layer::track))
-        .with_state(state);
-    (router, openapi)
+        .with_state(state)
 }
 
 /// Lets a request through only with a valid bearer token of any role (no cookie): for routes that
@@ -281,11 +280,6 @@ pub async fn require_bearer(
         Ok(_) => next.run(axum::extract::Request::from_parts(parts, body)).await,
         Err(refusal) => refusal.into_response(),
     }
-}
-
-/// The api role's router.
-pub fn router(state: ApiState) -> Router {
-    router_and_openapi(state).0
 }
 
 /// Serves the api role on a bound listener until `shutdown` completes, within the default

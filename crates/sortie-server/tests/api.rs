@@ -2668,6 +2668,13 @@ async fn operations_endpoints_answer(h: Harness) {
     }
     let openapi = h.send(Method::GET, "/v1/openapi.json", None, Payload::Empty).await;
     assert_eq!(openapi.status, StatusCode::OK);
+    assert_eq!(
+        openapi
+            .headers
+            .get(axum::http::header::CONTENT_TYPE)
+            .map(|v| v.as_bytes()),
+        Some(&b"application/json"[..])
+    );
     assert_eq!(openapi.body["openapi"], "3.1.0");
     let paths = openapi.body["paths"].as_object().expect("paths");
     for (path, method) in [
