@@ -461,16 +461,25 @@ impl Git {
 
     /// The commit HEAD points at, `None` on an unborn branch.
     pub async fn head(&self) -> Result<Option<String>, GitError> {
-        let ran = self
-            .run("read HEAD", &["rev-parse", "--verify", "--quiet", "HEAD^{commit}"])
-            .await?;
+        self.commit_at("read HEAD", "HEAD^{commit}").await
+    }
+
+    /// The first parent of `commit`; `None` for a root commit.
+    async fn first_parent(&self, commit: &str) -> Result<Option<String>, GitError> {
+        self.commit_at("read the commit's parent", &format!("{commit}^1^{{commit}}"))
+            .await
+    }
+
+    /// The commit `revision` names; `None` when it names none (an unborn branch, a root's parent).
+    async fn commit_at(&self, what: &'static str, revision: &str) -> Result<Option<String>, GitError> {
+        let ran = self.run(what, &["rev-parse", "--verify", "--quiet", revision]).await?;
         if ran.status.success() {
             Ok(Some(String::from_utf8_lossy(&ran.stdout).trim().to_owned()))
         } else if ran.status.code() == Some(1) {
             Ok(None)
         } else {
             Err(GitError::Failed {
-                what: "read HEAD",
+                what,
                 status: ran.status,
                 stderr: stderr_tail(&ran.stderr),
             })
@@ -650,7 +659,6 @@ async fn try_deliver(
     input: &DeliveryInput<'_>,
     report: &mut DeliveryReport,
 ) -> Result<(), DeliveryError> {
-    let before = git.head().await?;
     // A fresh checkout's files are "racily clean" (written in the index's second) and, seen through the
     // sandbox's user namespace, under another owner than the index says: `add` would hash every file
     // again and write each as a loose object (1.8 s for 2,000 files), where a refresh only compares
@@ -708,6 +716,8 @@ async fn try_deliver(
     if !findings.is_empty() {
         report.head_sha = None;
         if committed {
+            // HEAD before the commit, read only on this rare path: `commit` made its first parent.
+            let before = git.first_parent(&candidate).await?;
             undo_commit(git, before.as_deref()).await?;
         }
         return Err(DeliveryError::SecretDetected(secret_reason(&findings, committed)));

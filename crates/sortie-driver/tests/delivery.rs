@@ -121,6 +121,40 @@ async fn a_secret_the_agent_committed_and_removed_again_is_still_found_in_the_hi
 }
 
 #[tokio::test]
+async fn the_drivers_own_commit_of_a_secret_is_undone_to_where_head_was() {
+    let key = format!("ghp_{}", "b".repeat(36));
+    // On an unborn branch the commit was the first: HEAD is unborn again.
+    let setup = setup();
+    std::fs::write(setup.workspace.join("token.txt"), format!("{key}\n")).expect("write");
+    let report = deliver(&config(&setup.remote), &setup.git, &input(None, None)).await;
+    let error = report.error.expect("refused");
+    assert_eq!(error.code.as_str(), "SECRET_DETECTED");
+    assert!(error.reason.contains("undone"), "{}", error.reason);
+    assert_eq!(
+        setup.git.head().await.expect("HEAD"),
+        None,
+        "the branch is unborn again"
+    );
+    assert_eq!(
+        git(&setup.workspace, &["diff", "--cached", "--name-only"]),
+        "token.txt",
+        "the work stays staged"
+    );
+
+    // After a commit of the agent's, HEAD is back at it.
+    let setup = self::setup();
+    std::fs::write(setup.workspace.join("README"), "base\n").expect("write");
+    git(&setup.workspace, &["add", "README"]);
+    git(&setup.workspace, &["commit", "-q", "-m", "base"]);
+    let base = git(&setup.workspace, &["rev-parse", "HEAD"]);
+    std::fs::write(setup.workspace.join("token.txt"), format!("{key}\n")).expect("write");
+    let report = deliver(&config(&setup.remote), &setup.git, &input(None, Some(&base))).await;
+    assert_eq!(report.error.expect("refused").code.as_str(), "SECRET_DETECTED");
+    assert_eq!(git(&setup.workspace, &["rev-parse", "HEAD"]), base);
+    assert_eq!(git(&setup.remote, &["for-each-ref"]), "", "nothing reached the remote");
+}
+
+#[tokio::test]
 async fn an_unreachable_remote_fails_the_delivery_with_gits_words() {
     let setup = setup();
     std::fs::write(setup.workspace.join("a.txt"), "a\n").expect("write");
