@@ -60,6 +60,14 @@ fn the_bench_measures_every_row() {
             .is_some_and(|b| b.contains("bwrap --unshare-all")),
         "the bare bwrap is measured in the same run"
     );
+    // Idle RSS is told in its two halves, which move apart (the binary's pages follow the page cache).
+    let idle = named("idle RSS of sortie serve");
+    assert!(
+        idle["baseline"]
+            .as_str()
+            .is_some_and(|b| b.starts_with("anonymous ") && b.contains("pages")),
+        "{idle}"
+    );
     // The quick run attaches 1,000 clients, each of which read the turn's end.
     let fan_out = named("fan-out memory");
     assert!(
