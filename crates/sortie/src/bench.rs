@@ -840,22 +840,21 @@ fn tail_of(text: &str, max: usize) -> &str {
     &text[start..]
 }
 
-/// Raises this process's open-files limit to `wanted`, or as far as it may: its hard limit too where
-/// it is allowed to (root outside a container that forbids it), else its soft limit to the hard one.
-/// Never lowers it.
+/// Raises this process's hard open-files limit toward `wanted` where it may (root outside a container
+/// that forbids it), then its soft limit as serve raises its own. Never lowers either.
 fn raise_open_files_limit(wanted: u64) {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
-    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
-        return;
-    };
-    let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")
-        .ok()
-        .and_then(|text| text.trim().parse::<u64>().ok())
-        .unwrap_or(wanted);
-    let limit = wanted.min(nr_open).max(hard);
-    if setrlimit(Resource::RLIMIT_NOFILE, limit, limit).is_err() && soft < hard {
-        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+    if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")
+            .ok()
+            .and_then(|text| text.trim().parse::<u64>().ok())
+            .unwrap_or(wanted);
+        let limit = wanted.min(nr_open);
+        if limit > hard {
+            let _ = setrlimit(Resource::RLIMIT_NOFILE, limit, limit);
+        }
     }
+    sortie_server::bootstrap::raise_open_files_limit();
 }
 
 /// `kB` of a `/proc/<pid>/status` or `smaps_rollup` field.
