@@ -527,13 +527,21 @@ pub fn is_spare(path: &Path, size_bytes: u64) -> bool {
 /// Moves a whole spare of `size_bytes` from `spares` to `image`; `false` when there was none. The rename
 /// is the claim: of two callers, one gets a spare and the other `ENOENT`.
 fn take_spare(spares: &Path, image: &Path, size_bytes: u64) -> bool {
+    take_spare_named(spares, image, size_bytes, "")
+}
+
+/// [`take_spare`] of a spare whose file name starts with `prefix` only (e.g. one made ahead for a
+/// particular repository). `size_bytes` is rounded up to 4 KiB, as made.
+pub fn take_spare_named(spares: &Path, image: &Path, size_bytes: u64, prefix: &str) -> bool {
+    let size_bytes = size_bytes.div_ceil(4096) * 4096;
     let Ok(entries) = std::fs::read_dir(spares) else {
         return false;
     };
     for entry in entries.flatten() {
         let path = entry.path();
         // Never over an image that appeared meanwhile: that one is the session's.
-        let taken = is_spare(&path, size_bytes)
+        let taken = entry.file_name().to_string_lossy().starts_with(prefix)
+            && is_spare(&path, size_bytes)
             && nix::fcntl::renameat2(
                 nix::fcntl::AT_FDCWD,
                 &path,
