@@ -1112,8 +1112,8 @@ export interface components {
             /** @description `running`, `delivering` or `done`. */
             phase: string;
             /**
-             * @description Milliseconds by phase (`queued`, `clone`, `sandbox` or `warm_sandbox`, `setup`, `first_part`,
-             *     `agent_turn`, `delivery`), all measured by the host.
+             * @description Milliseconds by phase (`queued`, `clone` or `primed_clone`, `sandbox` or `warm_sandbox`, `setup`,
+             *     `first_part`, `agent_turn`, `delivery`), all measured by the host.
              */
             timings: {
                 [key: string]: number;
@@ -1430,7 +1430,8 @@ export interface components {
             status: components["schemas"]["TurnStatus"];
             /**
              * @description Milliseconds by phase: queued, sandbox (or warm_sandbox: a started one taken from the warm pool,
-             *     bound and assigned), clone, setup, agent_ready, first_part, agent_turn, delivery.
+             *     bound and assigned), clone (or primed_clone: a workspace checked out ahead, adopted), setup,
+             *     agent_ready, first_part, agent_turn, delivery.
              */
             timings?: {
                 [key: string]: number;

@@ -62,7 +62,7 @@ export function withEarlier(earlier: Earlier | null, older: number, page: Messag
 }
 
 /** The turn's phases in the order they happen (DESIGN §2), then any the server adds. */
-const PHASE_ORDER = ['queued', 'clone', 'sandbox', 'warm_sandbox', 'setup', 'first_part', 'agent_turn', 'delivery'];
+const PHASE_ORDER = ['queued', 'clone', 'primed_clone', 'sandbox', 'warm_sandbox', 'setup', 'first_part', 'agent_turn', 'delivery'];
 function phaseOrder(timings: Record<string, number>): [string, number][] {
   const rank = (k: string) => { const i = PHASE_ORDER.indexOf(k); return i < 0 ? PHASE_ORDER.length : i; };
   return Object.entries(timings).sort(([a], [b]) => rank(a) - rank(b) || a.localeCompare(b));

@@ -451,7 +451,8 @@ pub struct Turn {
     /// Which rung of the context ladder primed the agent for this turn (DESIGN §6.4).
     pub priming: Option<String>,
     /// Milliseconds by phase: queued, sandbox (or warm_sandbox: a started one taken from the warm pool,
-    /// bound and assigned), clone, setup, agent_ready, first_part, agent_turn, delivery.
+    /// bound and assigned), clone (or primed_clone: a workspace checked out ahead, adopted), setup,
+    /// agent_ready, first_part, agent_turn, delivery.
     #[serde(default)]
     pub timings: Option<std::collections::BTreeMap<String, u64>>,
     #[serde(default)]

@@ -61,8 +61,8 @@ pub struct PhaseData {
     /// What the phase waits for, when it waits.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
-    /// Milliseconds by phase (`queued`, `clone`, `sandbox` or `warm_sandbox`, `setup`, `first_part`,
-    /// `agent_turn`, `delivery`), all measured by the host.
+    /// Milliseconds by phase (`queued`, `clone` or `primed_clone`, `sandbox` or `warm_sandbox`, `setup`,
+    /// `first_part`, `agent_turn`, `delivery`), all measured by the host.
     pub timings: std::collections::BTreeMap<String, u64>,
 }
 

@@ -22,6 +22,7 @@ pub mod pull_request;
 pub mod recorder;
 pub mod retention;
 pub mod settings;
+mod spares;
 pub mod transcript;
 mod turn;
 
@@ -98,6 +99,9 @@ pub struct WorkerConfig {
     pub author_email: String,
     /// Warm sandboxes to keep started, by agent (`--warm-sandboxes AGENT=N`; local runtime, as root).
     pub warm_pool: Vec<(String, usize)>,
+    /// For how many repositories a disk is kept with a workspace checked out ahead (local runtime, as
+    /// root).
+    pub primed_workspaces: usize,
 }
 
 /// This host and work dir: what a restarted worker finds again (its sandboxes lived there and
@@ -135,6 +139,7 @@ impl WorkerConfig {
             author_name: "sortie".into(),
             author_email: "sortie@localhost".into(),
             warm_pool: Vec::new(),
+            primed_workspaces: spares::PRIMED_WORKSPACES,
         }
     }
 }
@@ -183,8 +188,9 @@ pub(crate) struct Context {
     pub(crate) github_refusals: github::Refusals,
     /// Sandboxes started ahead of their sessions (local runtime, as root), if the operator wants them.
     pub(crate) pool: Option<Arc<pool::WarmPool>>,
-    /// Session disks formatted ahead (local runtime, as root: only then has a session a disk).
-    pub(crate) spares: Option<Arc<pool::SpareDisks>>,
+    /// Session disks made ahead, formatted or with a workspace checked out (local runtime, as root: only
+    /// then has a session a disk).
+    pub(crate) spares: Option<Arc<spares::SpareDisks>>,
 }
 
 impl Context {
@@ -273,8 +279,16 @@ impl Worker {
             }
             None => pool::WarmPool::new(&config.warm_pool, config.sandboxes_per_workspace).map(Arc::new),
         };
-        let spares = (pods.is_none() && runtime.host_owner().is_some())
-            .then(|| Arc::new(pool::SpareDisks::new(&config.work_dir, config.limits.disk_bytes)));
+        let spares = match (&pods, runtime.host_owner()) {
+            (None, Some(owner)) => Some(Arc::new(spares::SpareDisks::new(
+                &config.work_dir,
+                config.limits.disk_bytes,
+                config.git_binary.clone(),
+                owner,
+                config.primed_workspaces,
+            ))),
+            _ => None,
+        };
         Self {
             context: Arc::new(Context {
                 config,
@@ -371,7 +385,7 @@ impl Worker {
         let spares = context
             .spares
             .clone()
-            .map(|spares| tokio::spawn(pool::keep_spare_disks(spares, spares_stopped)));
+            .map(|spares| tokio::spawn(spares::keep_spare_disks(spares, spares_stopped)));
         let (triggers_stop, triggers_stopped) = tokio::sync::oneshot::channel::<()>();
         let triggers = tokio::spawn(github::run_triggers(context.clone(), async move {
             let _ = triggers_stopped.await;

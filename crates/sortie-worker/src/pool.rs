@@ -11,7 +11,7 @@
 //! died is destroyed at the next start's reconciliation ([`clear_leftovers`]).
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -171,7 +171,7 @@ fn memory_allows(context: &Context) -> bool {
 }
 
 /// A name no other sandbox of this host has had.
-fn fresh_name() -> String {
+pub(crate) fn fresh_name() -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -350,81 +350,6 @@ pub(crate) async fn clear_leftovers(context: &Arc<Context>) {
     };
     for name in names.iter().filter(|name| !assigned.contains(*name)) {
         discard(context, name).await;
-    }
-}
-
-/// How many formatted session disks the worker keeps ready (as root): a session's first disk is then
-/// a rename, a check and a mount, not a `mkfs` (about 18 ms here).
-pub const SPARE_DISKS: usize = 2;
-
-/// Session disks made ahead, in `<work dir>/spares`.
-pub(crate) struct SpareDisks {
-    pub dir: PathBuf,
-    size_bytes: u64,
-    taken: tokio::sync::Notify,
-}
-
-impl SpareDisks {
-    pub fn new(work_dir: &Path, size_bytes: u64) -> Self {
-        Self {
-            dir: work_dir.join("spares"),
-            size_bytes,
-            taken: tokio::sync::Notify::new(),
-        }
-    }
-
-    /// Says one may have been taken: the keeper makes another.
-    pub fn taken(&self) {
-        self.taken.notify_one();
-    }
-
-    fn count(&self) -> usize {
-        std::fs::read_dir(&self.dir).map_or(0, |entries| {
-            entries
-                .flatten()
-                .filter(|entry| sortie_sandbox::local::disk::is_spare(&entry.path(), self.size_bytes))
-                .count()
-        })
-    }
-}
-
-/// Keeps [`SPARE_DISKS`] spare disks until `shutdown` (they stay for the next start).
-pub(crate) async fn keep_spare_disks(spares: Arc<SpareDisks>, mut shutdown: tokio::sync::oneshot::Receiver<()>) {
-    if let Err(error) = std::fs::create_dir_all(&spares.dir) {
-        tracing::warn!(%error, dir = %spares.dir.display(), "no spare session disks");
-        return;
-    }
-    // What a crash left half-made, and spares of another disk size than this start's.
-    if let Ok(entries) = std::fs::read_dir(&spares.dir) {
-        for entry in entries.flatten() {
-            if !sortie_sandbox::local::disk::is_spare(&entry.path(), spares.size_bytes) {
-                let _ = std::fs::remove_file(entry.path());
-            }
-        }
-    }
-    loop {
-        let mut pause = LOOK_AGAIN_EVERY;
-        while spares.count() < SPARE_DISKS {
-            if !matches!(
-                shutdown.try_recv(),
-                Err(tokio::sync::oneshot::error::TryRecvError::Empty)
-            ) {
-                return;
-            }
-            let image = spares
-                .dir
-                .join(format!("{}.img", fresh_name().replacen(NAME_PREFIX, "disk_", 1)));
-            if let Err(error) = sortie_sandbox::local::disk::make_spare(&image, spares.size_bytes).await {
-                tracing::warn!(%error, "a spare session disk could not be made; trying again in 5 s");
-                pause = RETRY_AFTER;
-                break;
-            }
-        }
-        tokio::select! {
-            _ = &mut shutdown => return,
-            () = spares.taken.notified() => {}
-            () = tokio::time::sleep(pause) => {}
-        }
     }
 }
 

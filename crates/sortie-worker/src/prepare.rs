@@ -199,6 +199,19 @@ async fn git_as(
     auth: Option<&ForgeAuth>,
     owner: Option<(u32, u32)>,
 ) -> Result<String, PrepareError> {
+    git_fed(binary, dir, args, deadline, auth, owner, None).await
+}
+
+/// [`git_as`], with `input` on git's stdin when given.
+async fn git_fed(
+    binary: &Path,
+    dir: Option<&Path>,
+    args: &[&str],
+    deadline: Duration,
+    auth: Option<&ForgeAuth>,
+    owner: Option<(u32, u32)>,
+    input: Option<&[u8]>,
+) -> Result<String, PrepareError> {
     let mut command = tokio::process::Command::new(binary);
     if let Some((uid, gid)) = owner {
         // Nothing of the worker's environment (its keys among it) goes to a process of the sandbox uid.
@@ -218,7 +231,13 @@ async fn git_as(
         .env("GIT_TERMINAL_PROMPT", "0")
         .env("GIT_CONFIG_NOSYSTEM", "1")
         .env("LC_ALL", "C")
-        .stdin(std::process::Stdio::null())
+        .stdin(if input.is_some() {
+            std::process::Stdio::piped()
+        } else {
+            std::process::Stdio::null()
+        })
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .kill_on_drop(true);
     let mut config = vec![("core.hooksPath", "/dev/null".to_owned())];
     if let Some(auth) = auth {
@@ -232,7 +251,15 @@ async fn git_as(
         command.current_dir(dir);
     }
     let what = format!("git {}", args.first().copied().unwrap_or_default());
-    let output = tokio::time::timeout(deadline, command.output())
+    let run = async {
+        let mut child = command.spawn()?;
+        if let (Some(input), Some(mut stdin)) = (input, child.stdin.take()) {
+            use tokio::io::AsyncWriteExt;
+            stdin.write_all(input).await?;
+        }
+        child.wait_with_output().await
+    };
+    let output = tokio::time::timeout(deadline, run)
         .await
         .map_err(|_| PrepareError(format!("{what} took longer than {}s", deadline.as_secs())))?
         .map_err(|e| PrepareError(format!("cannot run {}: {e}", binary.display())))?;
@@ -351,31 +378,138 @@ pub async fn start_commit(binary: &Path, mirror: &Path, base: Option<&str>) -> R
     })
 }
 
+/// What [`ensure_workspace`] made: the commit the new workspace starts from, as the host's git read
+/// it from the mirror (the base the first delivery is counted against), and whether it was a primed one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewWorkspace {
+    pub start_commit: String,
+    pub primed: bool,
+}
+
+/// The name of a primed workspace at the root of a session disk made ahead: becomes the session's
+/// `workspace` once it is adopted.
+pub const PRIMED_DIR: &str = "primed";
+
 /// Clones the session's workspace from the mirror unless it exists (a hibernated or retried session
-/// keeps it). A new workspace answers the commit it starts from, as the host's git read it from the
-/// mirror (the base the first delivery is counted against).
+/// keeps it); a workspace `primed` ahead ([`prime_workspace`]) on the session's disk is adopted
+/// instead of a new clone, and one that cannot be is removed and the clone made. A new workspace
+/// answers the commit it starts from.
 ///
 /// With `owner` (the sandbox's uid and gid, when the host is root), the working tree is checked out
 /// as that uid: nothing is chowned after (the sandbox's hand-over still walks the tree, but only reads
 /// each owner), so the index's record of each file (its ctime among it) stays true. Root makes only the
 /// `.git` of a `--no-checkout` clone (a few dozen entries, then handed over), and never runs git in the
 /// workspace after that.
+#[allow(clippy::too_many_arguments)]
 pub async fn ensure_workspace(
     binary: &Path,
     mirror: &Path,
     workspace: &Path,
+    primed: Option<&Path>,
     branch: &str,
     base: Option<&str>,
     origin_url: &str,
     owner: Option<(u32, u32)>,
-) -> Result<Option<String>, PrepareError> {
+) -> Result<Option<NewWorkspace>, PrepareError> {
     if workspace.join(".git").exists() {
         return Ok(None);
     }
+    if let Some(primed) = primed.filter(|primed| primed.join(".git").is_dir()) {
+        match adopt_primed(binary, mirror, primed, workspace, branch, base, origin_url, owner).await {
+            Ok(start_commit) => {
+                return Ok(Some(NewWorkspace {
+                    start_commit,
+                    primed: true,
+                }));
+            }
+            Err(error) => {
+                tracing::warn!(%error, primed = %primed.display(), "the primed workspace could not be adopted; cloning a new one");
+            }
+        }
+    }
+    if let Some(primed) = primed {
+        // A primed workspace not adopted (or half-made) is nobody's: none ever had it.
+        let _ = std::fs::remove_dir_all(primed);
+        let _ = std::fs::remove_file(primed_refs_path(primed));
+    }
     let partial = workspace.with_extension("partial");
-    let _ = std::fs::remove_dir_all(&partial);
+    let start = start_ref(base);
+    let cloned = async {
+        clone_shared(binary, mirror, &partial).await?;
+        hand_over(&partial, owner)
+    };
+    if let Err(error) = cloned.await {
+        let _ = std::fs::remove_dir_all(&partial);
+        return Err(error);
+    }
+    let start_commit = format!("{start}^{{commit}}");
+    let Ok(start_commit) = git_as(
+        binary,
+        Some(&partial),
+        &["rev-parse", "--verify", "--quiet", &start_commit],
+        LOCAL_DEADLINE,
+        None,
+        owner,
+    )
+    .await
+    else {
+        let _ = std::fs::remove_dir_all(&partial);
+        return Err(no_start(base));
+    };
+    let made = async {
+        git_as(
+            binary,
+            Some(&partial),
+            &["remote", "set-url", "origin", origin_url],
+            LOCAL_DEADLINE,
+            None,
+            owner,
+        )
+        .await?;
+        git_as(
+            binary,
+            Some(&partial),
+            &["checkout", "--quiet", "--no-track", "-b", branch, &start],
+            LOCAL_DEADLINE,
+            None,
+            owner,
+        )
+        .await
+    };
+    if let Err(error) = made.await {
+        let _ = std::fs::remove_dir_all(&partial);
+        return Err(error);
+    }
+    std::fs::rename(&partial, workspace)
+        .map_err(|e| PrepareError(format!("cannot move the workspace into place: {e}")))?;
+    Ok(Some(NewWorkspace {
+        start_commit: start_commit.trim().to_owned(),
+        primed: false,
+    }))
+}
+
+/// The workspace's ref a session starts from: its base branch as cloned from the mirror, or the
+/// mirror's default branch.
+fn start_ref(base: Option<&str>) -> String {
+    match base {
+        Some(base) => format!("refs/remotes/origin/{base}"),
+        None => "refs/remotes/origin/HEAD".to_owned(),
+    }
+}
+
+fn no_start(base: Option<&str>) -> PrepareError {
+    PrepareError(match base {
+        Some(base) => format!("the repository has no branch {base:?} to start from"),
+        None => "the repository has no default branch with a commit to start from".to_owned(),
+    })
+}
+
+/// A `--shared --no-checkout` clone of `mirror` at `dest`, made by root: a few dozen entries of `.git`,
+/// handed to the sandbox uid ([`hand_over`]) before anything is checked out.
+async fn clone_shared(binary: &Path, mirror: &Path, dest: &Path) -> Result<(), PrepareError> {
+    let _ = std::fs::remove_dir_all(dest);
     let mirror_text = mirror.to_string_lossy().into_owned();
-    let partial_text = partial.to_string_lossy().into_owned();
+    let dest_text = dest.to_string_lossy().into_owned();
     git(
         binary,
         None,
@@ -385,57 +519,278 @@ pub async fn ensure_workspace(
             "--shared",
             "--no-checkout",
             &mirror_text,
-            &partial_text,
+            &dest_text,
+        ],
+        LOCAL_DEADLINE,
+    )
+    .await
+    .map(drop)
+}
+
+/// Hands root's new clone at `dest` to `owner` (the sandbox uid), who checks it out.
+fn hand_over(dest: &Path, owner: Option<(u32, u32)>) -> Result<(), PrepareError> {
+    if let Some((uid, gid)) = owner {
+        sortie_sandbox::local::chown_tree(dest, uid, gid)
+            .map_err(|e| PrepareError(format!("cannot hand the new clone to the sandbox uid: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Checks a workspace out ahead of any session, at `primed` (on a session disk made ahead, which no
+/// sandbox has had): a `--shared` clone of `mirror` at its default branch, detached, checked out as
+/// `owner`, its index then refreshed once the clock has left the second of the checkout. A checkout
+/// writes its files in the same second as its index, so git holds every entry "racily clean" and
+/// hashes each file again on its next look; after the refresh the index holds each file's true stat,
+/// and the session's first `git status` or delivery reads stats only. The clone's refs, as root read
+/// them before handing it over, are kept beside it ([`primed_refs_path`]) for the adoption. Answers
+/// the commit.
+pub async fn prime_workspace(
+    binary: &Path,
+    mirror: &Path,
+    primed: &Path,
+    owner: Option<(u32, u32)>,
+) -> Result<String, PrepareError> {
+    let partial = primed.with_extension("partial");
+    let refs = primed_refs_path(primed);
+    let made = async {
+        clone_shared(binary, mirror, &partial).await?;
+        // Root's own clone still: its refs are read before anyone else could touch it.
+        let listing = git(
+            binary,
+            Some(&partial),
+            &[
+                "for-each-ref",
+                "--format=%(objectname) %(refname) %(symref)",
+                "refs/remotes/origin",
+                "refs/tags",
+            ],
+            LOCAL_DEADLINE,
+        )
+        .await?;
+        let recorded = PrimedRefs::parse(&listing)
+            .ok_or_else(|| PrepareError("the repository has no default branch to check out ahead".to_owned()))?;
+        hand_over(&partial, owner)?;
+        git_as(
+            binary,
+            Some(&partial),
+            &["checkout", "--quiet", "--detach", &recorded.commit],
+            LOCAL_DEADLINE,
+            None,
+            owner,
+        )
+        .await?;
+        let index = partial.join(".git").join("index");
+        let written = std::fs::metadata(&index)
+            .and_then(|meta| meta.modified())
+            .map_err(|e| PrepareError(format!("cannot read {}: {e}", index.display())))?;
+        tokio::time::sleep(until_the_second_after(written, std::time::SystemTime::now())).await;
+        git_as(
+            binary,
+            Some(&partial),
+            &["update-index", "-q", "--refresh"],
+            LOCAL_DEADLINE,
+            None,
+            owner,
+        )
+        .await?;
+        std::fs::write(&refs, listing.as_bytes())
+            .map_err(|e| PrepareError(format!("cannot write {}: {e}", refs.display())))?;
+        Ok(recorded.commit)
+    };
+    match made.await {
+        Ok(commit) => {
+            std::fs::rename(&partial, primed)
+                .map_err(|e| PrepareError(format!("cannot move the primed workspace into place: {e}")))?;
+            Ok(commit)
+        }
+        Err(error) => {
+            let _ = std::fs::remove_dir_all(&partial);
+            let _ = std::fs::remove_file(&refs);
+            Err(error)
+        }
+    }
+}
+
+/// Where the refs of the workspace primed at `primed` are recorded: beside it, root's.
+pub fn primed_refs_path(primed: &Path) -> PathBuf {
+    primed.with_extension("refs")
+}
+
+/// How long from `now` until the wall clock is past the whole second `written` falls in (with a margin
+/// for the filesystem's coarser clock): a file stamped before then is "racily clean" to git.
+fn until_the_second_after(written: std::time::SystemTime, now: std::time::SystemTime) -> Duration {
+    let since_epoch = written.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let next_second =
+        std::time::UNIX_EPOCH + Duration::from_secs(since_epoch.as_secs() + 1) + Duration::from_millis(20);
+    next_second.duration_since(now).unwrap_or_default()
+}
+
+/// The refs of a primed clone, from `for-each-ref --format='%(objectname) %(refname) %(symref)'` over
+/// `refs/remotes/origin` and `refs/tags`.
+#[derive(Debug, PartialEq, Eq)]
+struct PrimedRefs {
+    /// What `refs/remotes/origin/HEAD` names (the mirror's default branch, as the clone saw it).
+    head: String,
+    /// Its commit: the primed checkout's.
+    commit: String,
+    /// Every other ref and its object.
+    refs: std::collections::BTreeMap<String, String>,
+}
+
+impl PrimedRefs {
+    /// `None` without an `origin/HEAD` to check out.
+    fn parse(listing: &str) -> Option<Self> {
+        let mut head = None;
+        let mut refs = std::collections::BTreeMap::new();
+        for line in listing.lines() {
+            let mut words = line.split(' ');
+            let (Some(object), Some(name)) = (words.next(), words.next()) else {
+                continue;
+            };
+            match words.next().filter(|target| !target.is_empty()) {
+                Some(target) if name == "refs/remotes/origin/HEAD" => {
+                    head = Some((target.to_owned(), object.to_owned()));
+                }
+                Some(_) => {}
+                None => {
+                    refs.insert(name.to_owned(), object.to_owned());
+                }
+            }
+        }
+        let (head, commit) = head?;
+        Some(Self { head, commit, refs })
+    }
+}
+
+/// What adopting a primed workspace takes, planned from its recorded refs and the mirror's now.
+#[derive(Debug, PartialEq, Eq)]
+struct Adoption {
+    start_commit: String,
+    /// `git update-ref --stdin` lines that make the clone's refs the mirror's (empty when they are).
+    updates: String,
+}
+
+/// Plans the adoption of a clone with `recorded` refs, given the mirror's `listing`
+/// (`for-each-ref --format='%(objectname) %(refname) %(HEAD)'` over `refs/heads` and `refs/tags`): the
+/// clone's remote branches and tags become the mirror's as they are now, and the session starts at
+/// `base` (or the default branch) as the mirror has it. An error when that start is not there, or the
+/// mirror's default branch is another than the clone's (a new clone is made then).
+fn plan_adoption(recorded: &PrimedRefs, listing: &str, base: Option<&str>) -> Result<Adoption, String> {
+    let mut now = std::collections::BTreeMap::new();
+    let mut head = None;
+    for line in listing.lines() {
+        let mut words = line.splitn(3, ' ');
+        let (Some(object), Some(name)) = (words.next(), words.next()) else {
+            continue;
+        };
+        let local = if let Some(branch) = name.strip_prefix("refs/heads/") {
+            format!("refs/remotes/origin/{branch}")
+        } else if name.starts_with("refs/tags/") {
+            name.to_owned()
+        } else {
+            continue;
+        };
+        if words.next() == Some("*") {
+            head = Some(local.clone());
+        }
+        now.insert(local, object.to_owned());
+    }
+    if head.as_deref() != Some(recorded.head.as_str()) {
+        return Err(format!(
+            "the repository's default branch is {head:?} now, {:?} when the workspace was checked out ahead",
+            recorded.head
+        ));
+    }
+    let start = match base {
+        Some(_) => start_ref(base),
+        None => recorded.head.clone(),
+    };
+    let start_commit = now.get(&start).cloned().ok_or_else(|| no_start(base).0)?;
+    let mut updates = String::new();
+    for (name, object) in &now {
+        if recorded.refs.get(name) != Some(object) {
+            updates.push_str(&format!("update {name} {object}\n"));
+        }
+    }
+    for name in recorded.refs.keys().filter(|name| !now.contains_key(*name)) {
+        updates.push_str(&format!("delete {name}\n"));
+    }
+    Ok(Adoption { start_commit, updates })
+}
+
+/// Makes the primed workspace at `primed` the session's `workspace`: its remote branches and tags made
+/// the mirror's as they are now, on its branch started at `base` (or the default branch) as the mirror
+/// has it, with origin the session's proxy. Root reads the mirror (its own); the sandbox uid's git
+/// changes the clone (two or three processes); its tree changes only where the start differs from the
+/// primed commit.
+#[allow(clippy::too_many_arguments)]
+async fn adopt_primed(
+    binary: &Path,
+    mirror: &Path,
+    primed: &Path,
+    workspace: &Path,
+    branch: &str,
+    base: Option<&str>,
+    origin_url: &str,
+    owner: Option<(u32, u32)>,
+) -> Result<String, PrepareError> {
+    let refs = primed_refs_path(primed);
+    let recorded = std::fs::read_to_string(&refs)
+        .ok()
+        .and_then(|listing| PrimedRefs::parse(&listing))
+        .ok_or_else(|| PrepareError(format!("no refs recorded at {}", refs.display())))?;
+    let listing = git(
+        binary,
+        Some(mirror),
+        &[
+            "for-each-ref",
+            "--format=%(objectname) %(refname) %(HEAD)",
+            "refs/heads",
+            "refs/tags",
         ],
         LOCAL_DEADLINE,
     )
     .await?;
-    let start = match base {
-        Some(base) => format!("refs/remotes/origin/{base}"),
-        None => "refs/remotes/origin/HEAD".to_owned(),
-    };
-    let start_commit = format!("{start}^{{commit}}");
-    let Ok(start_commit) = git(
-        binary,
-        Some(&partial),
-        &["rev-parse", "--verify", "--quiet", &start_commit],
-        LOCAL_DEADLINE,
-    )
-    .await
-    else {
-        let _ = std::fs::remove_dir_all(&partial);
-        return Err(PrepareError(match base {
-            Some(base) => format!("the repository has no branch {base:?} to start from"),
-            None => "the repository has no default branch with a commit to start from".to_owned(),
-        }));
-    };
-    git(
-        binary,
-        Some(&partial),
-        &["remote", "set-url", "origin", origin_url],
-        LOCAL_DEADLINE,
-    )
-    .await?;
-    if let Some((uid, gid)) = owner {
-        sortie_sandbox::local::chown_tree(&partial, uid, gid)
-            .map_err(|e| PrepareError(format!("cannot hand the new clone to the sandbox uid: {e}")))?;
+    let adoption = plan_adoption(&recorded, &listing, base).map_err(PrepareError)?;
+    if !adoption.updates.is_empty() {
+        git_fed(
+            binary,
+            Some(primed),
+            &["update-ref", "--stdin"],
+            LOCAL_DEADLINE,
+            None,
+            owner,
+            Some(adoption.updates.as_bytes()),
+        )
+        .await?;
     }
-    if let Err(error) = git_as(
+    let checkout: Vec<&str> = if adoption.start_commit == recorded.commit {
+        // The branch where HEAD is: no tree to compare.
+        vec!["checkout", "--quiet", "-b", branch]
+    } else {
+        vec![
+            "checkout",
+            "--quiet",
+            "--no-track",
+            "-b",
+            branch,
+            &adoption.start_commit,
+        ]
+    };
+    git_as(binary, Some(primed), &checkout, LOCAL_DEADLINE, None, owner).await?;
+    git_as(
         binary,
-        Some(&partial),
-        &["checkout", "--quiet", "--no-track", "-b", branch, &start],
+        Some(primed),
+        &["remote", "set-url", "origin", origin_url],
         LOCAL_DEADLINE,
         None,
         owner,
     )
-    .await
-    {
-        let _ = std::fs::remove_dir_all(&partial);
-        return Err(error);
-    }
-    std::fs::rename(&partial, workspace)
+    .await?;
+    std::fs::rename(primed, workspace)
         .map_err(|e| PrepareError(format!("cannot move the workspace into place: {e}")))?;
-    Ok(Some(start_commit.trim().to_owned()))
+    let _ = std::fs::remove_file(&refs);
+    Ok(adoption.start_commit)
 }
 
 #[cfg(test)]
@@ -593,6 +948,7 @@ mod tests {
             git,
             &mirror,
             &workspace,
+            None,
             "sortie/ses_x",
             None,
             origin,
@@ -601,7 +957,11 @@ mod tests {
         .await
         .expect("workspace")
         .expect("a new workspace");
-        assert_eq!(Some(started), sortie_testkit::git::rev(&mirror, "refs/heads/main"));
+        assert!(!started.primed);
+        assert_eq!(
+            Some(started.start_commit),
+            sortie_testkit::git::rev(&mirror, "refs/heads/main")
+        );
 
         let files = owned_by(&workspace, sandbox, sandbox);
         assert!(files > 50, "{files}");
@@ -631,6 +991,7 @@ mod tests {
             git,
             &mirror,
             &workspace,
+            None,
             "sortie/ses_x",
             None,
             origin,
@@ -639,6 +1000,205 @@ mod tests {
         .await
         .expect("again");
         assert_eq!(again, None);
+    }
+
+    /// Runs git as `uid` in `dir`, as the sandbox would; its stdout.
+    fn git_as_uid(uid: u32, dir: &Path, args: &[&str]) -> String {
+        let output = Command::new("setpriv")
+            .args([&format!("--reuid={uid}"), &format!("--regid={uid}"), "--clear-groups"])
+            .args(["env", "HOME=/nonexistent", "GIT_CONFIG_GLOBAL=/dev/null", "git"])
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("git as the sandbox uid");
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8_lossy(&output.stdout).trim().to_owned()
+    }
+
+    /// A workspace checked out ahead is the sandbox uid's, its index holds every file's own stat (none
+    /// left "racily clean", which git would hash again), and adopting it gives what a clone made for the
+    /// session would: its branch at the base asked for, origin the proxy, a clean tree.
+    #[tokio::test]
+    async fn a_primed_workspace_is_adopted_as_a_new_clone_would_be_made() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: checking a workspace out as another uid needs root");
+            return;
+        }
+        let sandbox = 61235;
+        let temp = tempfile::tempdir().expect("temp");
+        let root = temp.path();
+        std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let seed = root.join("seed");
+        run(root, &["init", "-q", "-b", "main", seed.to_str().expect("utf-8")]);
+        for i in 0..40 {
+            std::fs::write(seed.join(format!("f{i}.txt")), format!("file {i}\n")).expect("write");
+        }
+        run(&seed, &["add", "."]);
+        run(&seed, &["commit", "-q", "-m", "seed"]);
+        run(&seed, &["checkout", "-q", "-b", "other"]);
+        std::fs::write(seed.join("other.txt"), "other\n").expect("write");
+        run(&seed, &["add", "."]);
+        run(&seed, &["commit", "-q", "-m", "other"]);
+        run(&seed, &["checkout", "-q", "main"]);
+        let git = Path::new("git");
+        let mirror = ensure_mirror(git, &root.join("mirrors"), seed.to_str().expect("utf-8"), None)
+            .await
+            .expect("mirror");
+        let main = sortie_testkit::git::rev(&mirror, "refs/heads/main").expect("main");
+        let other = sortie_testkit::git::rev(&mirror, "refs/heads/other").expect("other");
+        let owner = Some((sandbox, sandbox));
+        let origin = "http://127.0.0.1:3128/_sortie/git/ses_p.git";
+
+        for (n, base, expected) in [(0, None, &main), (1, Some("other"), &other)] {
+            let disk = root.join(format!("disk{n}"));
+            std::fs::create_dir(&disk).expect("disk");
+            let primed = disk.join(PRIMED_DIR);
+            let commit = prime_workspace(git, &mirror, &primed, owner).await.expect("primed");
+            assert_eq!(&commit, &main, "primed at the default branch");
+            owned_by(&primed, sandbox, sandbox);
+            // Git (as built without USE_NSEC) holds an entry stamped in the index's own second as racily
+            // clean.
+            let index = git_as_uid(sandbox, &primed, &["ls-files", "--debug"]);
+            let stamps: Vec<u64> = index
+                .lines()
+                .filter_map(|line| line.trim().strip_prefix("mtime: "))
+                .filter_map(|stamp| stamp.split(':').next()?.parse().ok())
+                .collect();
+            assert_eq!(stamps.len(), 40, "{index}");
+            let written = std::fs::metadata(primed.join(".git/index"))
+                .and_then(|meta| meta.modified())
+                .expect("index")
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("after 1970")
+                .as_secs();
+            assert!(
+                stamps.iter().all(|stamp| *stamp < written),
+                "entries of the index's second ({written}), which git would hash again:\n{index}"
+            );
+
+            let workspace = disk.join("workspace");
+            let made = ensure_workspace(
+                git,
+                &mirror,
+                &workspace,
+                Some(&primed),
+                "sortie/ses_p",
+                base,
+                origin,
+                owner,
+            )
+            .await
+            .expect("workspace")
+            .expect("a new workspace");
+            assert_eq!(
+                made,
+                NewWorkspace {
+                    start_commit: expected.clone(),
+                    primed: true
+                }
+            );
+            assert!(!primed.exists());
+            owned_by(&workspace, sandbox, sandbox);
+            assert_eq!(git_as_uid(sandbox, &workspace, &["status", "--porcelain"]), "");
+            assert_eq!(
+                git_as_uid(sandbox, &workspace, &["rev-parse", "--abbrev-ref", "HEAD"]),
+                "sortie/ses_p"
+            );
+            assert_eq!(&git_as_uid(sandbox, &workspace, &["rev-parse", "HEAD"]), expected);
+            assert_eq!(
+                git_as_uid(sandbox, &workspace, &["remote", "get-url", "origin"]),
+                origin
+            );
+            assert_eq!(workspace.join("other.txt").exists(), base.is_some());
+        }
+
+        // A primed workspace left half-made is removed and a clone made instead.
+        let disk = root.join("disk2");
+        let primed = disk.join(PRIMED_DIR);
+        std::fs::create_dir_all(primed.join(".git")).expect("half-made");
+        let workspace = disk.join("workspace");
+        let made = ensure_workspace(
+            git,
+            &mirror,
+            &workspace,
+            Some(&primed),
+            "sortie/ses_q",
+            None,
+            origin,
+            owner,
+        )
+        .await
+        .expect("workspace")
+        .expect("a new workspace");
+        assert_eq!(
+            made,
+            NewWorkspace {
+                start_commit: main.clone(),
+                primed: false
+            }
+        );
+        assert!(!primed.exists());
+        assert_eq!(git_as_uid(sandbox, &workspace, &["status", "--porcelain"]), "");
+    }
+
+    const A: &str = "1111111111111111111111111111111111111111";
+    const B: &str = "2222222222222222222222222222222222222222";
+    const C: &str = "3333333333333333333333333333333333333333";
+
+    fn recorded() -> PrimedRefs {
+        PrimedRefs::parse(&format!(
+            "{A} refs/remotes/origin/HEAD refs/remotes/origin/main\n{A} refs/remotes/origin/main \n\
+             {B} refs/remotes/origin/old \n{C} refs/tags/v1 \n"
+        ))
+        .expect("an origin/HEAD")
+    }
+
+    #[test]
+    fn a_primed_clones_refs_are_read_with_its_head() {
+        let refs = recorded();
+        assert_eq!(refs.head, "refs/remotes/origin/main");
+        assert_eq!(refs.commit, A);
+        assert_eq!(refs.refs.len(), 3);
+        assert_eq!(PrimedRefs::parse(&format!("{A} refs/remotes/origin/main \n")), None);
+    }
+
+    /// The adoption makes the clone's refs the mirror's now (moved, new and gone ones) and starts where
+    /// the mirror says; nothing to update when nothing moved.
+    #[test]
+    fn the_adoption_brings_the_clones_refs_to_the_mirrors_now() {
+        let same = format!("{A} refs/heads/main *\n{B} refs/heads/old  \n{C} refs/tags/v1  \n");
+        let plan = plan_adoption(&recorded(), &same, None).expect("plan");
+        assert_eq!(
+            plan,
+            Adoption {
+                start_commit: A.into(),
+                updates: String::new()
+            }
+        );
+
+        let moved = format!("{B} refs/heads/main *\n{C} refs/heads/sortie/ses_1  \n{C} refs/tags/v1  \n");
+        let plan = plan_adoption(&recorded(), &moved, None).expect("plan");
+        assert_eq!(plan.start_commit, B);
+        assert_eq!(
+            plan.updates,
+            format!(
+                "update refs/remotes/origin/main {B}\nupdate refs/remotes/origin/sortie/ses_1 {C}\n\
+                 delete refs/remotes/origin/old\n"
+            )
+        );
+        let plan = plan_adoption(&recorded(), &moved, Some("sortie/ses_1")).expect("plan");
+        assert_eq!(plan.start_commit, C);
+        assert!(plan_adoption(&recorded(), &moved, Some("gone")).is_err());
+        // Another default branch now: a new clone is made instead.
+        let renamed = format!("{A} refs/heads/main  \n{A} refs/heads/trunk *\n");
+        assert!(plan_adoption(&recorded(), &renamed, None).is_err());
+    }
+
+    #[test]
+    fn a_refresh_waits_until_the_checkouts_second_is_over() {
+        let at = |ms: u64| std::time::UNIX_EPOCH + Duration::from_millis(ms);
+        assert_eq!(until_the_second_after(at(5_300), at(5_400)), Duration::from_millis(620));
+        assert_eq!(until_the_second_after(at(5_300), at(7_000)), Duration::ZERO);
     }
 
     #[test]

@@ -57,6 +57,8 @@ pub mod env {
     /// Warm sandboxes kept started per agent, `agent=n` comma-separated (`--warm-sandboxes`; the local
     /// runtime's, as `SORTIE_WARM_POOL` is the Kubernetes runtime's pods).
     pub const WARM_SANDBOXES: &str = "SORTIE_WARM_SANDBOXES";
+    /// How many repositories keep a workspace checked out ahead (`--primed-workspaces`; 0: none).
+    pub const PRIMED_WORKSPACES: &str = "SORTIE_PRIMED_WORKSPACES";
     /// The model proxy's upstream for Anthropic (`--upstream-anthropic`).
     pub const UPSTREAM_ANTHROPIC: &str = "SORTIE_UPSTREAM_ANTHROPIC";
     /// The model proxy's upstream for OpenAI (`--upstream-openai`).
@@ -125,6 +127,12 @@ pub struct WorkerSettings {
     /// root only. Default: none.
     #[arg(long, env = env::WARM_SANDBOXES, value_delimiter = ',', value_parser = parse_warm_sandboxes)]
     pub warm_sandboxes: Vec<(String, usize)>,
+    /// For how many repositories (those sessions used last) a session disk is kept with the repository
+    /// checked out, which the repository's next new session adopts instead of checking it out (on a
+    /// large repository, most of the clone phase). Each costs the host's disk what its checkout holds.
+    /// 0: none. Local runtime as root only.
+    #[arg(long, env = env::PRIMED_WORKSPACES, default_value_t = crate::spares::PRIMED_WORKSPACES)]
+    pub primed_workspaces: usize,
     /// Where `sortie agents install` put the agents; default `<data dir>/agents`.
     #[arg(long, env = env::AGENTS_DIR)]
     pub agents_dir: Option<PathBuf>,
@@ -283,6 +291,7 @@ impl WorkerSettings {
             }
             config.warm_pool = self.warm_sandboxes.clone();
         }
+        config.primed_workspaces = self.primed_workspaces;
         config.agents_dir = Some(self.agents_dir(data_dir));
         config.keyring = Some(keyring);
         self.model_upstreams(&mut config.model_upstreams)?;

@@ -230,6 +230,8 @@ fn main() {
                 git_binary,
                 &mirror,
                 &workspace,
+                // A clone made on the path, as when no workspace was checked out ahead.
+                None,
                 &format!("sortie/bench-{i}"),
                 None,
                 "http://127.0.0.1:3128/_sortie/git/x.git",

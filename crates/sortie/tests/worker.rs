@@ -480,6 +480,117 @@ async fn an_edit_at_the_same_size_in_the_checkouts_second_is_delivered() {
     assert_eq!(delivered, "HELLO");
 }
 
+/// The disks primed ahead for the session's repository (`<work>/spares/primed/*.img`), by name.
+fn primed_disks(world: &World) -> Vec<String> {
+    let dir = world.data_dir.join("work/spares/primed");
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|entry| entry.file_name().to_string_lossy().into_owned())
+                .filter(|name| name.ends_with(".img"))
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// Waits until a primed disk other than any of `before` is there; its name.
+async fn primed_anew(world: &World, before: &[String]) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(name) = primed_disks(world).into_iter().find(|name| !before.contains(name)) {
+            return name;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no workspace was checked out ahead: {:?}",
+            primed_disks(world)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A session leaves the next session of its repository a workspace checked out ahead on a disk of its
+/// own: that session adopts it (its clone phase is `primed_clone`) and works on its own branch from
+/// the same start. After a push upstream, the disk primed before it is still taken, and the adoption
+/// brings it to the refs the session's fetch brought: the branch starts at the new commit, and the
+/// workspace's remote branches are the repository's now (the branches delivered since among them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_session_of_a_repository_adopts_a_checkout_made_ahead_at_the_refs_it_fetched() {
+    let world = World::start(&[]);
+    let run = |task: String| {
+        let world = &world;
+        async move {
+            let id = world.create(&task, json!({})).await;
+            let (session, turns) = world.settled(&id, 1).await;
+            assert_eq!(status_of(&turns, 1), "completed", "{session:#} {turns:#?}");
+            assert_eq!(world.commits_on_branch(&id), 1, "from main as it is");
+            (id, turns[0]["timings"].clone())
+        }
+    };
+    let task = |i: usize| format!("#!scripted\nwrite: f{i}.txt\n{i}\n>>>\nsay: wrote {i}");
+    let (first_id, first) = run(task(0)).await;
+    assert!(first["clone"].is_u64(), "{first:#}");
+    assert_eq!(world.files_on_branch(&first_id), ["f0.txt"]);
+    let primed = primed_anew(&world, &[]).await;
+
+    let (second_id, second) = run(task(1)).await;
+    assert!(second["primed_clone"].is_u64(), "{second:#}");
+    assert!(second.get("clone").is_none(), "{second:#}");
+    assert_eq!(world.files_on_branch(&second_id), ["f1.txt"]);
+    assert!(
+        !primed_disks(&world).contains(&primed),
+        "a primed disk serves one session"
+    );
+    primed_anew(&world, &[primed]).await;
+
+    // Someone pushes to main: the disk primed before is at an older main.
+    let pusher = world.clone_upstream("pusher");
+    std::fs::write(pusher.join("pushed.txt"), "pushed\n").expect("write");
+    git(&pusher, &["add", "."]);
+    git(
+        &pusher,
+        &[
+            "-c",
+            "user.name=p",
+            "-c",
+            "user.email=p@example.com",
+            "commit",
+            "-q",
+            "-m",
+            "pushed",
+        ],
+    );
+    git(&pusher, &["push", "-q", "origin", "HEAD:refs/heads/main"]);
+    let main = rev(&world.upstream, "refs/heads/main").expect("main");
+    let (third_id, third) = run(
+        "#!scripted\nrun: git rev-parse refs/remotes/origin/main > origin-main.txt && \
+         git for-each-ref --format='%(refname)' refs/remotes/origin > remotes.txt\nsay: looked"
+            .to_owned(),
+    )
+    .await;
+    assert!(third["primed_clone"].is_u64(), "{third:#}");
+    assert_eq!(world.files_on_branch(&third_id), ["origin-main.txt", "remotes.txt"]);
+    let shown = |file: &str| {
+        git(
+            &world.upstream,
+            &["show", &format!("refs/heads/sortie/{third_id}:{file}")],
+        )
+    };
+    assert_eq!(shown("origin-main.txt"), main);
+    let remotes = shown("remotes.txt");
+    for id in [&first_id, &second_id] {
+        assert!(
+            remotes
+                .lines()
+                .any(|line| line == format!("refs/remotes/origin/sortie/{id}")),
+            "{id} missing from:\n{remotes}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gc_frees_what_ended_sessions_left_and_keeps_the_idle_ones() {
     // `sortie gc` runs beside the live server on the same data dir, as an operator would run it.

@@ -162,7 +162,7 @@ async fn provisioned(
 }
 
 /// The phases of making a session's sandbox, as its turn's timings name them (and the wait before).
-const PROVISION_PHASES: [&str; 5] = ["queued", "clone", "sandbox", "warm_sandbox", "setup"];
+const PROVISION_PHASES: [&str; 6] = ["queued", "clone", "primed_clone", "sandbox", "warm_sandbox", "setup"];
 
 /// What a driver awaiting its session is told of `session` (a pod's, with its checkout; a warm
 /// sandbox's, with where its secret digests are): the same session, agent, branch and deadline.

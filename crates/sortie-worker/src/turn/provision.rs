@@ -53,6 +53,22 @@ fn agent_read_only_paths(manifest: Option<&Path>, agent: &str, exe_dir: &Path) -
     Ok(paths)
 }
 
+/// The spare disks and the session's mirror, when a session with no disk yet may take one primed for
+/// its repository.
+fn primable<'a>(
+    context: &'a Arc<Context>,
+    session: &SessionRow,
+    dirs: &SessionDirs,
+) -> Option<(&'a Arc<crate::spares::SpareDisks>, PathBuf)> {
+    let spares = context.spares.as_ref()?;
+    // A mount point with something in it is refused by the mount, primed disk or not: none is spent on it.
+    let new_disk = dirs.has_disk()
+        && !dirs.image.exists()
+        && std::fs::read_dir(&dirs.disk).map_or(true, |mut entries| entries.next().is_none());
+    let mirror = prepare::mirror_path(&context.config.work_dir.join("mirrors"), &session.repo);
+    (new_disk && spares.has_primed(&mirror)).then_some((spares, mirror))
+}
+
 /// Makes the session's sandbox: workspace, egress and git proxy, the driver, the setup script.
 pub(super) async fn provision(
     context: &Arc<Context>,
@@ -66,10 +82,15 @@ pub(super) async fn provision(
     let clock = Instant::now();
     // The sandbox starts after the clone; what its start waits on in the kernel begins now.
     context.runtime.start_soon();
-    // Apart until the clone: the mirror's fetch waits on the repository, the disk on the kernel.
+    // Apart until the clone: the mirror's fetch waits on the repository, the disk on the kernel. A disk
+    // with the repository checked out ahead is taken if there is one (its adoption, after the fetch,
+    // brings it to the mirror's refs).
     let disk = async {
         std::fs::create_dir_all(&dirs.root)
             .map_err(|e| start_failed(format!("cannot create {}: {e}", dirs.root.display())))?;
+        if let Some((spares, mirror)) = primable(context, session, &dirs) {
+            spares.take_primed(&mirror, &dirs.image);
+        }
         mount_disk(context, &dirs).await
     };
     let (mirrored, disk) = tokio::join!(session_mirror(context, session, forge_auth.as_ref()), disk);
@@ -91,10 +112,12 @@ pub(super) async fn provision(
         sortie_protocol::driver::RELAY_ADDRESS,
         session.id
     );
-    let started_at = prepare::ensure_workspace(
+    let workspace_clock = Instant::now();
+    let made = prepare::ensure_workspace(
         &config.git_binary,
         &mirror,
         &dirs.workspace,
+        dirs.has_disk().then(|| dirs.disk.join(prepare::PRIMED_DIR)).as_deref(),
         &session.id.branch(),
         session.base.as_deref(),
         &origin,
@@ -104,16 +127,24 @@ pub(super) async fn provision(
     .map_err(|e| (FailureCode::CloneFailed, e.0))?;
     // The workspace borrows the mirror's objects now; a session kept by the store keeps it from retention.
     drop(mirror_hold);
-    if let Some(commit) = started_at {
-        std::fs::write(dirs.start_commit(), commit)
+    if let Some(made) = &made {
+        std::fs::write(dirs.start_commit(), &made.start_commit)
             .map_err(|e| start_failed(format!("cannot record the workspace's start: {e}")))?;
+        if made.primed {
+            tracing::debug!(session = %session.id, ms = ms(workspace_clock), "adopted a workspace checked out ahead");
+        }
+    }
+    if let Some(spares) = context.spares.as_ref().filter(|_| dirs.has_disk()) {
+        // The next session of this repository finds its checkout made.
+        spares.want_primed(&mirror);
     }
     // The workspace was made as the sandbox uid; its home may hold what the host restored.
     if let Some((uid, gid)) = context.runtime.host_owner() {
         sortie_sandbox::local::chown_tree(&dirs.home, uid, gid)
             .map_err(|e| start_failed(format!("cannot hand {} to the sandbox: {e}", dirs.home.display())))?;
     }
-    timings.insert("clone".into(), ms(clock));
+    let primed = made.as_ref().is_some_and(|made| made.primed);
+    timings.insert(if primed { "primed_clone" } else { "clone" }.into(), ms(clock));
 
     write_known_secrets(context, session, &dirs.known_secrets)
         .await
