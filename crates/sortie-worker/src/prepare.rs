@@ -965,21 +965,7 @@ mod tests {
 
         let files = owned_by(&workspace, sandbox, sandbox);
         assert!(files > 50, "{files}");
-        let as_sandbox = |args: &[&str]| {
-            let output = Command::new("setpriv")
-                .args([
-                    &format!("--reuid={sandbox}"),
-                    &format!("--regid={sandbox}"),
-                    "--clear-groups",
-                ])
-                .args(["env", "HOME=/nonexistent", "GIT_CONFIG_GLOBAL=/dev/null", "git"])
-                .args(args)
-                .current_dir(&workspace)
-                .output()
-                .expect("git as the sandbox uid");
-            assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-            String::from_utf8_lossy(&output.stdout).trim().to_owned()
-        };
+        let as_sandbox = |args: &[&str]| git_as_uid(sandbox, &workspace, args);
         assert_eq!(as_sandbox(&["status", "--porcelain"]), "");
         assert_eq!(as_sandbox(&["rev-parse", "--abbrev-ref", "HEAD"]), "sortie/ses_x");
         assert_eq!(as_sandbox(&["remote", "get-url", "origin"]), origin);
