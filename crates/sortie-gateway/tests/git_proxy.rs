@@ -205,6 +205,48 @@ async fn clone_fetch_and_the_sessions_own_pushes_go_through() {
     );
 }
 
+fn packs(repo: &Path) -> usize {
+    std::fs::read_dir(repo.join("objects/pack")).map_or(0, |entries| {
+        entries
+            .flatten()
+            .filter(|entry| entry.path().extension().is_some_and(|ext| ext == "pack"))
+            .count()
+    })
+}
+
+/// The repository's automatic maintenance, which receive-pack would run before its answer ends, runs
+/// after the push is answered: a repository set to repack past one pack is repacked once pushes have
+/// left it more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_repositorys_maintenance_still_runs_after_a_push() {
+    let setup = setup().await;
+    // Each push kept as a pack; maintenance's gc repacks past one.
+    for (key, value) in [("receive.unpackLimit", "1"), ("gc.autoPackLimit", "1")] {
+        ok(git(&setup.upstream, &setup.root, &["config", key, value]));
+    }
+    let work = clone(&setup);
+    let own = format!("refs/heads/sortie/{}", setup.session);
+    for file in ["a.txt", "b.txt"] {
+        commit(&work, &setup.root, file, file.as_bytes());
+        ok(git(
+            &work,
+            &setup.root,
+            &["push", "-q", "origin", &format!("HEAD:{own}")],
+        ));
+    }
+    assert_eq!(rev(&setup.upstream, &setup.root, &own), rev(&work, &setup.root, "HEAD"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while packs(&setup.upstream) > 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the upstream was never repacked: {} packs",
+            packs(&setup.upstream)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(rev(&setup.upstream, &setup.root, &own), rev(&work, &setup.root, "HEAD"));
+}
+
 /// The session's WIP ref (where a pod keeps what a failed delivery could not push) may be pushed,
 /// forced and deleted by that session; another session's may not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -838,10 +838,26 @@ fn report_status(body: Vec<u8>) -> Response {
         .into_response()
 }
 
+/// Runs the repository's automatic maintenance (`git maintenance run --auto`: packs loose objects once
+/// there are enough, as receive-pack would have) after a push was answered, as receive-pack's own
+/// child would have run: in the session's cgroup, as the repository's owner, hooks off; bounded like
+/// any git child.
+async fn maintain_after(spawner: &Arc<Spawner>, command: GitCommand, lifetime: Duration) {
+    let Ok(process::Spawned { mut child, stdin, .. }) = spawner.spawn(command).await else {
+        tracing::warn!("cannot start the repository's maintenance after a push");
+        return;
+    };
+    drop(stdin);
+    if tokio::time::timeout(lifetime, child.wait()).await.is_err() {
+        tracing::warn!("the repository's maintenance after a push ran too long; killed");
+        process::kill_all(&mut child).await;
+    }
+}
+
 /// Runs `git http-backend` for one request: `prefix` then `body` go to its stdin; its CGI answer is
 /// turned into the response, its body streamed. The child runs as the repository's owner (when this
 /// process is root and the owner is not), in the session's cgroup, with hooks off; `slot` is held
-/// until it has ended.
+/// until it has ended (after a push, with the repository's maintenance).
 async fn cgi(
     config: &GitProxyConfig,
     spawner: &Arc<Spawner>,
@@ -888,6 +904,9 @@ async fn cgi(
             // Never a hook: whoever owns the repository, nothing of theirs runs for a sandbox's push.
             ("core.hooksPath", "/dev/null".into()),
             ("receive.maxInputSize", config.pushes.max_push_bytes.to_string()),
+            // Its automatic maintenance runs after the push's answer instead (`maintain_after`): git
+            // would run it before receive-pack ends, and the pushing client waits for that end.
+            ("receive.autogc", "false".into()),
         ]);
     command.identity = identity;
     if let Some(content_type) = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()) {
@@ -939,10 +958,28 @@ async fn cgi(
         }
     });
     let lifetime = config.processes.max_lifetime;
+    let maintenance = (tail == "git-receive-pack").then(|| {
+        let mut command = GitCommand::new(&config.git)
+            .arg("maintenance")
+            .arg("run")
+            .arg("--auto")
+            .arg("--quiet")
+            .env("GIT_DIR", repo)
+            .config(&[("core.hooksPath", "/dev/null".into())]);
+        command.identity = identity;
+        (spawner.clone(), command)
+    });
     tokio::spawn(async move {
-        if tokio::time::timeout(lifetime, child.wait()).await.is_err() {
+        let ended = tokio::time::timeout(lifetime, child.wait()).await;
+        if ended.is_err() {
             tracing::warn!("git http-backend ran too long; killed");
             process::kill_all(&mut child).await;
+        }
+        if let (Ok(Ok(status)), Some((spawner, command))) = (ended, maintenance)
+            && status.success()
+        {
+            // Within the push's slot, as receive-pack's own child was: a session's git stays capped.
+            maintain_after(&spawner, command, lifetime).await;
         }
         drop(slot);
     });
