@@ -665,27 +665,7 @@ async fn try_deliver(
     // (~0.1 s) and leaves `add` the changed files. Its status says nothing `add` does not: ignored.
     let _ = git.run("refresh the index", &["update-index", "-q", "--refresh"]).await;
     git.output("stage the workspace", &["add", "--all"]).await?;
-    let staged = git
-        .run(
-            "compare the index",
-            &["diff", "--cached", "--quiet", "--no-ext-diff", "--no-textconv"],
-        )
-        .await?;
-    let committed = match staged.status.code() {
-        Some(0) => false,
-        Some(1) => {
-            commit(config, git, input).await?;
-            true
-        }
-        _ => {
-            return Err(GitError::Failed {
-                what: "compare the index",
-                status: staged.status,
-                stderr: stderr_tail(&staged.stderr),
-            }
-            .into());
-        }
-    };
+    let committed = commit(config, git, input).await?;
     let Some(candidate) = git.head().await? else {
         // An unborn branch and nothing to commit: there is nothing to deliver.
         return Ok(());
@@ -730,7 +710,10 @@ async fn try_deliver(
     Ok(())
 }
 
-async fn commit(config: &DeliveryConfig, git: &Git, input: &DeliveryInput<'_>) -> Result<(), GitError> {
+/// Commits what is staged; `false` when nothing was (the index is HEAD's tree). One git process when
+/// there is something to commit: git's own "nothing to commit" (exit 1, said on stdout) tells the other
+/// case, and any other exit 1 is settled by comparing the index.
+async fn commit(config: &DeliveryConfig, git: &Git, input: &DeliveryInput<'_>) -> Result<bool, GitError> {
     let message = commit_message(input.prompt, input.session_id);
     let name = format!("user.name={}", config.author_name);
     let email = format!("user.email={}", config.author_email);
@@ -761,14 +744,45 @@ async fn commit(config: &DeliveryConfig, git: &Git, input: &DeliveryInput<'_>) -
         )
         .await?;
     if ran.status.success() {
-        Ok(())
-    } else {
-        Err(GitError::Failed {
-            what: "commit the workspace",
-            status: ran.status,
-            stderr: stderr_tail(&ran.stderr),
-        })
+        return Ok(true);
     }
+    let failed = |ran: &Ran, what| GitError::Failed {
+        what,
+        status: ran.status,
+        stderr: stderr_tail(&ran.stderr),
+    };
+    if ran.status.code() != Some(1) {
+        return Err(failed(&ran, "commit the workspace"));
+    }
+    if says_nothing_to_commit(&ran.stdout) {
+        return Ok(false);
+    }
+    let staged = git
+        .run(
+            "compare the index",
+            &["diff", "--cached", "--quiet", "--no-ext-diff", "--no-textconv"],
+        )
+        .await?;
+    match staged.status.code() {
+        Some(0) => Ok(false),
+        // Something is staged and the commit was refused: its words say why.
+        Some(1) => Err(failed(&ran, "commit the workspace")),
+        _ => Err(failed(&staged, "compare the index")),
+    }
+}
+
+/// Whether `git commit`'s stdout (in the C locale) is its status of an index with nothing to commit:
+/// git's words for it begin a line ("nothing to commit, working tree clean", "nothing added to commit but
+/// untracked files present", "no changes added to commit …").
+fn says_nothing_to_commit(stdout: &[u8]) -> bool {
+    const SAYINGS: [&[u8]; 3] = [
+        b"nothing to commit",
+        b"nothing added to commit",
+        b"no changes added to commit",
+    ];
+    stdout
+        .split(|b| *b == b'\n')
+        .any(|line| SAYINGS.iter().any(|saying| line.starts_with(saying)))
 }
 
 /// Scans every commit the push would make visible (each one's own patch: a secret added and then
@@ -942,6 +956,21 @@ mod tests {
         let message = commit_message(&long_prompt, "ses_1");
         assert!(message.len() < 2048 + 100, "{}", message.len());
         assert!(message.ends_with("[…]\n\nSortie-Session: ses_1\n"), "{message}");
+    }
+
+    #[test]
+    fn gits_words_for_nothing_to_commit_are_told_apart() {
+        for said in [
+            "On branch main\nnothing to commit, working tree clean\n",
+            "On branch main\n\nInitial commit\n\nnothing to commit (create/copy files and use \"git add\" to track)\n",
+            "On branch main\nUntracked files:\n\tx\n\nnothing added to commit but untracked files present\n",
+            "no changes added to commit (use \"git add\" and/or \"git commit -a\")\n",
+        ] {
+            assert!(says_nothing_to_commit(said.as_bytes()), "{said}");
+        }
+        for said in ["", "Changes to be committed:\n\tnew file:   nothing to commit\n"] {
+            assert!(!says_nothing_to_commit(said.as_bytes()), "{said}");
+        }
     }
 
     #[test]

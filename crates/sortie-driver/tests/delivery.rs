@@ -86,6 +86,42 @@ async fn a_first_commit_on_an_unborn_branch_is_delivered_whole() {
     );
 }
 
+/// A turn that changed nothing commits nothing, on an unborn branch or after a commit, ignored files
+/// beside it or not; the one after it that changes a file commits it once.
+#[tokio::test]
+async fn nothing_to_commit_is_told_from_a_change_and_commits_nothing() {
+    let setup = setup();
+    // Nothing at all on an unborn branch.
+    let report = deliver(&config(&setup.remote), &setup.git, &input(None, None)).await;
+    assert_eq!(report.error, None);
+    assert!(
+        !report.pushed && !report.changed && report.head_sha.is_none(),
+        "{report:?}"
+    );
+
+    std::fs::write(setup.workspace.join(".gitignore"), "*.log\n").expect("write");
+    std::fs::write(setup.workspace.join("a.txt"), "a\n").expect("write");
+    let first = deliver(&config(&setup.remote), &setup.git, &input(None, None)).await;
+    assert_eq!(first.error, None);
+    let head = first.head_sha.clone().expect("head");
+    assert!(first.pushed);
+
+    // An ignored file only: nothing to commit, the head as it was.
+    std::fs::write(setup.workspace.join("build.log"), "noise\n").expect("write");
+    let again = deliver(&config(&setup.remote), &setup.git, &input(Some(&head), Some(&head))).await;
+    assert_eq!(again.error, None);
+    assert!(!again.changed && !again.pushed, "{again:?}");
+    assert_eq!(again.head_sha.as_deref(), Some(head.as_str()));
+    assert_eq!(git(&setup.workspace, &["rev-list", "--count", "HEAD"]), "1");
+
+    std::fs::write(setup.workspace.join("a.txt"), "b\n").expect("write");
+    let changed = deliver(&config(&setup.remote), &setup.git, &input(Some(&head), Some(&head))).await;
+    assert_eq!(changed.error, None);
+    assert!(changed.changed && changed.pushed, "{changed:?}");
+    assert_eq!(git(&setup.workspace, &["rev-list", "--count", "HEAD"]), "2");
+    assert_eq!((changed.files, changed.insertions, changed.deletions), (1, 1, 1));
+}
+
 #[tokio::test]
 async fn a_secret_the_agent_committed_and_removed_again_is_still_found_in_the_history() {
     let setup = setup();
