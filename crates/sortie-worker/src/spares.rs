@@ -3,14 +3,15 @@
 //!
 //! - [`SPARE_DISKS`] formatted images: a new session's first disk is a rename, a check and a mount, not
 //!   a `mkfs`.
-//! - In `spares/primed`, up to `--primed-workspaces` ([`PRIMED_WORKSPACES`] by default) disks that also hold a workspace checked out ahead
-//!   ([`prepare::prime_workspace`]) for a repository a session used lately: the next session of that
-//!   repository adopts the checkout instead of making one, which on a large repository is most of its
-//!   preparation. A primed disk is named `<mirror>_<name>.img`; a session of the repository takes one
-//!   after its fetch, and the adoption brings the clone's refs to the mirror's of that moment and
-//!   starts the session where the mirror says (the tree changes where that start differs from the
-//!   primed commit), so a workspace never starts from older refs than its fetch brought. One primed for
-//!   a repository no longer among the latest is deleted.
+//! - In `spares/primed`, up to `--primed-workspaces` ([`PRIMED_WORKSPACES`] by default) disks that
+//!   also hold a workspace checked out ahead ([`prepare::prime_workspace`]) for a repository a session
+//!   used lately: the next new session of that repository adopts the checkout instead of making one,
+//!   which on a large repository is most of its preparation. A primed disk is named
+//!   `<mirror>_<name>.img`; the session takes it as it mounts its disk, and the adoption, after the
+//!   session's fetch, brings the clone's refs to the mirror's of that moment and starts the session
+//!   where the mirror says (the tree changes where that start differs from the primed commit), so a
+//!   workspace never starts from older refs than its fetch brought. One primed for a repository no
+//!   longer among the latest, or whose mirror is gone, is deleted.
 //!
 //! No sandbox has a disk before a session takes it: a primed workspace's files are as the host's git
 //! wrote them (root made the clone's `.git`, the sandbox uid checked it out, as for any session). Primed
