@@ -895,6 +895,21 @@ mod tests {
         owned_by(&repo, owner, owner);
     }
 
+    /// A repository `seed` under `root` with `files` files in `src/` committed on `main`; `root` made
+    /// searchable by the sandbox uid, as a user's data dir is (serve opens it so).
+    fn searchable_seed(root: &Path, files: usize) -> PathBuf {
+        std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let seed = root.join("seed");
+        run(root, &["init", "-q", "-b", "main", seed.to_str().expect("utf-8")]);
+        std::fs::create_dir(seed.join("src")).expect("mkdir");
+        for i in 0..files {
+            std::fs::write(seed.join(format!("src/f{i}.rs")), format!("fn f{i}() {{}}\n")).expect("write");
+        }
+        run(&seed, &["add", "."]);
+        run(&seed, &["commit", "-q", "-m", "seed"]);
+        seed
+    }
+
     /// Asserts every entry under `root` is `uid`'s and `gid`'s; answers how many there are.
     fn owned_by(root: &Path, uid: u32, gid: u32) -> usize {
         use std::os::unix::fs::MetadataExt;
@@ -928,16 +943,7 @@ mod tests {
         let sandbox = 61234;
         let temp = tempfile::tempdir().expect("temp");
         let root = temp.path();
-        // A user's data dir is searchable by the sandbox uid (serve opens it so); so is this one.
-        std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-        let seed = root.join("seed");
-        run(root, &["init", "-q", "-b", "main", seed.to_str().expect("utf-8")]);
-        std::fs::create_dir(seed.join("src")).expect("mkdir");
-        for i in 0..50 {
-            std::fs::write(seed.join(format!("src/f{i}.rs")), format!("fn f{i}() {{}}\n")).expect("write");
-        }
-        run(&seed, &["add", "."]);
-        run(&seed, &["commit", "-q", "-m", "seed"]);
+        let seed = searchable_seed(root, 50);
         let git = Path::new("git");
         let mirror = ensure_mirror(git, &root.join("mirrors"), seed.to_str().expect("utf-8"), None)
             .await
@@ -1013,14 +1019,7 @@ mod tests {
         let sandbox = 61235;
         let temp = tempfile::tempdir().expect("temp");
         let root = temp.path();
-        std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-        let seed = root.join("seed");
-        run(root, &["init", "-q", "-b", "main", seed.to_str().expect("utf-8")]);
-        for i in 0..40 {
-            std::fs::write(seed.join(format!("f{i}.txt")), format!("file {i}\n")).expect("write");
-        }
-        run(&seed, &["add", "."]);
-        run(&seed, &["commit", "-q", "-m", "seed"]);
+        let seed = searchable_seed(root, 40);
         run(&seed, &["checkout", "-q", "-b", "other"]);
         std::fs::write(seed.join("other.txt"), "other\n").expect("write");
         run(&seed, &["add", "."]);
