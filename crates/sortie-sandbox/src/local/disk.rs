@@ -165,9 +165,7 @@ impl SessionDisk {
         size_bytes: u64,
         spares: &Path,
     ) -> Result<Self, DiskError> {
-        // A mount point with something in it is refused below, spare or not: none is spent on it.
-        let mount_point_empty = !mount_point.exists() || is_empty_dir(mount_point).unwrap_or(false);
-        if !image.exists() && mount_point_empty {
+        if takes_a_spare(image, mount_point) {
             take_spare(spares, image, size_bytes.div_ceil(4096) * 4096);
         }
         Self::ensure(image, mount_point, size_bytes).await
@@ -505,6 +503,14 @@ fn partial_image(image: &Path) -> PathBuf {
 fn is_empty_dir(dir: &Path) -> Result<bool, DiskError> {
     let mut entries = std::fs::read_dir(dir).map_err(io_error(format!("cannot read {}", dir.display())))?;
     Ok(entries.next().is_none())
+}
+
+/// Whether a session disk at `image`, mounted at `mount_point`, would be a spare taken now: it has no image
+/// yet, and its mount point is empty (one with something in it is refused, spare or not: none is spent
+/// on it).
+pub fn takes_a_spare(image: &Path, mount_point: &Path) -> bool {
+    let mount_point_empty = !mount_point.exists() || is_empty_dir(mount_point).unwrap_or(false);
+    !image.exists() && mount_point_empty
 }
 
 /// Makes a spare image of `size_bytes` (rounded up to 4 KiB) at `image`, formatted and never mounted,

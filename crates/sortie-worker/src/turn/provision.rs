@@ -61,10 +61,7 @@ fn primable<'a>(
     dirs: &SessionDirs,
 ) -> Option<(&'a Arc<crate::spares::SpareDisks>, PathBuf)> {
     let spares = context.spares.as_ref()?;
-    // A mount point with something in it is refused by the mount, primed disk or not: none is spent on it.
-    let new_disk = dirs.has_disk()
-        && !dirs.image.exists()
-        && std::fs::read_dir(&dirs.disk).map_or(true, |mut entries| entries.next().is_none());
+    let new_disk = dirs.has_disk() && sortie_sandbox::local::disk::takes_a_spare(&dirs.image, &dirs.disk);
     let mirror = prepare::mirror_path(&context.config.work_dir.join("mirrors"), &session.repo);
     (new_disk && spares.has_primed(&mirror)).then_some((spares, mirror))
 }
