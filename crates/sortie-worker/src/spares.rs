@@ -91,12 +91,6 @@ impl SpareDisks {
         self.taken.notify_one();
     }
 
-    /// Whether a disk primed for `mirror` is there.
-    pub fn has_primed(&self, mirror: &Path) -> bool {
-        let prefix = primed_prefix(mirror);
-        self.primed_images().iter().any(|(name, _)| name.starts_with(&prefix))
-    }
-
     /// Claims a disk primed for `mirror` as `image` (the rename is the claim, never over an existing
     /// file); `false` when there is none.
     pub fn take_primed(&self, mirror: &Path, image: &Path) -> bool {

@@ -53,8 +53,8 @@ fn agent_read_only_paths(manifest: Option<&Path>, agent: &str, exe_dir: &Path) -
     Ok(paths)
 }
 
-/// The spare disks and the session's mirror, when a session with no disk yet may take one primed for
-/// its repository.
+/// The spare disks and the session's mirror, when the session has no disk yet (it may take one primed
+/// for its repository).
 fn primable<'a>(
     context: &'a Arc<Context>,
     session: &SessionRow,
@@ -63,7 +63,7 @@ fn primable<'a>(
     let spares = context.spares.as_ref()?;
     let new_disk = dirs.has_disk() && sortie_sandbox::local::disk::takes_a_spare(&dirs.image, &dirs.disk);
     let mirror = prepare::mirror_path(&context.config.work_dir.join("mirrors"), &session.repo);
-    (new_disk && spares.has_primed(&mirror)).then_some((spares, mirror))
+    new_disk.then_some((spares, mirror))
 }
 
 /// Makes the session's sandbox: workspace, egress and git proxy, the driver, the setup script.
