@@ -188,6 +188,17 @@ impl TurnHub {
         self.lock().bytes
     }
 
+    /// The first part a subscriber gets whole from this hub: 0 when its log holds what left memory,
+    /// else the first part it holds (the parts before it are kept elsewhere, or were lost with a log).
+    pub fn serves_from(&self) -> u64 {
+        let inner = self.lock();
+        if self.log_path.is_some() && !inner.log_failed {
+            0
+        } else {
+            inner.first_index
+        }
+    }
+
     /// Whether writing the log ever failed (the worker then relies on its own recording).
     pub fn log_failed(&self) -> bool {
         self.lock().log_failed

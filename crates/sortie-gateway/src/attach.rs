@@ -21,7 +21,7 @@ use sortie_protocol::chunk::{SSE_DONE, STREAM_HEADERS, write_sse_event};
 use sortie_protocol::{ApiErrorBody, ErrorCode, SessionId, TurnStatus};
 use sortie_store::{GatewayStore, StoreError, TurnRow};
 
-use crate::live::LiveTails;
+use crate::live::{LiveTails, TailBody};
 use crate::tickets;
 
 #[derive(Clone)]
@@ -287,23 +287,39 @@ async fn turn_stream(
     after: Option<u32>,
 ) -> Response {
     let session = session.clone();
-    // The stored prefix is read slice by slice as the client takes it: one turn, never the session,
-    // and never a whole turn held at once. The first slice is read here, so a store that does not
-    // answer is a 503, not a broken stream.
-    let first = match state
-        .store
-        .turn_parts_after(&session, turn.n, after, STORED_SLICE)
-        .await
-    {
-        Ok(parts) => parts,
-        Err(_) => return refuse(ErrorCode::StoreUnavailable, "the store did not answer; try again"),
-    };
     let ended = turn.status.is_terminal();
+    // A turn that ended a moment ago is read from the copy kept in memory when it holds it all: what
+    // it holds is what was stored, and a late reader is usually someone who was just watching.
+    let kept = if ended {
+        state.tails.open_ended(&session, turn.n, after.map(u64::from))
+    } else {
+        None
+    };
+    // Otherwise the stored prefix is read slice by slice as the client takes it: one turn, never the
+    // session, and never a whole turn held at once. The first slice is read here, so a store that
+    // does not answer is a 503, not a broken stream.
+    let first = if kept.is_some() {
+        Vec::new()
+    } else {
+        match state
+            .store
+            .turn_parts_after(&session, turn.n, after, STORED_SLICE)
+            .await
+        {
+            Ok(parts) => parts,
+            Err(_) => return refuse(ErrorCode::StoreUnavailable, "the store did not answer; try again"),
+        }
+    };
     let tail = live_tail(
         state.tails.clone(),
         session.clone(),
         turn.n,
-        Stored { first, after, ended },
+        Stored {
+            first,
+            after,
+            ended,
+            kept,
+        },
         Pace {
             heartbeat: state.heartbeat,
             slow_client_limit: state.slow_client_limit,
@@ -335,6 +351,9 @@ struct Stored {
     /// The part the client already has (its `Last-Event-ID`), if any.
     after: Option<u32>,
     ended: bool,
+    /// The ended turn's copy kept in memory, after `after` and with its `[DONE]`: served instead of
+    /// the store.
+    kept: Option<TailBody>,
 }
 
 /// How a stream is paced: heartbeats while it is idle, and how long its client may take nothing.
@@ -371,6 +390,25 @@ fn live_tail(
     let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mark_dropped = dropped.clone();
     tokio::spawn(async move {
+        if let Some(mut kept) = stored.kept {
+            // At the client's pace too: a client that takes nothing is dropped as from a live tail.
+            while let Some(data) = kept.next().await {
+                let Ok(data) = data else {
+                    mark_dropped.store(true, std::sync::atomic::Ordering::Release);
+                    return;
+                };
+                match tokio::time::timeout(slow_client_limit, sender.send(data)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => return,
+                    Err(_) => {
+                        mark_dropped.store(true, std::sync::atomic::Ordering::Release);
+                        metrics::counter!("sortie_attach_slow_clients_dropped_total").increment(1);
+                        return;
+                    }
+                }
+            }
+            return;
+        }
         // The stored prefix, slice by slice, at the client's pace (the same limit as the live tail).
         let mut slice = stored.first;
         let mut last: Option<u32> = stored.after;

@@ -7,12 +7,17 @@
 //! [`SocketTails`] on the gateway's side), a Unix socket in a directory only the host can open; a
 //! gateway on another host finds the turn's worker in the store and reads its feed listener with a feed
 //! token ([`RoutedTails`]), so any replica serves any live tail.
+//!
+//! A turn that ended stays in its worker's [`Feeds`] a while (bounded in bytes and age) when it holds
+//! what the store holds: someone opening a session just after its turn ended reads it from memory, at
+//! the rate the driver serves it, instead of row by row from the store.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -40,6 +45,12 @@ pub trait LiveTails: Send + Sync + 'static {
         after: Option<u64>,
     ) -> Pin<Box<dyn Future<Output = Option<TailBody>> + Send + 'a>>;
 
+    /// Ended turn `n`'s parts after index `after`, then `[DONE]`, from a copy this process kept in
+    /// memory when the turn ended; `None` when there is none that holds them all (the store has them).
+    fn open_ended(&self, _session: &SessionId, _n: u32, _after: Option<u64>) -> Option<TailBody> {
+        None
+    }
+
     /// Changes whenever a live copy may have come up here, so that an attach waiting for its turn's
     /// opens at once rather than at its next look; `None`: no such signal, the attach looks on its timer.
     fn appeared(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
@@ -52,17 +63,64 @@ pub trait LiveTails: Send + Sync + 'static {
     }
 }
 
-/// The worker's live turns: one hub per running turn, registered while the host writes it.
+/// The worker's live turns: one hub per running turn, registered while the host writes it; and the
+/// copies of the turns that ended lately, kept (within [`ENDED_COPIES_BYTES`] and [`ENDED_COPY_TTL`])
+/// so that whoever opens a session just after its turn ends reads it from memory, not from the store.
 pub struct Feeds {
     hubs: RwLock<HashMap<(SessionId, u32), Arc<TurnHub>>>,
+    ended: Mutex<EndedCopies>,
     /// Bumped by each [`Feeds::insert`].
     appeared: tokio::sync::watch::Sender<u64>,
+}
+
+/// The most memory the copies of ended turns hold together; the oldest leave first.
+pub const ENDED_COPIES_BYTES: usize = 32 << 20;
+/// How long the copy of an ended turn is kept at most: a late reader after that reads the store.
+pub const ENDED_COPY_TTL: Duration = Duration::from_secs(600);
+/// What one part costs a hub besides its JSON: its shared string's header and its slot.
+const PART_OVERHEAD_BYTES: usize = 40;
+
+/// Ended turns' hubs, oldest first, and what they hold.
+#[derive(Default)]
+struct EndedCopies {
+    copies: VecDeque<EndedCopy>,
+    bytes: usize,
+}
+
+struct EndedCopy {
+    key: (SessionId, u32),
+    hub: Arc<TurnHub>,
+    bytes: usize,
+    ended: Instant,
+}
+
+impl EndedCopies {
+    fn forget(&mut self, key: &(SessionId, u32)) {
+        if let Some(at) = self.copies.iter().position(|copy| &copy.key == key)
+            && let Some(copy) = self.copies.remove(at)
+        {
+            self.bytes -= copy.bytes;
+        }
+    }
+
+    /// Lets the oldest copies go until what is kept fits `budget` and none is older than the TTL.
+    fn trim(&mut self, budget: usize, now: Instant) {
+        while let Some(oldest) = self.copies.front() {
+            if self.bytes <= budget && now.duration_since(oldest.ended) < ENDED_COPY_TTL {
+                break;
+            }
+            if let Some(copy) = self.copies.pop_front() {
+                self.bytes -= copy.bytes;
+            }
+        }
+    }
 }
 
 impl Default for Feeds {
     fn default() -> Self {
         Self {
             hubs: RwLock::default(),
+            ended: Mutex::default(),
             appeared: tokio::sync::watch::channel(0).0,
         }
     }
@@ -73,13 +131,16 @@ impl Feeds {
         Arc::new(Self::default())
     }
 
+    fn ended_copies(&self) -> std::sync::MutexGuard<'_, EndedCopies> {
+        self.ended.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Makes `hub` the live copy of turn `n` of `session` (replacing any earlier one), and wakes the
     /// attaches waiting for one.
     pub fn insert(&self, session: &SessionId, n: u32, hub: Arc<TurnHub>) {
-        self.hubs
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert((session.clone(), n), hub);
+        let key = (session.clone(), n);
+        self.ended_copies().forget(&key);
+        self.hubs.write().unwrap_or_else(|p| p.into_inner()).insert(key, hub);
         self.appeared.send_modify(|count| *count = count.wrapping_add(1));
     }
 
@@ -94,12 +155,58 @@ impl Feeds {
         }
     }
 
+    /// Turn `n` ended and `hub` holds it whole as stored: it stops being a live copy and is kept as
+    /// the turn's ended copy (if it is still the turn's hub, and while the budget allows).
+    pub fn retire(&self, session: &SessionId, n: u32, hub: &Arc<TurnHub>) {
+        self.retire_within(session, n, hub, ENDED_COPIES_BYTES);
+    }
+
+    /// [`Feeds::retire`] within a budget of its own.
+    pub fn retire_within(&self, session: &SessionId, n: u32, hub: &Arc<TurnHub>, budget: usize) {
+        let key = (session.clone(), n);
+        let mut hubs = self.hubs.write().unwrap_or_else(|p| p.into_inner());
+        if !hubs.get(&key).is_some_and(|held| Arc::ptr_eq(held, hub)) {
+            return;
+        }
+        hubs.remove(&key);
+        let bytes = hub.memory_bytes() + hub.len() as usize * PART_OVERHEAD_BYTES;
+        let mut ended = self.ended_copies();
+        ended.forget(&key);
+        if hub.is_done() && bytes <= budget {
+            ended.bytes += bytes;
+            ended.copies.push_back(EndedCopy {
+                key,
+                hub: hub.clone(),
+                bytes,
+                ended: Instant::now(),
+            });
+        }
+        ended.trim(budget, Instant::now());
+    }
+
     pub fn get(&self, session: &SessionId, n: u32) -> Option<Arc<TurnHub>> {
         self.hubs
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .get(&(session.clone(), n))
             .cloned()
+    }
+
+    /// The kept copy of ended turn `n`, if it is still kept.
+    pub fn ended(&self, session: &SessionId, n: u32) -> Option<Arc<TurnHub>> {
+        let mut ended = self.ended_copies();
+        ended.trim(usize::MAX, Instant::now());
+        let key = (session.clone(), n);
+        ended
+            .copies
+            .iter()
+            .find(|copy| copy.key == key)
+            .map(|copy| copy.hub.clone())
+    }
+
+    /// Bytes the ended turns' copies hold.
+    pub fn ended_bytes(&self) -> usize {
+        self.ended_copies().bytes
     }
 }
 
@@ -116,6 +223,15 @@ impl LiveTails for Feeds {
             let body = sortie_feed::sse::body(subscription).map(|chunk| chunk.map_err(std::io::Error::other));
             Some(Box::pin(body) as TailBody)
         })
+    }
+
+    fn open_ended(&self, session: &SessionId, n: u32, after: Option<u64>) -> Option<TailBody> {
+        let hub = self.ended(session, n)?;
+        if !hub.is_done() || hub.serves_from() > after.map_or(0, |k| k.saturating_add(1)) {
+            return None;
+        }
+        let body = sortie_feed::sse::body(hub.subscribe(after)).map(|chunk| chunk.map_err(std::io::Error::other));
+        Some(Box::pin(body))
     }
 
     fn appeared(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
@@ -377,6 +493,15 @@ impl LiveTails for RoutedTails {
         })
     }
 
+    /// Only this process's worker keeps ended turns for its gateway (one of another process reads the
+    /// store, as fast as a feed would serve them).
+    fn open_ended(&self, session: &SessionId, n: u32, after: Option<u64>) -> Option<TailBody> {
+        if self.near.opens_a_connection() {
+            return None;
+        }
+        self.near.open_ended(session, n, after)
+    }
+
     /// Only this process's worker says when a copy comes up; another worker's is found by looking.
     fn appeared(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
         self.near.appeared()
@@ -385,6 +510,8 @@ impl LiveTails for RoutedTails {
 
 #[cfg(test)]
 mod tests {
+    use futures::StreamExt;
+
     use super::{FeedUrl, Feeds, LiveTails};
 
     /// An attach waiting for a turn's copy is woken by its coming up, not by its next look.
@@ -402,6 +529,79 @@ mod tests {
         appeared.borrow_and_update();
         feeds.remove(&session, 1, &hub);
         assert!(!appeared.has_changed().expect("live"));
+    }
+
+    /// A hub of turn `n` holding `parts` parts of about 100 bytes each, from index `first` on, ended.
+    fn ended_hub(n: u32, first: u64, parts: u64) -> std::sync::Arc<sortie_feed::hub::TurnHub> {
+        let hub = sortie_feed::hub::TurnHub::in_memory_from(n, first);
+        let delta = "x".repeat(64);
+        hub.publish_encoded((first..first + parts).map(|index| {
+            std::sync::Arc::<str>::from(format!(r#"{{"type":"text-delta","id":"{index}","delta":"{delta}"}}"#))
+        }));
+        hub.finish();
+        hub
+    }
+
+    async fn read_all(body: super::TailBody) -> String {
+        let chunks: Vec<_> = body.collect().await;
+        chunks
+            .into_iter()
+            .map(|chunk| String::from_utf8(chunk.expect("a chunk").to_vec()).expect("text"))
+            .collect()
+    }
+
+    /// An ended turn's hub is kept for readers just after its end, whole or not at all, and no
+    /// longer a live copy; the budget lets the oldest go first.
+    #[tokio::test]
+    async fn an_ended_turn_is_kept_whole_within_the_budget_and_the_oldest_goes_first() {
+        let feeds = Feeds::new();
+        let (first, second) = (
+            sortie_protocol::SessionId::generate(),
+            sortie_protocol::SessionId::generate(),
+        );
+        let older = ended_hub(1, 0, 10);
+        feeds.insert(&first, 1, older.clone());
+        assert!(
+            feeds.open_ended(&first, 1, None).is_none(),
+            "a live copy is not an ended one"
+        );
+        feeds.retire(&first, 1, &older);
+        let one_turn = feeds.ended_bytes();
+        assert!(one_turn > 10 * 64, "{one_turn} bytes counted");
+        assert!(feeds.get(&first, 1).is_none(), "no longer a live copy");
+        let text = read_all(feeds.open_ended(&first, 1, Some(6)).expect("kept")).await;
+        let ids: Vec<&str> = text.lines().filter_map(|line| line.strip_prefix("id: ")).collect();
+        assert_eq!(ids, ["7", "8", "9"]);
+        assert!(text.ends_with("data: [DONE]\n\n"));
+
+        // A hub that starts past what the reader has (a recorder that started again) is not whole.
+        let resumed = ended_hub(2, 5, 5);
+        feeds.insert(&first, 2, resumed.clone());
+        feeds.retire(&first, 2, &resumed);
+        assert!(feeds.open_ended(&first, 2, None).is_none());
+        assert!(feeds.open_ended(&first, 2, Some(3)).is_none());
+        assert!(feeds.open_ended(&first, 2, Some(4)).is_some());
+
+        // Within a budget that holds one turn like it, the newest stays.
+        let newer = ended_hub(1, 0, 10);
+        feeds.insert(&second, 1, newer.clone());
+        feeds.retire_within(&second, 1, &newer, one_turn);
+        assert_eq!(feeds.ended_bytes(), one_turn);
+        assert!(feeds.open_ended(&second, 1, None).is_some());
+        assert!(feeds.open_ended(&first, 1, None).is_none(), "the oldest went first");
+
+        // A turn that starts again is a live copy once more, not an ended one.
+        let again = sortie_feed::hub::TurnHub::in_memory(1);
+        feeds.insert(&second, 1, again.clone());
+        assert!(feeds.open_ended(&second, 1, None).is_none());
+        // A hub that is not the turn's any more is not kept.
+        feeds.retire(&second, 1, &newer);
+        assert!(
+            feeds
+                .get(&second, 1)
+                .is_some_and(|held| std::sync::Arc::ptr_eq(&held, &again))
+        );
+        assert!(feeds.open_ended(&second, 1, None).is_none());
     }
 
     #[test]

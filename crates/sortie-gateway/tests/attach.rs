@@ -100,6 +100,7 @@ fn fake_tails() -> (Arc<FakeTails>, Arc<DriverStreams>) {
 struct World {
     _temp: tempfile::TempDir,
     state: AttachState,
+    store: Arc<SqlStore>,
     driver: Arc<DriverStreams>,
     workspace_id: String,
     session: SessionId,
@@ -137,7 +138,7 @@ impl World {
             .expect("session");
         let (tails, driver) = fake_tails();
         let state = AttachState {
-            store,
+            store: store.clone(),
             ticket_secret: Arc::from(SECRET),
             tails,
             allowed_origins: Arc::new(Vec::new()),
@@ -147,6 +148,7 @@ impl World {
         World {
             _temp: temp,
             state,
+            store,
             driver,
             workspace_id: workspace.id,
             session,
@@ -422,4 +424,134 @@ async fn tails_through_a_connection_stay_within_their_descriptors() {
     for _ in 0..3 {
         assert!(in_memory.open(&session, 1, None).await.is_some());
     }
+}
+
+/// A worker's copies of ended turns: `kept` answers for turn 1 what the store does not hold, so a
+/// reply shows which of them it came from; no live copy of any turn.
+struct KeptTails {
+    kept: bool,
+}
+
+impl LiveTails for KeptTails {
+    fn open<'a>(
+        &'a self,
+        _session: &'a SessionId,
+        _n: u32,
+        _after: Option<u64>,
+    ) -> Pin<Box<dyn Future<Output = Option<TailBody>> + Send + 'a>> {
+        Box::pin(async { None })
+    }
+
+    fn open_ended(&self, _session: &SessionId, n: u32, after: Option<u64>) -> Option<TailBody> {
+        if !self.kept || n != 1 {
+            return None;
+        }
+        let mut events = Vec::new();
+        for index in after.map_or(0, |k| k + 1)..3 {
+            write_sse_event(
+                &mut events,
+                index,
+                &format!(r#"{{"type":"text-delta","id":"t","delta":"kept {index}"}}"#),
+            );
+        }
+        events.extend_from_slice(SSE_DONE);
+        Some(Box::pin(futures::stream::iter([Ok(Bytes::from(events))])))
+    }
+}
+
+/// An ended turn is replayed from the copy its worker kept in memory when there is one (from any
+/// part on), and from the store when there is none; a running turn's stored prefix still comes first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ended_turn_is_replayed_from_the_kept_copy_when_there_is_one() {
+    use sortie_store::{Ledger, NewPart, Transcripts, TurnOutcome};
+    let world = World::start().await;
+    let store = world.store.clone();
+    store
+        .claim_turn(&world.session, true, "test")
+        .await
+        .expect("claim")
+        .expect("turn 1");
+    let stored: Vec<NewPart> = (0..3)
+        .map(|index| NewPart {
+            part_index: index,
+            payload: format!(r#"{{"type":"text-delta","id":"t","delta":"stored {index}"}}"#),
+            driver_index: None,
+        })
+        .collect();
+    assert_eq!(store.append_parts(&world.session, 1, &stored).await.expect("parts"), 3);
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("addr");
+    let (use_kept, kept_tails) = (Arc::new(KeptTails { kept: true }), Arc::new(KeptTails { kept: false }));
+    let mut with_kept = world.state.clone();
+    with_kept.tails = use_kept;
+    tokio::spawn(sortie_gateway::attach::run(listener, with_kept, std::future::pending()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let without = listener.local_addr().expect("addr");
+    let mut store_only = world.state.clone();
+    store_only.tails = kept_tails;
+    tokio::spawn(sortie_gateway::attach::run(
+        listener,
+        store_only,
+        std::future::pending(),
+    ));
+
+    let read = |address: std::net::SocketAddr, after: Option<u64>, nonce: &'static str| {
+        let mut request = reqwest::Client::new()
+            .get(format!("http://{address}{}?turn=1", world.path()))
+            .header("authorization", format!("Ticket {}", world.ticket(nonce)));
+        if let Some(after) = after {
+            request = request.header("last-event-id", after.to_string());
+        }
+        async move {
+            let reply = tokio::time::timeout(Duration::from_secs(30), request.send())
+                .await
+                .expect("answered")
+                .expect("attach");
+            assert_eq!(reply.status().as_u16(), 200);
+            tokio::time::timeout(Duration::from_secs(30), reply.text())
+                .await
+                .expect("the whole body")
+                .expect("body")
+        }
+    };
+    let _ = rustls::crypto::ring::default_provider().install_default();
+
+    // Running: the stored parts, whatever the worker may keep.
+    let running = tokio::time::timeout(
+        Duration::from_secs(5),
+        reqwest::Client::new()
+            .get(format!("http://{address}{}?turn=1", world.path()))
+            .header("authorization", format!("Ticket {}", world.ticket("running")))
+            .send(),
+    )
+    .await
+    .expect("answered")
+    .expect("attach");
+    let mut running = running.bytes_stream();
+    let mut text = String::new();
+    read_until(&mut running, &mut text, |text| text.contains("stored 2")).await;
+    assert!(!text.contains("kept"), "{text}");
+    drop(running);
+
+    let outcome = TurnOutcome {
+        status: sortie_protocol::TurnStatus::Completed,
+        head_sha: None,
+        failure: None,
+    };
+    assert!(store.finish_turn(&world.session, 1, outcome).await.expect("finish"));
+    let kept = read(address, None, "kept").await;
+    assert_eq!(ids(&kept), [0, 1, 2]);
+    assert!(kept.contains("kept 0") && !kept.contains("stored"), "{kept}");
+    assert!(kept.ends_with("data: [DONE]\n\n"));
+    let after = read(address, Some(1), "kept-after").await;
+    assert_eq!(ids(&after), [2]);
+    assert!(after.contains("kept 2"));
+    let from_store = read(without, None, "stored").await;
+    assert_eq!(ids(&from_store), [0, 1, 2]);
+    assert!(
+        from_store.contains("stored 0") && !from_store.contains("kept"),
+        "{from_store}"
+    );
+    assert!(from_store.ends_with("data: [DONE]\n\n"));
 }

@@ -532,7 +532,12 @@ impl Writer {
             self.written.lost = lost.await.unwrap_or_default();
         }
         self.hub.finish();
-        self.feeds.remove(&self.session_id, self.n, &self.hub);
+        if self.written.lost == 0 {
+            // It holds what the store holds: a reader just after the end is served from it.
+            self.feeds.retire(&self.session_id, self.n, &self.hub);
+        } else {
+            self.feeds.remove(&self.session_id, self.n, &self.hub);
+        }
     }
 }
 

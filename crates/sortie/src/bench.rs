@@ -518,9 +518,10 @@ struct Replay {
     driver_rate: f64,
 }
 
-/// A session whose agent floods `parts` messages, then that ended turn read whole twice: through the
-/// gateway (a ticket, then the stream of turn 1, served from the store) and on the session's driver
-/// socket (the driver's memory; the bench is root, as the host is).
+/// A session whose agent floods `parts` messages, then that ended turn read whole twice, as someone
+/// opening the session just after it reads it: through the gateway (a ticket, then the stream of turn
+/// 1, served from the copy the worker kept at the turn's end) and on the session's driver socket (the
+/// driver's memory; the bench is root, as the host is).
 async fn replay_rates(
     http: &reqwest::Client,
     serve: &Serve,
@@ -1426,8 +1427,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         &[replay.gateway_rate / replay.driver_rate.max(1.0)],
         "×",
         format!(
-            "an ended turn of {} parts: through the gateway (from the store) {:.0} parts/s; on the driver's socket \
-             (its memory) {:.0} parts/s",
+            "an ended turn of {} parts read just after its end: through the gateway (the copy its worker kept in \
+             memory; `cargo bench --bench gateway` times the store's) {:.0} parts/s; on the driver's socket (its \
+             memory) {:.0} parts/s",
             replay.parts, replay.gateway_rate, replay.driver_rate
         ),
     ));

@@ -375,6 +375,26 @@ async fn clients_joining_at_any_moment_get_the_whole_turn_exactly_once() {
         "only {joined_midway} of 100 trials joined a running turn"
     );
 
+    // The ended turn is kept whole in memory, and whoever replays it now reads exactly what was stored.
+    let kept = world.feeds.ended(&world.session, 1).expect("the ended turn is kept");
+    assert_eq!(kept.len(), total);
+    let replayed = world
+        .client
+        .get(format!("{}?turn=1", world.url()))
+        .header("authorization", format!("Ticket {}", world.ticket("replay")))
+        .send()
+        .await
+        .expect("replay")
+        .bytes()
+        .await
+        .expect("the replay's body");
+    let mut stored = Vec::new();
+    for part in world.store.turn_parts(&world.session, 1).await.expect("parts") {
+        sortie_protocol::chunk::write_sse_event(&mut stored, u64::from(part.part_index), &part.payload);
+    }
+    stored.extend_from_slice(sortie_protocol::chunk::SSE_DONE);
+    assert!(replayed[..] == stored[..], "the replay differs from the store");
+
     // The real AI SDK accepts the stream.
     let kit = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/ai-sdk");
     if !kit.join("node_modules/ai").exists() {
