@@ -1308,14 +1308,30 @@ async fn a_repository_of_another_user_is_served_as_that_user_and_its_hooks_never
     )
     .expect("wrapper");
     chmod(&wrapper, 0o755);
-
+    // The proxy runs git's `git-http-backend` itself, without `git` in front: that one reports too.
     let session = SessionId::generate();
     let upstreams: Arc<dyn Upstreams> = Arc::new(OneRepo {
         session: session.clone(),
         path: upstream.clone(),
     });
     let (mut config, ledger) = config_for(upstreams.clone(), &root.join("proxy-state"));
+    let real_backend = config
+        .http_backend
+        .clone()
+        .expect("git's own git-http-backend is found");
+    let backend_wrapper = root.join("backend-wrapper");
+    std::fs::write(
+        &backend_wrapper,
+        format!(
+            "#!/bin/sh\necho \"$(id -u) $(id -g) [$(grep '^Groups:' /proc/$$/status | cut -f2 | tr -d ' ')] http-backend $QUERY_STRING\" >> {}/backend\nexec {} \"$@\"\n",
+            log.display(),
+            real_backend.display()
+        ),
+    )
+    .expect("wrapper");
+    chmod(&backend_wrapper, 0o755);
     config.git = wrapper.clone();
+    config.http_backend = Some(backend_wrapper);
     let proxy = serve(config, ledger.clone()).await;
     let work = root.join("work");
     clone_session(&root, &proxy.base, &session, &work);

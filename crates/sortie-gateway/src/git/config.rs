@@ -202,6 +202,10 @@ pub struct GitProxyConfig {
     pub upstreams: Arc<dyn Upstreams>,
     /// The git binary (it provides `http-backend`, `index-pack`, `diff-tree`…).
     pub git: PathBuf,
+    /// `git-http-backend` in `git`'s own exec path, run without `git` in front of it (which would
+    /// start it as a child of its own and wait: a process fewer per request); `None`: `git
+    /// http-backend`.
+    pub http_backend: Option<PathBuf>,
     /// For forge upstreams ([`crate::git::http::forge_client`]); `None`: forges answer 502.
     pub forge_http: Option<reqwest::Client>,
     pub ledger: Arc<dyn PushLedger>,
@@ -234,6 +238,7 @@ impl GitProxyConfig {
     ) -> Self {
         Self {
             upstreams,
+            http_backend: installed_http_backend(&git),
             git,
             forge_http: None,
             ledger,
@@ -247,4 +252,27 @@ impl GitProxyConfig {
             keep_alive: None,
         }
     }
+}
+
+/// `git-http-backend` of `git`'s installation (`git --exec-path`, asked once per git binary for the
+/// life of the process: the installation is the host's, and a sandbox writes none of it).
+fn installed_http_backend(git: &Path) -> Option<PathBuf> {
+    static FOUND: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<PathBuf, Option<PathBuf>>>> =
+        std::sync::OnceLock::new();
+    let found = FOUND.get_or_init(Default::default);
+    let mut found = found.lock().unwrap_or_else(|p| p.into_inner());
+    found
+        .entry(git.to_owned())
+        .or_insert_with(|| {
+            let output = std::process::Command::new(git)
+                .arg("--exec-path")
+                .env_clear()
+                .env("PATH", super::process::GIT_PATH)
+                .output()
+                .ok()?;
+            let exec_path = String::from_utf8(output.stdout).ok()?;
+            let backend = Path::new(exec_path.trim()).join("git-http-backend");
+            (output.status.success() && backend.is_absolute() && backend.is_file()).then_some(backend)
+        })
+        .clone()
 }

@@ -889,8 +889,11 @@ async fn cgi(
             "the upstream repository belongs to another user; this gateway does not serve it",
         );
     }
-    let mut command = GitCommand::new(&config.git)
-        .arg("http-backend")
+    let backend = match &config.http_backend {
+        Some(backend) => GitCommand::new(backend),
+        None => GitCommand::new(&config.git).arg("http-backend"),
+    };
+    let mut command = backend
         .env("GIT_PROJECT_ROOT", root)
         // Built from the configured repository, never from the client's path.
         .env("PATH_INFO", format!("/{}/{tail}", name.to_string_lossy()))
