@@ -66,7 +66,7 @@ impl SessionId {
 
     /// The branch the session's work is pushed to.
     pub fn branch(&self) -> String {
-        format!("sortie/{}", self.0)
+        format!("{SESSION_BRANCH_PREFIX}{}", self.0)
     }
 
     /// Where a session's pod keeps what a failed delivery could not push (a pod keeps nothing once let
@@ -114,8 +114,13 @@ impl From<SessionId> for String {
 
 /// [`SessionId::wip_ref`] of the session named `session` (as the driver and the git proxy have it).
 pub fn wip_ref(session: &str) -> String {
-    format!("refs/sortie/wip/{session}")
+    format!("{SORTIE_REFS}wip/{session}")
 }
+
+/// Where sessions' branches are: `sortie/<session id>` (under `refs/heads/`).
+pub const SESSION_BRANCH_PREFIX: &str = "sortie/";
+/// sortie's refs outside `refs/heads` (what failed deliveries keep).
+pub const SORTIE_REFS: &str = "refs/sortie/";
 
 #[cfg(test)]
 mod tests {

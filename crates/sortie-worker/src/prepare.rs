@@ -133,7 +133,7 @@ impl ForgeAuth {
 }
 
 /// Sets git configuration through `GIT_CONFIG_COUNT`/`KEY_n`/`VALUE_n`: never in argv, and inherited
-/// by git's own children (except across a local transport, which clears it: see [`upload_pack_for`]).
+/// by git's own children (except across a local transport, which clears it: see [`upload_pack_as`]).
 fn set_config(command: &mut tokio::process::Command, pairs: &[(&str, String)]) {
     command.env("GIT_CONFIG_COUNT", pairs.len().to_string());
     for (index, (key, value)) in pairs.iter().enumerate() {
@@ -148,19 +148,17 @@ fn shell_quote(text: &str) -> String {
     format!("'{}'", text.replace('\'', "'\\''"))
 }
 
-/// The `upload-pack` command host git runs for a local repository `repo` (git runs it through
-/// `sh`, with the repository's path appended), or `None` for git's own.
+/// The `upload-pack` command host git runs for a local repository whose side runs as `owner` (see
+/// [`local_owner`]; git runs the command through `sh`, with the repository's path appended), or
+/// `None` for git's own.
 ///
-/// When this process is root and the repository belongs to another uid, the repository's side of
-/// the transfer runs as that uid and gid (no supplementary groups, no capabilities, no new
-/// privileges), with no global config and hooks off — set inside the command, since git's local
-/// transport clears `GIT_CONFIG_*` before it starts upload-pack.
-fn upload_pack_for(binary: &Path, repo: &Path) -> Result<Option<String>, PrepareError> {
-    use std::os::unix::fs::MetadataExt;
-    let metadata = std::fs::metadata(repo).map_err(|e| PrepareError(format!("cannot read {}: {e}", repo.display())))?;
-    if !nix::unistd::geteuid().is_root() || metadata.uid() == 0 {
+/// The repository's side of the transfer then runs as that uid and gid (no supplementary groups, no
+/// capabilities, no new privileges), with no global config and hooks off — set inside the command,
+/// since git's local transport clears `GIT_CONFIG_*` before it starts upload-pack.
+fn upload_pack_as(binary: &Path, owner: Option<(u32, u32)>) -> Result<Option<String>, PrepareError> {
+    let Some((uid, gid)) = owner else {
         return Ok(None);
-    }
+    };
     let git = binary
         .to_str()
         .ok_or_else(|| PrepareError(format!("the git binary path {} is not UTF-8", binary.display())))?;
@@ -168,10 +166,64 @@ fn upload_pack_for(binary: &Path, repo: &Path) -> Result<Option<String>, Prepare
         "setpriv --reuid={uid} --regid={gid} --clear-groups --inh-caps=-all --bounding-set=-all --no-new-privs \
          env HOME=/nonexistent GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null GIT_CONFIG_COUNT=1 \
          GIT_CONFIG_KEY_0=core.hooksPath GIT_CONFIG_VALUE_0=/dev/null {git} upload-pack",
-        uid = metadata.uid(),
-        gid = metadata.gid(),
         git = shell_quote(git),
     )))
+}
+
+/// Who git must run as in the local repository `repo`: its owner (uid, gid) when this process is
+/// root and the repository is not root's; `None`: this process.
+fn local_owner(repo: &Path) -> Result<Option<(u32, u32)>, PrepareError> {
+    use std::os::unix::fs::MetadataExt;
+    let metadata = std::fs::metadata(repo).map_err(|e| PrepareError(format!("cannot read {}: {e}", repo.display())))?;
+    if !nix::unistd::geteuid().is_root() || metadata.uid() == 0 {
+        return Ok(None);
+    }
+    Ok(Some((metadata.uid(), metadata.gid())))
+}
+
+/// Whether the mirror holds what a session starting from `base` (a branch; `None`: the default
+/// branch) needs of the local repository `repo` as it is now, so that a fetch would change nothing
+/// it uses: the repository's refs are read as its owner (as its upload-pack runs), the mirror's as
+/// this process, at once. Any failure says no: the fetch runs.
+async fn mirror_is_current(
+    binary: &Path,
+    repo: &Path,
+    mirror: &Path,
+    owner: Option<(u32, u32)>,
+    base: Option<&str>,
+) -> bool {
+    const LISTING: &str = "--format=%(objectname) %(refname)";
+    let (theirs, ours) = tokio::join!(
+        git_as(
+            binary,
+            Some(repo),
+            &["for-each-ref", LISTING],
+            LOCAL_DEADLINE,
+            None,
+            owner
+        ),
+        git(binary, Some(mirror), &["for-each-ref", LISTING], LOCAL_DEADLINE),
+    );
+    match (theirs, ours) {
+        (Ok(theirs), Ok(ours)) => refs_within(&theirs, &ours, base),
+        _ => false,
+    }
+}
+
+/// Whether every `<object> <ref>` line of `theirs` is a line of `ours` (the mirror keeps refs the
+/// repository deleted since: a fetch does not prune them), sortie's own refs aside: every session's
+/// delivery adds its branch to the repository, and a session starts from one of them only when it
+/// names it as its `base`.
+fn refs_within(theirs: &str, ours: &str, base: Option<&str>) -> bool {
+    let session_branches = format!("refs/heads/{}", sortie_protocol::ids::SESSION_BRANCH_PREFIX);
+    let base = base.map(|base| format!("refs/heads/{base}"));
+    let sortie_own = |line: &str| {
+        let name = line.split_once(' ').map_or("", |(_, name)| name);
+        (name.starts_with(&session_branches) || name.starts_with(sortie_protocol::ids::SORTIE_REFS))
+            && base.as_deref() != Some(name)
+    };
+    let ours: std::collections::HashSet<&str> = ours.lines().collect();
+    theirs.lines().all(|line| sortie_own(line) || ours.contains(line))
 }
 
 /// Runs git with a deadline; stdout on success, else a sentence with the tail of its stderr.
@@ -311,17 +363,23 @@ pub async fn ensure_mirror(
     binary: &Path,
     mirrors: &Path,
     repo: &str,
+    base: Option<&str>,
     auth: Option<&ForgeAuth>,
 ) -> Result<PathBuf, PrepareError> {
     let mirror = mirror_path(mirrors, repo);
     // A local repository's side of the transfer runs as its owner (S5); a forge's is the forge's.
-    let upload_pack = if repo.starts_with('/') {
-        upload_pack_for(binary, Path::new(repo))?
-    } else {
-        None
-    };
+    let local = repo.starts_with('/');
+    let owner = if local { local_owner(Path::new(repo))? } else { None };
+    let upload_pack = upload_pack_as(binary, owner)?;
     if mirror.join("HEAD").is_file() {
-        let mut args = vec!["fetch", "--quiet", "--force"];
+        // A local repository that did not move since is not fetched: the fetch's chain of processes
+        // (a shell, setpriv, env, upload-pack, a connectivity check) costs tens of milliseconds for
+        // nothing on every session's start.
+        if local && mirror_is_current(binary, Path::new(repo), &mirror, owner, base).await {
+            return Ok(mirror);
+        }
+        // Its automatic maintenance would be a process more for nothing: a mirror is never collected.
+        let mut args = vec!["-c", "maintenance.auto=false", "fetch", "--quiet", "--force"];
         if let Some(command) = &upload_pack {
             args.extend(["--upload-pack", command.as_str()]);
         }
@@ -739,18 +797,24 @@ async fn adopt_primed(
         .ok()
         .and_then(|listing| PrimedRefs::parse(&listing))
         .ok_or_else(|| PrepareError(format!("no refs recorded at {}", refs.display())))?;
-    let listing = git(
-        binary,
-        Some(mirror),
-        &[
-            "for-each-ref",
-            "--format=%(objectname) %(refname) %(HEAD)",
-            "refs/heads",
-            "refs/tags",
-        ],
-        LOCAL_DEADLINE,
-    )
-    .await?;
+    // `origin` becomes the session's proxy meanwhile: its config is touched by nothing else here.
+    let set_url = ["remote", "set-url", "origin", origin_url];
+    let (listing, set_url) = tokio::join!(
+        git(
+            binary,
+            Some(mirror),
+            &[
+                "for-each-ref",
+                "--format=%(objectname) %(refname) %(HEAD)",
+                "refs/heads",
+                "refs/tags",
+            ],
+            LOCAL_DEADLINE,
+        ),
+        git_as(binary, Some(primed), &set_url, LOCAL_DEADLINE, None, owner,)
+    );
+    set_url?;
+    let listing = listing?;
     let adoption = plan_adoption(&recorded, &listing, base).map_err(PrepareError)?;
     if !adoption.updates.is_empty() {
         git_fed(
@@ -778,15 +842,6 @@ async fn adopt_primed(
         ]
     };
     git_as(binary, Some(primed), &checkout, LOCAL_DEADLINE, None, owner).await?;
-    git_as(
-        binary,
-        Some(primed),
-        &["remote", "set-url", "origin", origin_url],
-        LOCAL_DEADLINE,
-        None,
-        owner,
-    )
-    .await?;
     std::fs::rename(primed, workspace)
         .map_err(|e| PrepareError(format!("cannot move the workspace into place: {e}")))?;
     let _ = std::fs::remove_file(&refs);
@@ -862,7 +917,7 @@ mod tests {
 
         let mirrors = root.join("mirrors");
         let repo_text = repo.to_str().expect("utf-8");
-        let mirror = ensure_mirror(&wrapper, &mirrors, repo_text, None)
+        let mirror = ensure_mirror(&wrapper, &mirrors, repo_text, None, None)
             .await
             .expect("mirror");
         let head = |dir: &Path| sortie_testkit::git::rev(dir, "refs/heads/main").unwrap_or_default();
@@ -875,24 +930,67 @@ mod tests {
         chown(&repo, 0);
         run(&seed, &["push", "-q", repo_text, "HEAD:refs/heads/main"]);
         chown(&repo, owner);
-        ensure_mirror(&wrapper, &mirrors, repo_text, None).await.expect("fetch");
+        ensure_mirror(&wrapper, &mirrors, repo_text, None, None)
+            .await
+            .expect("fetch");
         assert_eq!(head(&mirror), head(&repo));
-
+        // Nothing new upstream: its refs are read, and nothing is fetched.
+        let fetches = |calls: &str| calls.lines().filter(|c| c.contains(" fetch ")).count();
+        let before = std::fs::read_to_string(log.join("calls")).expect("calls");
+        assert_eq!(fetches(&before), 1, "{before}");
+        ensure_mirror(&wrapper, &mirrors, repo_text, None, None)
+            .await
+            .expect("no fetch");
         let calls = std::fs::read_to_string(log.join("calls")).expect("calls");
-        // `<uid> [<groups>] <git's arguments>`: the repository's side is git's `upload-pack`.
-        let serves = |call: &str| call.split(' ').nth(2) == Some("upload-pack");
-        let serving: Vec<&str> = calls.lines().filter(|c| serves(c)).collect();
-        assert_eq!(serving.len(), 2, "the clone and the fetch: {calls}");
+        assert_eq!(fetches(&calls), 1, "a mirror that is current was fetched: {calls}");
+        assert!(calls.len() > before.len(), "the upstream's refs were not read");
+
+        // `<uid> [<groups>] <git's arguments>`: the repository's side is git's `upload-pack`, and the
+        // reading of its refs.
+        let serves = |call: &str| matches!(call.split(' ').nth(2), Some("upload-pack" | "for-each-ref"));
+        let serving: Vec<&str> = calls.lines().filter(|c| serves(c) && !c.starts_with("0 ")).collect();
+        assert_eq!(
+            serving.iter().filter(|c| c.contains("upload-pack")).count(),
+            2,
+            "the clone and the fetch: {calls}"
+        );
+        assert_eq!(
+            serving.iter().filter(|c| c.contains("for-each-ref")).count(),
+            2,
+            "the fetch's look and the last one: {calls}"
+        );
         for call in &serving {
             assert!(
-                call.starts_with(&format!("{owner} [] upload-pack")),
+                call.starts_with(&format!("{owner} [] ")),
                 "the repository's side ran as someone else, or with groups: {call}"
             );
         }
-        for call in calls.lines().filter(|c| !serves(c)) {
+        for call in calls.lines().filter(|c| !serving.contains(c)) {
             assert!(call.starts_with("0 "), "{call}");
         }
         owned_by(&repo, owner, owner);
+    }
+
+    #[test]
+    fn a_mirror_is_current_when_it_holds_every_ref_of_the_repository_at_its_object() {
+        let ours = "aaaa refs/heads/main\nbbbb refs/heads/gone\ncccc refs/tags/v1\n";
+        assert!(refs_within("aaaa refs/heads/main\ncccc refs/tags/v1\n", ours, None));
+        assert!(refs_within("", ours, None), "a repository without refs");
+        assert!(!refs_within("abab refs/heads/main\n", ours, None), "a ref moved");
+        assert!(
+            !refs_within("aaaa refs/heads/main\ndddd refs/heads/new\n", ours, None),
+            "a new ref"
+        );
+        assert!(!refs_within("aaaa refs/heads/main", "", None), "an empty mirror");
+        // Sessions' deliveries are not waited for, unless the session starts from one.
+        let delivered = "aaaa refs/heads/main\neeee refs/heads/sortie/ses_1\nffff refs/sortie/wip/ses_2\n";
+        assert!(refs_within(delivered, ours, None));
+        assert!(refs_within(delivered, ours, Some("main")));
+        assert!(!refs_within(delivered, ours, Some("sortie/ses_1")));
+        assert!(
+            !refs_within("eeee refs/heads/sortiex\n", ours, None),
+            "not a session's branch"
+        );
     }
 
     /// A repository `seed` under `root` with `files` files in `src/` committed on `main`; `root` made
@@ -945,7 +1043,7 @@ mod tests {
         let root = temp.path();
         let seed = searchable_seed(root, 50);
         let git = Path::new("git");
-        let mirror = ensure_mirror(git, &root.join("mirrors"), seed.to_str().expect("utf-8"), None)
+        let mirror = ensure_mirror(git, &root.join("mirrors"), seed.to_str().expect("utf-8"), None, None)
             .await
             .expect("mirror");
         let workspace = root.join("ws");
@@ -1026,7 +1124,7 @@ mod tests {
         run(&seed, &["commit", "-q", "-m", "other"]);
         run(&seed, &["checkout", "-q", "main"]);
         let git = Path::new("git");
-        let mirror = ensure_mirror(git, &root.join("mirrors"), seed.to_str().expect("utf-8"), None)
+        let mirror = ensure_mirror(git, &root.join("mirrors"), seed.to_str().expect("utf-8"), None, None)
             .await
             .expect("mirror");
         let main = sortie_testkit::git::rev(&mirror, "refs/heads/main").expect("main");

@@ -215,15 +215,16 @@ fn main() {
     let (mut prepare, mut baseline) = (Vec::new(), Vec::new());
     runtime.block_on(async {
         let git_binary = Path::new("git");
-        let _made = sortie_worker::prepare::ensure_mirror(git_binary, &mirrors, big.to_str().expect("utf-8"), None)
-            .await
-            .expect("mirror");
+        let _made =
+            sortie_worker::prepare::ensure_mirror(git_binary, &mirrors, big.to_str().expect("utf-8"), None, None)
+                .await
+                .expect("mirror");
         for i in 0..10 {
             let workspace = root.join(format!("ws-{i}"));
             let began = Instant::now();
             // What every provision does: fetch the mirror, clone from it, hand the tree to the sandbox uid.
             let mirror =
-                sortie_worker::prepare::ensure_mirror(git_binary, &mirrors, big.to_str().expect("utf-8"), None)
+                sortie_worker::prepare::ensure_mirror(git_binary, &mirrors, big.to_str().expect("utf-8"), None, None)
                     .await
                     .expect("fetch");
             sortie_worker::prepare::ensure_workspace(

@@ -517,6 +517,7 @@ async fn primed_anew(world: &World, before: &[String]) -> String {
 /// the same start. After a push upstream, the disk primed before it is still taken, and the adoption
 /// brings it to the refs the session's fetch brought: the branch starts at the new commit, and the
 /// workspace's remote branches are the repository's now (the branches delivered since among them).
+/// (Sessions' deliveries alone do not make a session fetch: it starts from none of them.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_next_session_of_a_repository_adopts_a_checkout_made_ahead_at_the_refs_it_fetched() {
     let world = World::start(&[]);

@@ -88,9 +88,16 @@ pub(super) async fn provision(
         if let Some((spares, mirror)) = primable(context, session, &dirs) {
             spares.take_primed(&mirror, &dirs.image);
         }
-        mount_disk(context, &dirs).await
+        let mounted = mount_disk(context, &dirs).await;
+        tracing::debug!(session = %session.id, ms = ms(clock), "the session's disk is mounted");
+        mounted
     };
-    let (mirrored, disk) = tokio::join!(session_mirror(context, session, forge_auth.as_ref()), disk);
+    let mirror = async {
+        let mirrored = session_mirror(context, session, forge_auth.as_ref()).await;
+        tracing::debug!(session = %session.id, ms = ms(clock), "the session's mirror is fetched");
+        mirrored
+    };
+    let (mirrored, disk) = tokio::join!(mirror, disk);
     let (mirror, mirror_hold) = match (mirrored, disk) {
         (Ok(mirrored), Ok(())) => mirrored,
         (Err(failure), disk) => {
@@ -344,9 +351,15 @@ pub(super) async fn session_mirror(
         .map_err(|e| (FailureCode::CloneFailed, e.0))?;
     let lock = context.mirror_lock(&path).await;
     let _held = lock.lock().await;
-    let mirror = prepare::ensure_mirror(&config.git_binary, &mirrors, &session.repo, forge_auth)
-        .await
-        .map_err(|e| (FailureCode::CloneFailed, e.0))?;
+    let mirror = prepare::ensure_mirror(
+        &config.git_binary,
+        &mirrors,
+        &session.repo,
+        session.base.as_deref(),
+        forge_auth,
+    )
+    .await
+    .map_err(|e| (FailureCode::CloneFailed, e.0))?;
     Ok((mirror, hold))
 }
 
