@@ -366,6 +366,27 @@ struct Pace {
 /// At most this much of a client's backlog is joined into one write.
 const COALESCE_BYTES: usize = 64 * 1024;
 
+/// Hands `data` to the client's buffer, waiting at most `limit` for room; `false`: the stream ends
+/// there. A client that takes nothing for that long is dropped (it can attach again).
+async fn send_paced(
+    sender: &tokio::sync::mpsc::Sender<Bytes>,
+    data: Bytes,
+    limit: Duration,
+    dropped: &std::sync::atomic::AtomicBool,
+    (session, n): (&SessionId, u32),
+) -> bool {
+    match tokio::time::timeout(limit, sender.send(data)).await {
+        Ok(Ok(())) => true,
+        Ok(Err(_)) => false,
+        Err(_) => {
+            dropped.store(true, std::sync::atomic::Ordering::Release);
+            metrics::counter!("sortie_attach_slow_clients_dropped_total").increment(1);
+            tracing::info!(session = %session, turn = n, "dropped a client that took nothing");
+            false
+        }
+    }
+}
+
 /// The rest of the stream after the stored prefix: the live copy's parts after `after`, heartbeats
 /// while nothing comes, and `[DONE]`. A turn that ended and is stored whole needs no live copy.
 ///
@@ -397,14 +418,8 @@ fn live_tail(
                     mark_dropped.store(true, std::sync::atomic::Ordering::Release);
                     return;
                 };
-                match tokio::time::timeout(slow_client_limit, sender.send(data)).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(_)) => return,
-                    Err(_) => {
-                        mark_dropped.store(true, std::sync::atomic::Ordering::Release);
-                        metrics::counter!("sortie_attach_slow_clients_dropped_total").increment(1);
-                        return;
-                    }
+                if !send_paced(&sender, data, slow_client_limit, &mark_dropped, (&session, n)).await {
+                    return;
                 }
             }
             return;
@@ -418,13 +433,16 @@ fn live_tail(
             for part in &slice {
                 write_sse_event(&mut bytes, u64::from(part.part_index), &part.payload);
             }
-            match tokio::time::timeout(slow_client_limit, sender.send(Bytes::from(bytes))).await {
-                Ok(Ok(())) => {}
-                Ok(Err(_)) => return,
-                Err(_) => {
-                    mark_dropped.store(true, std::sync::atomic::Ordering::Release);
-                    return;
-                }
+            if !send_paced(
+                &sender,
+                Bytes::from(bytes),
+                slow_client_limit,
+                &mark_dropped,
+                (&session, n),
+            )
+            .await
+            {
+                return;
             }
             slice = match store.turn_parts_after(&session, n, last, STORED_SLICE).await {
                 Ok(next) => next,
@@ -455,17 +473,9 @@ fn live_tail(
                     match tokio::time::timeout(heartbeat, body.next()).await {
                         Ok(Some(Ok(data))) => {
                             relayed.observe(&data);
-                            // A client that takes nothing for this long is dropped (it can attach again);
-                            // only its own subscription ever waited for it.
-                            match tokio::time::timeout(slow_client_limit, sender.send(data)).await {
-                                Ok(Ok(())) => {}
-                                Ok(Err(_)) => return,
-                                Err(_) => {
-                                    mark_dropped.store(true, std::sync::atomic::Ordering::Release);
-                                    metrics::counter!("sortie_attach_slow_clients_dropped_total").increment(1);
-                                    tracing::info!(session = %session, turn = n, "dropped a client that took nothing");
-                                    return;
-                                }
+                            // Only this client's own subscription ever waited for it.
+                            if !send_paced(&sender, data, slow_client_limit, &mark_dropped, (&session, n)).await {
+                                return;
                             }
                             if relayed.done {
                                 return;
