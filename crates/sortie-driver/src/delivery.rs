@@ -666,7 +666,11 @@ async fn try_deliver(
     let _ = git.run("refresh the index", &["update-index", "-q", "--refresh"]).await;
     git.output("stage the workspace", &["add", "--all"]).await?;
     let committed = commit(config, git, input).await?;
-    let Some(candidate) = git.head().await? else {
+    let head = match committed.then(|| committed_head(&git.workspace)).flatten() {
+        Some(head) => Some(head),
+        None => git.head().await?,
+    };
+    let Some(candidate) = head else {
         // An unborn branch and nothing to commit: there is nothing to deliver.
         return Ok(());
     };
@@ -708,6 +712,30 @@ async fn try_deliver(
     publish(config, git, &candidate, input).await?;
     report.pushed = true;
     Ok(())
+}
+
+/// The commit `git commit` just made, read where it left it: HEAD's branch as a loose ref (or HEAD
+/// itself, detached). `None` when it is anywhere else (packed, another ref format): git is asked.
+/// Only right after our own commit: then the ref names the new commit, no tag or other object.
+fn committed_head(workspace: &Path) -> Option<String> {
+    let git_dir = workspace.join(".git");
+    let head = std::fs::read_to_string(git_dir.join("HEAD")).ok()?;
+    let head = head.trim_end();
+    let oid = match head.strip_prefix("ref: ") {
+        Some(branch) => {
+            let plain = branch.starts_with("refs/heads/")
+                && branch
+                    .split('/')
+                    .all(|part| !part.is_empty() && part != "." && part != "..");
+            if !plain {
+                return None;
+            }
+            std::fs::read_to_string(git_dir.join(branch)).ok()?
+        }
+        None => head.to_owned(),
+    };
+    let oid = oid.trim_end();
+    (matches!(oid.len(), 40 | 64) && oid.bytes().all(|b| b.is_ascii_hexdigit())).then(|| oid.to_owned())
 }
 
 /// Commits what is staged; `false` when nothing was (the index is HEAD's tree). One git process when
@@ -929,6 +957,40 @@ async fn publish_once(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What `commit` just made is read from HEAD's loose branch, or from HEAD detached, as git reads
+    /// it; a packed branch, or a HEAD that is not a plain branch, is left to git.
+    #[test]
+    fn a_new_commit_is_read_where_git_left_it() {
+        use sortie_testkit::git::{git, rev};
+        let temp = tempfile::tempdir().expect("temp");
+        let work = temp.path();
+        git(work, &["init", "-q", "-b", "sortie/ses_1"]);
+        std::fs::write(work.join("a.txt"), "a\n").expect("write");
+        git(work, &["add", "."]);
+        git(
+            work,
+            &[
+                "-c",
+                "user.name=a",
+                "-c",
+                "user.email=a@example.com",
+                "commit",
+                "-q",
+                "-m",
+                "a",
+            ],
+        );
+        let head = rev(work, "HEAD").expect("a commit");
+        assert_eq!(committed_head(work), Some(head.clone()));
+        git(work, &["checkout", "-q", "--detach"]);
+        assert_eq!(committed_head(work), Some(head.clone()), "detached");
+        git(work, &["checkout", "-q", "sortie/ses_1"]);
+        git(work, &["pack-refs", "--all"]);
+        assert_eq!(committed_head(work), None, "packed: git is asked");
+        std::fs::write(work.join(".git/HEAD"), "ref: refs/heads/../../HEAD\n").expect("write");
+        assert_eq!(committed_head(work), None, "not a plain branch");
+    }
 
     #[test]
     fn commit_messages() {
