@@ -379,15 +379,20 @@ async fn s6_one_sandbox_cannot_make_the_host_run_hundreds_of_git_processes() {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut most = 0;
     let mut crowd = Vec::new();
-    // A backend is `git http-backend`, a child of the server, and the `git-http-backend` it runs; the
-    // first holds the proxy's slot until both have ended, so counting the server's own children is
-    // exact even though /proc is not read in one instant (the pair's child may be seen beside the next
-    // pair, and for an instant after its fork it still reads `git http-backend`).
+    // A backend is git's `git-http-backend`, a child of the server (run straight from git's exec
+    // path, or as `git http-backend` where that is not found); it holds the proxy's slot until it has
+    // ended, so counting the server's own children is exact even though /proc is not read in one
+    // instant.
+    let is_backend = |cmdline: &str| {
+        let mut words = cmdline.split(' ');
+        let program = words.next().unwrap_or_default();
+        program.rsplit('/').next() == Some("git-http-backend") || words.next() == Some("http-backend")
+    };
     let mut count = |most: &mut usize| {
         let now = git_children(pid);
         let backends = now
             .iter()
-            .filter(|(_, ppid, cmdline)| *ppid == pid && cmdline.split(' ').nth(1) == Some("http-backend"))
+            .filter(|(_, ppid, cmdline)| *ppid == pid && is_backend(cmdline))
             .count();
         if backends > *most {
             *most = backends;

@@ -283,7 +283,8 @@ async fn scan_inner(
     // Every object of the pack (read from the index git just wrote), then their types.
     let index_file = std::fs::read(&index).map_err(|e| format!("cannot read the pack's index: {e}"))?;
     let pack_oids = pack_index_oids(&index_file, format)?;
-    let types = batch_check(context, &git, &pack_oids).await?;
+    let mut cat_file = CatFile::start(context, git(&["cat-file", CAT_FILE_FORMAT, "--buffer"])).await?;
+    let types = cat_file.types(&pack_oids).await?;
     let in_pack: HashSet<&str> = types.iter().map(|(oid, _)| oid.as_str()).collect();
     let commits: Vec<String> = types
         .iter()
@@ -299,39 +300,33 @@ async fn scan_inner(
     let mut seen_parents: HashSet<String> = HashSet::new();
     let mut parser = BatchParser::new(MAX_COMMIT_BYTES);
     let mut failure = None;
-    run(
-        context,
-        git(&["cat-file", "--batch"]),
-        Input::Bytes(lines_of(&commits)),
-        |chunk| {
-            parser.push(chunk, &mut |item| match item {
-                Ok(object) => {
-                    let origin = format!("the commit object {}", short(&object.oid));
-                    for line in object.content.split(|b| *b == b'\n') {
-                        scanner.added(&origin, line);
-                    }
-                    let parents = match commit_parents(&object.content, format) {
-                        Ok(parents) => parents,
-                        Err(malformed) => {
-                            failure.get_or_insert(format!("commit {} {malformed}", short(&object.oid)));
-                            return;
-                        }
-                    };
-                    for parent in &parents {
-                        if !in_pack.contains(parent.as_str()) && seen_parents.insert(parent.clone()) {
-                            parents_to_check.push(parent.clone());
-                        }
-                    }
-                    first_parents.push((object.oid, parents.into_iter().next()));
+    cat_file
+        .contents(&commits, &mut parser, |item| match item {
+            Ok(object) => {
+                let origin = format!("the commit object {}", short(&object.oid));
+                for line in object.content.split(|b| *b == b'\n') {
+                    scanner.added(&origin, line);
                 }
-                Err(error) => {
-                    failure.get_or_insert(error);
+                let parents = match commit_parents(&object.content, format) {
+                    Ok(parents) => parents,
+                    Err(malformed) => {
+                        failure.get_or_insert(format!("commit {} {malformed}", short(&object.oid)));
+                        return;
+                    }
+                };
+                for parent in &parents {
+                    if !in_pack.contains(parent.as_str()) && seen_parents.insert(parent.clone()) {
+                        parents_to_check.push(parent.clone());
+                    }
                 }
-            })
-        },
-    )
-    .await
-    .map_err(|e| format!("cannot read the pushed commits: {e}"))?;
+                first_parents.push((object.oid, parents.into_iter().next()));
+            }
+            Err(error) => {
+                failure.get_or_insert(error);
+            }
+        })
+        .await
+        .map_err(|e| format!("cannot read the pushed commits: {e}"))?;
     if let Some(error) = failure {
         return Err(error);
     }
@@ -345,7 +340,11 @@ async fn scan_inner(
     let parent_count = parents_to_check.len();
     let mut lookups = parents_to_check;
     lookups.extend(tips);
-    let mut looked_up = batch_check(context, &git, &lookups).await?;
+    let mut looked_up = cat_file.types(&lookups).await?;
+    cat_file
+        .end()
+        .await
+        .map_err(|e| format!("cannot look up the pushed objects: {e}"))?;
     let tip_types = looked_up.split_off(parent_count);
     for (parent, kind) in &looked_up {
         if kind != "commit" {
@@ -493,53 +492,167 @@ fn pack_index_oids(index: &[u8], format: ObjectFormat) -> Result<Vec<String>, St
         .collect())
 }
 
-fn lines_of(oids: &[String]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(oids.len() * 41);
-    for oid in oids {
-        out.extend_from_slice(oid.as_bytes());
-        out.push(b'\n');
-    }
-    out
+/// The format of every answer of the scan's `cat-file`: `<oid> <type> <size>`, or `<oid> missing`.
+const CAT_FILE_FORMAT: &str = "--batch-command=%(objectname) %(objecttype) %(objectsize)";
+
+/// The scan's one `git cat-file --batch-command --buffer`, asked in rounds (each round's questions
+/// depend on the answers before): a round writes its commands and a `flush`, and reads git's answers
+/// while it writes, so neither side ever waits on a full pipe. One process where three ran.
+struct CatFile {
+    child: tokio::process::Child,
+    /// Dropped at the end: git sees the end of its input only once the pipe is closed.
+    stdin: Option<tokio::process::ChildStdin>,
+    stdout: tokio::process::ChildStdout,
+    errors: tokio::task::JoinHandle<Vec<u8>>,
+    buffer: Vec<u8>,
 }
 
-/// The type of each of `oids` (`missing` for one no store has), in order.
-async fn batch_check(
-    context: &ScanContext<'_>,
-    git: &impl Fn(&[&str]) -> GitCommand,
-    oids: &[String],
-) -> Result<Vec<(String, String)>, String> {
-    if oids.is_empty() {
-        return Ok(Vec::new());
+impl CatFile {
+    async fn start(context: &ScanContext<'_>, command: GitCommand) -> Result<Self, String> {
+        let process::Spawned {
+            child,
+            stdin,
+            stdout,
+            mut stderr,
+        } = context.spawner.spawn(command).await.map_err(|e| e.to_string())?;
+        let errors = tokio::spawn(async move {
+            let mut said = Vec::new();
+            let mut buffer = vec![0_u8; 8 << 10];
+            loop {
+                match stderr.read(&mut buffer).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) if said.len() < MAX_STDERR => said.extend_from_slice(&buffer[..n]),
+                    Ok(_) => {}
+                }
+            }
+            said
+        });
+        Ok(Self {
+            child,
+            stdin: Some(stdin),
+            stdout,
+            errors,
+            buffer: vec![0_u8; 64 << 10],
+        })
     }
-    let mut types = Vec::with_capacity(oids.len());
-    let mut splitter = LineSplitter::new(512, 0);
-    let mut cut = false;
-    run(
-        context,
-        git(&["cat-file", "--batch-check=%(objectname) %(objecttype)"]),
-        Input::Bytes(lines_of(oids)),
-        |chunk| {
+
+    /// Writes `command` before each of `oids`, then `flush`, and hands git's answers to `on_output`
+    /// until it says they are all in (`true`); git ending first is an error.
+    async fn round(
+        &mut self,
+        command: &str,
+        oids: &[String],
+        mut on_output: impl FnMut(&[u8]) -> bool,
+    ) -> Result<(), String> {
+        let mut commands = Vec::with_capacity(oids.len() * (command.len() + 66) + 6);
+        for oid in oids {
+            commands.extend_from_slice(command.as_bytes());
+            commands.push(b' ');
+            commands.extend_from_slice(oid.as_bytes());
+            commands.push(b'\n');
+        }
+        commands.extend_from_slice(b"flush\n");
+        let Self {
+            stdin, stdout, buffer, ..
+        } = self;
+        let writer = async move {
+            // A child that stopped reading says why on stderr (read at the end).
+            if let Some(stdin) = stdin.as_mut() {
+                let _ = stdin.write_all(&commands).await;
+                let _ = stdin.flush().await;
+            }
+        };
+        let reader = async move {
+            loop {
+                match stdout.read(buffer).await {
+                    Ok(0) | Err(_) => return false,
+                    Ok(n) => {
+                        if on_output(&buffer[..n]) {
+                            return true;
+                        }
+                    }
+                }
+            }
+        };
+        let ((), answered) = tokio::join!(writer, reader);
+        if answered {
+            Ok(())
+        } else {
+            Err(self
+                .end()
+                .await
+                .err()
+                .unwrap_or_else(|| "git ended before it answered".into()))
+        }
+    }
+
+    /// The type of each of `oids` (`missing` for one no store has), in order.
+    async fn types(&mut self, oids: &[String]) -> Result<Vec<(String, String)>, String> {
+        if oids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut types = Vec::with_capacity(oids.len());
+        let mut splitter = LineSplitter::new(512, 0);
+        let mut cut = false;
+        let wanted = oids.len();
+        self.round("info", oids, |chunk| {
             splitter.push(chunk, &mut |piece| match piece {
                 Piece::Line(line) => {
                     let line = String::from_utf8_lossy(line);
-                    if let Some((oid, kind)) = line.split_once(' ') {
-                        types.push((oid.to_owned(), kind.trim().to_owned()));
+                    let mut fields = line.split(' ');
+                    if let (Some(oid), Some(kind)) = (fields.next(), fields.next()) {
+                        types.push((oid.to_owned(), kind.to_owned()));
                     }
                 }
                 // No answer of git's to a name is this long: the line was not a name.
                 Piece::Continuation(_) => cut = true,
-            })
-        },
-    )
-    .await
-    .map_err(|e| format!("cannot look up the pushed objects: {e}"))?;
-    if cut {
-        return Err("cannot look up the pushed objects: git answered a line too long to be an object's".into());
+            });
+            cut || types.len() >= wanted
+        })
+        .await
+        .map_err(|e| format!("cannot look up the pushed objects: {e}"))?;
+        if cut {
+            return Err("cannot look up the pushed objects: git answered a line too long to be an object's".into());
+        }
+        if types.len() != oids.len() {
+            return Err("cannot look up every pushed object".into());
+        }
+        Ok(types)
     }
-    if types.len() != oids.len() {
-        return Err("cannot look up every pushed object".into());
+
+    /// Each of `oids` whole, in order, to `on_object` (an object larger than `parser` keeps, or a
+    /// missing one, is an error it is handed).
+    async fn contents(
+        &mut self,
+        oids: &[String],
+        parser: &mut BatchParser,
+        mut on_object: impl FnMut(Result<BatchObject, String>),
+    ) -> Result<(), String> {
+        if oids.is_empty() {
+            return Ok(());
+        }
+        let (wanted, mut answered) = (oids.len(), 0);
+        self.round("contents", oids, |chunk| {
+            parser.push(chunk, &mut |item| {
+                answered += 1;
+                on_object(item);
+            });
+            parser.stopped() || answered >= wanted
+        })
+        .await
     }
-    Ok(types)
+
+    /// Closes git's input and waits for its end: an error names its exit and the tail of its stderr.
+    async fn end(&mut self) -> Result<(), String> {
+        drop(self.stdin.take());
+        let status = self.child.wait().await.map_err(|e| e.to_string())?;
+        let said = (&mut self.errors).await.unwrap_or_default();
+        if status.success() {
+            Ok(())
+        } else {
+            Err(format!("git {status}: {}", process::stderr_tail(&said)))
+        }
+    }
 }
 
 /// What a child reads on its stdin.
@@ -756,6 +869,11 @@ impl BatchParser {
         }
     }
 
+    /// Whether it stopped reading (an object was too large): no answer after it is read.
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
     pub fn push(&mut self, chunk: &[u8], emit: &mut impl FnMut(Result<BatchObject, String>)) {
         if self.stopped {
             return;
@@ -811,6 +929,10 @@ impl BatchParser {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn lines_of(oids: &[String]) -> Vec<u8> {
+        oids.iter().flat_map(|oid| oid.bytes().chain([b'\n'])).collect()
+    }
 
     fn split(max: usize, overlap: usize, chunks: &[&[u8]]) -> Vec<(bool, String)> {
         let mut splitter = LineSplitter::new(max, overlap);
