@@ -513,20 +513,9 @@ impl CatFile {
             child,
             stdin,
             stdout,
-            mut stderr,
+            stderr,
         } = context.spawner.spawn(command).await.map_err(|e| e.to_string())?;
-        let errors = tokio::spawn(async move {
-            let mut said = Vec::new();
-            let mut buffer = vec![0_u8; 8 << 10];
-            loop {
-                match stderr.read(&mut buffer).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) if said.len() < MAX_STDERR => said.extend_from_slice(&buffer[..n]),
-                    Ok(_) => {}
-                }
-            }
-            said
-        });
+        let errors = tokio::spawn(stderr_tail_of(stderr));
         Ok(Self {
             child,
             stdin: Some(stdin),
@@ -655,6 +644,20 @@ impl CatFile {
     }
 }
 
+/// What a child says on stderr, up to [`MAX_STDERR`] bytes kept (the rest read and dropped).
+async fn stderr_tail_of(mut stderr: tokio::process::ChildStderr) -> Vec<u8> {
+    let mut said = Vec::new();
+    let mut buffer = vec![0_u8; 8 << 10];
+    loop {
+        match stderr.read(&mut buffer).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) if said.len() < MAX_STDERR => said.extend_from_slice(&buffer[..n]),
+            Ok(_) => {}
+        }
+    }
+    said
+}
+
 /// What a child reads on its stdin.
 pub(crate) enum Input {
     Bytes(Vec<u8>),
@@ -678,7 +681,7 @@ pub(crate) async fn run(
         mut child,
         mut stdin,
         mut stdout,
-        mut stderr,
+        stderr,
     } = spawned;
     let writer = async move {
         let result: std::io::Result<()> = async {
@@ -705,18 +708,7 @@ pub(crate) async fn run(
             }
         }
     };
-    let errors = async {
-        let mut said = Vec::new();
-        let mut buffer = vec![0_u8; 8 << 10];
-        loop {
-            match stderr.read(&mut buffer).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) if said.len() < MAX_STDERR => said.extend_from_slice(&buffer[..n]),
-                Ok(_) => {}
-            }
-        }
-        said
-    };
+    let errors = stderr_tail_of(stderr);
     let ((), (), said) = tokio::join!(writer, reader, errors);
     let status = child.wait().await.map_err(|e| e.to_string())?;
     if status.success() {
