@@ -1,13 +1,14 @@
 //! The worker's side of one session's git proxy (DESIGN §7.3, §9 invariants 9–12): its settings in
 //! one [`GitProxyConfig`] — the upstream, the forge client, the workspace's secret values for the
 //! scan of pushed packs, the ledger every push is recorded in, the session's mirror as a trusted
-//! object store, and the cgroup its git processes run in.
+//! object store, and the cgroup its git processes run in — and the delivered branch's diff, read from
+//! those trusted stores as soon as the upstream took a push.
 //!
 //! It must never hand the proxy a directory a sandbox can write: the quarantine and the objects of
 //! accepted pushes live under the session's `git/` directory, which is never bound into it.
 
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -17,6 +18,7 @@ use sortie_gateway::git::config::{
 use sortie_gateway::git::http::Upstreams;
 use sortie_gateway::model::{KeySource, ModelApi};
 use sortie_protocol::SessionId;
+use sortie_protocol::api::StoredDiff;
 use sortie_sandbox::local::cgroup::{self, Cgroup};
 use sortie_secrets::KnownSecrets;
 use sortie_store::{SessionRow, Store};
@@ -37,6 +39,82 @@ pub struct SessionGitProxy {
     pub config: GitProxyConfig,
     /// What the proxy did with each push: the delivered branch and head are the last accepted one's.
     pub pushes: Arc<PushRecords>,
+    /// The delivered branch's diff, begun when the upstream takes a push of it.
+    pub diffs: Arc<BranchDiffs>,
+}
+
+/// The session's branch against the commit its workspace was cloned at, read by the host from the
+/// object stores it trusts (the accepted pushes' objects, the mirror), never from the sandbox.
+///
+/// The read begins the moment the upstream takes a push of the branch: the proxy answers the
+/// sandbox, the driver ends its turn and the worker settles it meanwhile, and the settlement takes the
+/// diff already read instead of starting it then.
+pub struct BranchDiffs {
+    git: PathBuf,
+    scratch: PathBuf,
+    trusted: Vec<PathBuf>,
+    /// The file that names the commit the workspace was cloned at.
+    start_commit: PathBuf,
+    ahead: Mutex<Option<DiffAhead>>,
+}
+
+/// A read begun ahead: the diff between two commits.
+struct DiffAhead {
+    from: String,
+    to: String,
+    read: tokio::task::JoinHandle<Result<StoredDiff, String>>,
+}
+
+impl BranchDiffs {
+    /// Reads with `git` in a scratch repository under `scratch` whose alternates are `trusted`;
+    /// `start_commit` is the file that names the workspace's start.
+    pub fn new(git: PathBuf, scratch: PathBuf, trusted: Vec<PathBuf>, start_commit: PathBuf) -> Self {
+        Self {
+            git,
+            scratch,
+            trusted,
+            start_commit,
+            ahead: Mutex::new(None),
+        }
+    }
+
+    /// What `to` changes since `from` (the empty tree when `None`): the read begun ahead when it was
+    /// of the same two commits, else a read now.
+    pub async fn read(&self, from: Option<&str>, to: &str) -> Result<StoredDiff, String> {
+        let ahead = self.ahead.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(ahead) = ahead
+            && from == Some(ahead.from.as_str())
+            && to == ahead.to
+            && let Ok(read) = ahead.read.await
+        {
+            return read;
+        }
+        self.read_now(from, to).await
+    }
+
+    async fn read_now(&self, from: Option<&str>, to: &str) -> Result<StoredDiff, String> {
+        sortie_gateway::git::diff::branch_diff(&self.git, &self.scratch, &self.trusted, from, to).await
+    }
+
+    /// Begins the read of the branch at `to` against the workspace's start, when that is known (a
+    /// session without it is read at settlement, against its last delivery). A read begun before
+    /// runs to its end and is forgotten.
+    fn begin(self: &Arc<Self>, to: &str) {
+        let Some(from) = std::fs::read_to_string(&self.start_commit)
+            .ok()
+            .map(|commit| commit.trim().to_owned())
+        else {
+            return;
+        };
+        let diffs = self.clone();
+        let (from_now, to_now) = (from.clone(), to.to_owned());
+        let read = tokio::spawn(async move { diffs.read_now(Some(&from_now), &to_now).await });
+        *self.ahead.lock().unwrap_or_else(|p| p.into_inner()) = Some(DiffAhead {
+            from,
+            to: to.to_owned(),
+            read,
+        });
+    }
 }
 
 /// The session's ledger: every record kept in memory for the turn to take, and what the upstream took
@@ -45,6 +123,7 @@ pub struct SessionGitProxy {
 /// starts from what its last one could not deliver.
 struct SessionPushes {
     records: Arc<PushRecords>,
+    diffs: Arc<BranchDiffs>,
     store: Arc<dyn Store>,
     session_id: SessionId,
     branch_ref: String,
@@ -60,6 +139,7 @@ impl PushLedger for SessionPushes {
             // A delete names the null id, which is no commit.
             let is_commit = sortie_protocol::driver::is_commit_id(&update.new);
             if update.refname == self.branch_ref && is_commit {
+                self.diffs.begin(&update.new);
                 if let Err(error) = self.store.set_pushed_head(&self.session_id, &update.new).await {
                     tracing::warn!(%error, session = %self.session_id, "cannot record the pushed head; the turn keeps it in memory");
                 }
@@ -99,8 +179,18 @@ pub(crate) fn build(
         ring: config.keyring.clone(),
         workspace_id: session.workspace_id.clone(),
     });
+    // The session's workspace was cloned from the mirror: its first push's parents are there.
+    let mirror = prepare::mirror_path(&config.work_dir.join("mirrors"), &session.repo);
+    let delivered_objects = sortie_gateway::git::config::delivered_objects_dir(&dirs.git_state);
+    let diffs = Arc::new(BranchDiffs::new(
+        config.git_binary.clone(),
+        dirs.git_state.join("stat"),
+        vec![delivered_objects, mirror.join("objects")],
+        dirs.start_commit(),
+    ));
     let ledger = Arc::new(SessionPushes {
         records: pushes.clone(),
+        diffs: diffs.clone(),
         store: context.store.clone(),
         session_id: session.id.clone(),
         branch_ref: format!("refs/heads/{}", session.id.branch()),
@@ -108,8 +198,6 @@ pub(crate) fn build(
     });
     let mut proxy = GitProxyConfig::new(upstreams, config.git_binary.clone(), &dirs.git_state, ledger, keys);
     proxy.forge_http = config.forge_http.clone();
-    // The session's workspace was cloned from the mirror: its first push's parents are there.
-    let mirror = prepare::mirror_path(&config.work_dir.join("mirrors"), &session.repo);
     proxy.trusted_object_dirs = vec![mirror.join("objects")];
     if context.runtime.host_owner().is_some() {
         let name = format!("{}.git", session.id);
@@ -119,7 +207,11 @@ pub(crate) fn build(
         proxy.processes.launcher = config.git_launcher.clone();
         proxy.keep_alive = Some(Arc::new(GitCgroup(Some(cgroup))));
     }
-    Ok(SessionGitProxy { config: proxy, pushes })
+    Ok(SessionGitProxy {
+        config: proxy,
+        pushes,
+        diffs,
+    })
 }
 
 fn create_private_dir(dir: &Path) -> Result<(), String> {
@@ -200,6 +292,12 @@ mod tests {
             .expect("session");
         let ledger = SessionPushes {
             records: Arc::default(),
+            diffs: Arc::new(BranchDiffs::new(
+                "git".into(),
+                temp.path().join("stat"),
+                Vec::new(),
+                temp.path().join("no-start-commit"),
+            )),
             store: store.clone(),
             session_id: id.clone(),
             branch_ref: format!("refs/heads/{}", id.branch()),
@@ -225,5 +323,80 @@ mod tests {
             .await;
         assert_eq!(store.wip_head(&id).await, Ok(None), "the branch holds it now");
         assert_eq!(store.pushed_head(&id).await, Ok(Some("b".repeat(40))));
+    }
+
+    fn git(dir: &Path, args: &[&str]) -> String {
+        let output = std::process::Command::new("git")
+            .args([
+                "-c",
+                "user.name=t",
+                "-c",
+                "user.email=t@t",
+                "-c",
+                "init.defaultBranch=main",
+            ])
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("git runs");
+        assert!(
+            output.status.success(),
+            "git {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).trim().to_owned()
+    }
+
+    #[tokio::test]
+    async fn the_diff_begun_at_the_push_answers_the_settlement_of_the_same_commits() {
+        let temp = tempfile::tempdir().expect("temp");
+        let repo = temp.path().join("repo");
+        std::fs::create_dir_all(&repo).expect("repo dir");
+        git(&repo, &["init", "-q"]);
+        std::fs::write(repo.join("a.txt"), "one\n").expect("write");
+        git(&repo, &["add", "."]);
+        git(&repo, &["commit", "-q", "-m", "start"]);
+        let start = git(&repo, &["rev-parse", "HEAD"]);
+        std::fs::write(repo.join("b.txt"), "two\n").expect("write");
+        git(&repo, &["add", "."]);
+        git(&repo, &["commit", "-q", "-m", "work"]);
+        let head = git(&repo, &["rev-parse", "HEAD"]);
+        let start_file = temp.path().join("start-commit");
+        std::fs::write(&start_file, format!("{start}\n")).expect("start commit");
+        let objects = repo.join(".git/objects");
+        let diffs = Arc::new(BranchDiffs::new(
+            "git".into(),
+            temp.path().join("stat"),
+            vec![objects.clone()],
+            start_file,
+        ));
+
+        diffs.begin(&head);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !diffs
+            .ahead
+            .lock()
+            .expect("lock")
+            .as_ref()
+            .is_some_and(|ahead| ahead.read.is_finished())
+        {
+            assert!(std::time::Instant::now() < deadline, "the read begun ahead never ended");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // Gone from where they were read: only what was read ahead can answer now.
+        std::fs::rename(&objects, temp.path().join("objects-moved")).expect("move the objects");
+        let read = diffs.read(Some(&start), &head).await.expect("the diff read ahead");
+        assert_eq!((read.files_changed, read.files[0].path.as_str()), (1, "b.txt"));
+        assert!(
+            diffs.read(Some(&start), &head).await.is_err(),
+            "a read ahead answers once; the next reads the stores again"
+        );
+        std::fs::rename(temp.path().join("objects-moved"), &objects).expect("objects back");
+        diffs.begin(&head);
+        let other = diffs.read(None, &head).await.expect("a read of other commits");
+        assert_eq!(
+            other.files_changed, 2,
+            "from the empty tree, not the start the read ahead used"
+        );
     }
 }

@@ -55,7 +55,8 @@ pub struct PushRecord {
 }
 
 /// Where the proxy records every push it decides on, before it answers the client (so whoever reads
-/// the ledger after `git push` returned sees the push).
+/// the ledger after `git push` returned sees the push). An accepted push's objects are in the proxy's
+/// `delivered_objects` by the time it is recorded.
 #[async_trait]
 pub trait PushLedger: Send + Sync + 'static {
     async fn record(&self, record: PushRecord);
@@ -226,6 +227,11 @@ pub struct GitProxyConfig {
     pub keep_alive: Option<Arc<dyn Send + Sync>>,
 }
 
+/// Where a proxy whose state is in `state_dir` keeps the objects of the pushes the upstream took.
+pub fn delivered_objects_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("delivered-objects")
+}
+
 impl GitProxyConfig {
     /// A session's proxy with the default bounds: `state_dir` (the host's, never bound into a
     /// sandbox) holds its `quarantine/` and `delivered-objects/`.
@@ -244,7 +250,7 @@ impl GitProxyConfig {
             ledger,
             known_secrets,
             quarantine_dir: state_dir.join("quarantine"),
-            delivered_objects: state_dir.join("delivered-objects"),
+            delivered_objects: delivered_objects_dir(state_dir),
             trusted_object_dirs: Vec::new(),
             foreign_owner: ForeignOwner::RunAsOwner,
             processes: GitProcessLimits::default(),

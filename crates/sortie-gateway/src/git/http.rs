@@ -653,10 +653,10 @@ impl Push<'_> {
             return (outcome, report_status(answer));
         };
         let report = report_status::parse(&bytes, self.side_band);
-        let mut first = None;
-        let mut accepted = false;
-        for update in self.updates {
-            let outcome = match &report {
+        let outcomes: Vec<PushOutcome> = self
+            .updates
+            .iter()
+            .map(|update| match &report {
                 Ok(report) => match report.rejection(&update.refname) {
                     None => PushOutcome::Accepted,
                     Some(reason) => PushOutcome::UpstreamRejected { reason },
@@ -664,22 +664,23 @@ impl Push<'_> {
                 Err(error) => PushOutcome::UpstreamRejected {
                     reason: error.to_string(),
                 },
-            };
-            accepted |= outcome == PushOutcome::Accepted;
-            tracing::info!(session = %self.session, refname = %update.refname, new = %update.new, outcome = outcome.as_str(), "push forwarded");
-            proxy
-                .record(self.session, std::slice::from_ref(update), outcome.clone())
-                .await;
-            first.get_or_insert(outcome);
-        }
-        if accepted {
-            // Later pushes build on this one: its objects must resolve in their quarantines.
+            })
+            .collect();
+        if outcomes.contains(&PushOutcome::Accepted) {
+            // Before the ledger hears of it: later pushes build on this one (its objects must resolve
+            // in their quarantines), and a ledger may read the delivered history at once.
             let delivered = proxy.config().delivered_objects.clone();
             if let Err(error) = quarantine.keep_objects(&delivered) {
                 tracing::warn!(session = %self.session, %error, "cannot keep the objects of an accepted push");
             }
         }
-        let outcome = first.unwrap_or(PushOutcome::UpstreamRejected {
+        for (update, outcome) in self.updates.iter().zip(&outcomes) {
+            tracing::info!(session = %self.session, refname = %update.refname, new = %update.new, outcome = outcome.as_str(), "push forwarded");
+            proxy
+                .record(self.session, std::slice::from_ref(update), outcome.clone())
+                .await;
+        }
+        let outcome = outcomes.into_iter().next().unwrap_or(PushOutcome::UpstreamRejected {
             reason: "the push named no ref".into(),
         });
         (outcome, Response::from_parts(parts, Body::from(bytes)))

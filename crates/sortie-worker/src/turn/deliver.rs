@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sortie_gateway::git::config::PushOutcome;
+use sortie_protocol::api::StoredDiff;
 use sortie_protocol::driver::TurnReport;
 use sortie_protocol::sortie_data::{DeliveryData, DeliveryError, DiffStat, SortieData};
 use sortie_protocol::{FailureCode, SessionPhase, TurnStatus};
@@ -40,7 +41,18 @@ pub(super) async fn settle_turn(
         head,
         card: mut delivery,
         failure: delivery_failure,
+        diff,
     } = delivered(context, session, &sandbox, &report).await;
+    // Stored before the card is shown: the dashboard reads the Files changed once it sees the card.
+    let store_diff = async {
+        if let Some(diff) = &diff
+            && let Err(error) = context.store.set_branch_diff(&session.id, diff).await
+        {
+            // The delivery stands without it: the dashboard's Files changed says the diff is not stored.
+            tracing::warn!(session = %session.id, %error, "cannot store the delivered branch's diff");
+        }
+    };
+    let ((), stop) = tokio::join!(store_diff, stop_request(context, session, n));
     let on_remote = head.is_some() || session.head_sha.is_some();
     let delivering = seen.delivering;
     let established = Established {
@@ -50,7 +62,7 @@ pub(super) async fn settle_turn(
         head,
         turn_timeout: context.config.turn_timeout,
     };
-    let mut ending = settle::ending(&report, stop_request(context, session, n).await, established);
+    let mut ending = settle::ending(&report, stop, established);
     if settle::opens_pull_request(&ending, on_remote, session.pr.is_some()) {
         // Opening the draft PR is the last step of delivering (DESIGN §4.1), bounded by the forge
         // call's deadline; the branch stands whatever the forge answers. A session no longer running
@@ -81,16 +93,17 @@ pub(super) async fn settle_turn(
         ms(started).saturating_sub(timings.get("agent_turn").copied().unwrap_or(0)),
     );
     let priming = report.priming.map(|rung| rung.as_str());
-    record_details(context, &session.id, n, priming, &timings).await;
-    meter_turn(context, &session.id, n, &sandbox).await;
     sandbox.0.current.set(None);
-    transcript
-        .finish(Ending {
+    // The card goes out while the turn's records are written: none of them is what it shows.
+    tokio::join!(
+        record_details(context, &session.id, n, priming, &timings),
+        meter_turn(context, &session.id, n, &sandbox),
+        transcript.finish(Ending {
             failure: ending.failure.clone(),
             stop_reason: report.stop_reason.clone(),
             parts: vec![SortieData::Delivery(delivery), phase_part("done", None, &timings)],
-        })
-        .await;
+        }),
+    );
     let canceled = ending.status == TurnStatus::Canceled;
     let phase = end_turn(context, &session.id, n, ending).await;
     if canceled || matches!(phase, Some(SessionPhase::Canceling | SessionPhase::Canceled)) {
@@ -120,6 +133,8 @@ struct Delivered {
     /// A delivery failure the host established: a push the gateway refused for a secret, or a push
     /// the sandbox reports that the upstream never took.
     failure: Option<Failure>,
+    /// The branch's diff, to store, when a push moved it.
+    diff: Option<StoredDiff>,
 }
 
 /// What the turn delivered, from the git proxy's own record of the pushes it forwarded and what the
@@ -183,14 +198,12 @@ async fn delivered(
             let start = std::fs::read_to_string(dirs.start_commit())
                 .ok()
                 .map(|commit| commit.trim().to_owned());
-            match sortie_gateway::git::diff::branch_diff(
-                &context.config.git_binary,
-                &dirs.git_state.join("stat"),
-                &sandbox.0.proxy.trusted_objects,
-                start.as_deref().or(session.head_sha.as_deref()),
-                head,
-            )
-            .await
+            match sandbox
+                .0
+                .proxy
+                .diffs
+                .read(start.as_deref().or(session.head_sha.as_deref()), head)
+                .await
             {
                 Ok(diff) => Some(diff),
                 Err(error) => {
@@ -201,12 +214,6 @@ async fn delivered(
         }
         None => None,
     };
-    if let Some(diff) = &branch
-        && let Err(error) = context.store.set_branch_diff(&session.id, diff).await
-    {
-        // The delivery stands without it: the dashboard's Files changed says the diff is not stored.
-        tracing::warn!(session = %session.id, %error, "cannot store the delivered branch's diff");
-    }
     let diff_stat = branch.as_ref().map_or_else(DiffStat::default, |diff| DiffStat {
         files: diff.files_changed,
         insertions: diff.insertions,
@@ -234,7 +241,12 @@ async fn delivered(
         error: card_error.map(|(code, reason)| DeliveryError { code, reason }),
         pr_url: None,
     };
-    Delivered { head, card, failure }
+    Delivered {
+        head,
+        card,
+        failure,
+        diff: branch,
+    }
 }
 
 /// Opens the draft PR of a session on a GitHub forge after its first delivery (see [`pull_request`]).

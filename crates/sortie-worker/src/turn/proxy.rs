@@ -16,6 +16,7 @@ use sortie_store::SessionRow;
 
 use super::{Failure, SandboxHandle, start_failed};
 use crate::Context;
+use crate::git_proxy::BranchDiffs;
 use crate::meter::{CurrentTurn, TurnMeter, WorkspaceKeys};
 use crate::prepare::{self, SessionDirs};
 
@@ -129,8 +130,8 @@ pub(super) struct SandboxProxy {
     pub pushes: Arc<PushRecords>,
     /// The git proxy's children, parked in the session's cgroup ahead while a turn runs.
     pub git_children: GitChildren,
-    /// Object stores the host trusts for the session's delivered history (for its diff stat).
-    pub trusted_objects: Vec<PathBuf>,
+    /// The delivered branch's diff, read from object stores the host trusts.
+    pub diffs: Arc<BranchDiffs>,
     /// The proxy itself: served on `egress.sock`, or bound to a pod's uid.
     pub egress: Arc<EgressProxy>,
     /// What serves `egress.sock` (a local sandbox's).
@@ -189,11 +190,7 @@ pub(super) fn build_proxy(
         repo: session.repo.clone(),
     });
     let git = crate::git_proxy::build(context, session, dirs, upstream.clone()).map_err(start_failed)?;
-    let trusted_objects = [
-        vec![git.config.delivered_objects.clone()],
-        git.config.trusted_object_dirs.clone(),
-    ]
-    .concat();
+    let diffs = git.diffs.clone();
     let pushes = git.pushes.clone();
     let (git_routes, git_children) = sortie_gateway::git::http::router_and_children(git.config);
     let meter = TurnMeter::new(
@@ -231,7 +228,7 @@ pub(super) fn build_proxy(
         upstream,
         pushes,
         git_children,
-        trusted_objects,
+        diffs,
         egress: proxy,
         task: None,
     })
