@@ -19,6 +19,7 @@ pub mod launch;
 pub mod link;
 pub mod mapping;
 pub mod priming;
+pub mod push;
 pub mod refresh;
 /// Agent profiles live in their own crate, which the worker reads without linking the driver.
 pub use sortie_profile as profile;

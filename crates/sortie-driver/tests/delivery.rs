@@ -74,8 +74,8 @@ async fn a_first_commit_on_an_unborn_branch_is_delivered_whole() {
     let report = deliver(&config(&setup.remote), &setup.git, &input(None, None)).await;
     assert_eq!(report.error, None);
     assert!(report.pushed && report.changed);
-    assert_eq!((report.files, report.insertions, report.deletions), (1, 2, 0));
     let head = report.head_sha.expect("head");
+    assert_eq!(git(&setup.remote, &["show", &format!("{head}:a.txt")]), "one\ntwo");
     assert_eq!(
         git(&setup.remote, &["rev-parse", &format!("refs/heads/{BRANCH}")]),
         head
@@ -119,7 +119,11 @@ async fn nothing_to_commit_is_told_from_a_change_and_commits_nothing() {
     assert_eq!(changed.error, None);
     assert!(changed.changed && changed.pushed, "{changed:?}");
     assert_eq!(git(&setup.workspace, &["rev-list", "--count", "HEAD"]), "2");
-    assert_eq!((changed.files, changed.insertions, changed.deletions), (1, 1, 1));
+    let delivered = changed.head_sha.expect("head");
+    assert_eq!(
+        git(&setup.remote, &["diff", "--numstat", &head, &delivered]),
+        "1\t1\ta.txt"
+    );
 }
 
 #[tokio::test]

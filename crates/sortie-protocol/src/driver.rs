@@ -205,12 +205,6 @@ pub struct DeliveryReport {
     /// The turn changed something (a new commit was made).
     #[serde(default)]
     pub changed: bool,
-    #[serde(default)]
-    pub files: u64,
-    #[serde(default)]
-    pub insertions: u64,
-    #[serde(default)]
-    pub deletions: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<TurnFailure>,
 }
