@@ -911,6 +911,10 @@ async fn cgi(
             // Its automatic maintenance runs after the push's answer instead (`maintain_after`): git
             // would run it before receive-pack ends, and the pushing client waits for that end.
             ("receive.autogc", "false".into()),
+            // receive-pack's connectivity check runs in its own quarantine, whose one alternate is the
+            // repository itself: the alternate's refs it would list (a `git for-each-ref` on the
+            // push's path) are the repository's own, which the check already counts (`--all`).
+            ("core.alternateRefsCommand", "true".into()),
         ]);
     command.identity = identity;
     if let Some(content_type) = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()) {

@@ -253,6 +253,9 @@ async fn scan_inner(
                 ("core.fsmonitor", "false".into()),
                 ("core.quotePath", "false".into()),
                 ("diff.noprefix", "false".into()),
+                // The quarantine is scratch until the push is accepted: its pack is not synced to
+                // disk (three fsyncs, on the push's path).
+                ("core.fsync", "none".into()),
             ]);
         for arg in args {
             command = command.arg(*arg);
