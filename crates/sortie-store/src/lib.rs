@@ -239,7 +239,8 @@ pub trait Ledger: Send + Sync + 'static {
         priming: Option<&str>,
         timings: Option<&std::collections::BTreeMap<String, u64>>,
     ) -> StoreResult<()>;
-    /// Records the head the git proxy saw the upstream take for the session's branch.
+    /// Records the head the git proxy saw the upstream take for the session's branch, and forgets the
+    /// session's WIP commit: the branch holds that work now (one write, on the push's path).
     async fn set_pushed_head(&self, session_id: &SessionId, head: &str) -> StoreResult<()>;
     /// The head last recorded by [`Ledger::set_pushed_head`].
     async fn pushed_head(&self, session_id: &SessionId) -> StoreResult<Option<String>>;

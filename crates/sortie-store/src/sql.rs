@@ -2126,7 +2126,7 @@ impl Ledger for SqlStore {
     }
 
     async fn set_pushed_head(&self, session_id: &SessionId, head: &str) -> StoreResult<()> {
-        let updated = sqlx::query("UPDATE sessions SET pushed_head = $2 WHERE id = $1")
+        let updated = sqlx::query("UPDATE sessions SET pushed_head = $2, wip_head = NULL WHERE id = $1")
             .bind(session_id.as_str())
             .bind(head)
             .execute(&self.writer)

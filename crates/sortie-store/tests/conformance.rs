@@ -1668,13 +1668,20 @@ async fn parts_are_stored_once_in_order(backend: TestBackend) {
     assert_eq!(f.store.wip_head(&session.id).await, Ok(None));
     let wip = "c".repeat(40);
     f.store.set_wip_head(&session.id, Some(&wip)).await.expect("wip head");
-    assert_eq!(f.store.wip_head(&session.id).await, Ok(Some(wip)));
+    assert_eq!(f.store.wip_head(&session.id).await, Ok(Some(wip.clone())));
     f.store.set_wip_head(&session.id, None).await.expect("wip cleared");
     assert_eq!(f.store.wip_head(&session.id).await, Ok(None));
     assert_eq!(
         f.store.set_wip_head(&SessionId::generate(), None).await,
         Err(StoreError::NotFound)
     );
+    // A delivered branch holds the kept work: recording it forgets the WIP commit.
+    f.store.set_wip_head(&session.id, Some(&wip)).await.expect("wip head");
+    f.store
+        .set_pushed_head(&session.id, &"d".repeat(40))
+        .await
+        .expect("pushed head");
+    assert_eq!(f.store.wip_head(&session.id).await, Ok(None));
 
     // What the agent kept in its home, given up by a pod at hibernation: bytes back as they went in,
     // the last one kept.

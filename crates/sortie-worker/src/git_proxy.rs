@@ -140,12 +140,11 @@ impl PushLedger for SessionPushes {
             let is_commit = sortie_protocol::driver::is_commit_id(&update.new);
             if update.refname == self.branch_ref && is_commit {
                 self.diffs.begin(&update.new);
+                // The branch holds the workspace's work now, the kept part included: the store forgets
+                // the WIP commit with it, and a later pod starts from the branch alone.
                 if let Err(error) = self.store.set_pushed_head(&self.session_id, &update.new).await {
                     tracing::warn!(%error, session = %self.session_id, "cannot record the pushed head; the turn keeps it in memory");
                 }
-                // The branch holds the workspace's work now, the kept part included: a later pod
-                // starts from the branch alone.
-                self.keep_wip(None).await;
             } else if update.refname == self.wip_ref {
                 self.keep_wip(is_commit.then_some(update.new.as_str())).await;
             }
