@@ -3,8 +3,8 @@
 //! proxy's checks, which `sortie/tests/worker.rs` and `attacks.rs` cover through a real sandbox).
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
+use std::process::Stdio;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
@@ -13,28 +13,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
 use sortie_driver::delivery::Git;
 use sortie_driver::push::{Update, push, relay_path};
-
-fn git(dir: &Path, args: &[&str]) -> String {
-    let output = Command::new("git")
-        .args([
-            "-c",
-            "user.name=t",
-            "-c",
-            "user.email=t@t",
-            "-c",
-            "init.defaultBranch=main",
-        ])
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("git runs");
-    assert!(
-        output.status.success(),
-        "git {args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).trim().to_owned()
-}
+use sortie_testkit::git::{git, rev};
 
 /// `git http-backend` as a CGI under `root`, for any path.
 async fn backend(State(root): State<PathBuf>, request: Request) -> Response {
@@ -147,15 +126,7 @@ impl World {
     }
 
     fn remote_branch(&self) -> Option<String> {
-        let output = Command::new("git")
-            .args(["rev-parse", "--verify", "--quiet", "refs/heads/sortie/ses_1"])
-            .current_dir(&self.remote)
-            .output()
-            .expect("git");
-        output
-            .status
-            .success()
-            .then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
+        rev(&self.remote, BRANCH)
     }
 }
 

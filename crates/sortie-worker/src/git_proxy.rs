@@ -262,6 +262,7 @@ mod tests {
     use super::*;
     use sortie_gateway::git::receive_pack::RefUpdate;
     use sortie_store::{NewSession, RepoAccess, SqlStore};
+    use sortie_testkit::git::git;
 
     #[tokio::test]
     async fn the_ledger_records_the_kept_work_and_forgets_it_once_deleted_or_delivered() {
@@ -322,28 +323,6 @@ mod tests {
             .await;
         assert_eq!(store.wip_head(&id).await, Ok(None), "the branch holds it now");
         assert_eq!(store.pushed_head(&id).await, Ok(Some("b".repeat(40))));
-    }
-
-    fn git(dir: &Path, args: &[&str]) -> String {
-        let output = std::process::Command::new("git")
-            .args([
-                "-c",
-                "user.name=t",
-                "-c",
-                "user.email=t@t",
-                "-c",
-                "init.defaultBranch=main",
-            ])
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .expect("git runs");
-        assert!(
-            output.status.success(),
-            "git {args:?}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8_lossy(&output.stdout).trim().to_owned()
     }
 
     #[tokio::test]
