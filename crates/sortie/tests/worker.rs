@@ -429,14 +429,22 @@ async fn a_running_turns_git_launcher_waits_in_the_sessions_cgroup_and_a_resting
             json!({}),
         )
         .await;
-    // While the agent thinks, one launcher is parked in the session's git cgroup, ahead of the push.
+    // While the agent thinks, three launchers are parked in the session's git cgroup, ahead of the
+    // push's children in a row, and never more.
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut parked = Vec::new();
-    while parked.is_empty() && Instant::now() < deadline {
+    while parked.len() < 3 && Instant::now() < deadline {
         parked = parked_git_launchers(&id);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(parked.len(), 1, "one launcher parked while the turn runs: {parked:?}");
+    // Not a wait for anything: a while in which a fourth would show, were the bound not kept.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let parked = parked_git_launchers(&id);
+    assert_eq!(
+        parked.len(),
+        3,
+        "three launchers parked while the turn runs: {parked:?}"
+    );
     let (session, turns) = world.settled(&id, 1).await;
     assert_eq!(status_of(&turns, 1), "completed", "{turns:#?}");
     assert_eq!(session["phase"], "idle", "{session:#}");

@@ -101,13 +101,18 @@ pub(crate) struct Spawned {
     pub stderr: tokio::process::ChildStderr,
 }
 
+/// Launchers kept parked while a turn runs: a push takes four children in a row (`index-pack`,
+/// `cat-file`, `diff-tree`, `http-backend`), each a few ms apart, faster than one launcher starts; a
+/// child that finds none parked is forked into the cgroup and may wait out the grace period there.
+pub(crate) const PARKED_LAUNCHERS: usize = 3;
+
 /// Where a session's git children start: in its cgroup (when it has one), each from a launcher
 /// parked there ahead while one is wanted and a launcher is configured (see [`super::launch`]), else
 /// forked into it.
 pub(crate) struct Spawner {
     procs: Vec<PathBuf>,
     launcher: Option<GitLauncher>,
-    parked: std::sync::Mutex<Option<Spawned>>,
+    parked: std::sync::Mutex<Vec<Spawned>>,
     wanted: AtomicBool,
     refilling: AtomicBool,
 }
@@ -117,22 +122,22 @@ impl Spawner {
         Arc::new(Self {
             launcher: launcher.filter(|_| !procs.is_empty()),
             procs,
-            parked: std::sync::Mutex::new(None),
+            parked: std::sync::Mutex::new(Vec::new()),
             wanted: AtomicBool::new(false),
             refilling: AtomicBool::new(false),
         })
     }
 
-    /// Keeps a launcher parked from now on (and another after each is taken).
+    /// Keeps [`PARKED_LAUNCHERS`] parked from now on (another started after each is taken).
     pub fn park(self: &Arc<Self>) {
         self.wanted.store(true, Ordering::SeqCst);
         self.refill();
     }
 
-    /// Parks none any more, and ends the one parked: a process and ~2 MiB an idle session need not hold.
+    /// Parks none any more, and ends those parked: processes of ~2 MiB each an idle session need not hold.
     pub fn unpark(&self) {
         self.wanted.store(false, Ordering::SeqCst);
-        drop(self.lock().take());
+        self.lock().clear();
     }
 
     /// Starts `command`: its stdin (past the launch frame), stdout and stderr are piped.
@@ -140,10 +145,13 @@ impl Spawner {
         if self.launcher.is_none() {
             return start(command, &self.procs).await;
         }
-        let parked = self.lock().take().and_then(|mut parked| {
-            let running = matches!(parked.child.try_wait(), Ok(None));
-            running.then_some(parked)
-        });
+        let parked = {
+            let mut parked = self.lock();
+            std::iter::from_fn(|| parked.pop()).find_map(|mut launcher| {
+                let running = matches!(launcher.child.try_wait(), Ok(None));
+                running.then_some(launcher)
+            })
+        };
         self.refill();
         if let Some(mut parked) = parked {
             match parked.stdin.write_all(&super::launch::encode(&command)).await {
@@ -161,11 +169,12 @@ impl Spawner {
         start(command, &self.procs).await
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Spawned>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Spawned>> {
         self.parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Parks the next launcher, in the background, when one is wanted and none is parked or on its way.
+    /// Parks the next launcher, in the background, while they are wanted, fewer than
+    /// [`PARKED_LAUNCHERS`] are parked and none is on its way (then the next, until they are all there).
     fn refill(self: &Arc<Self>) {
         let Some(launcher) = &self.launcher else {
             return;
@@ -173,7 +182,10 @@ impl Spawner {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        if !self.wanted.load(Ordering::SeqCst) || self.lock().is_some() || self.refilling.swap(true, Ordering::SeqCst) {
+        if !self.wanted.load(Ordering::SeqCst)
+            || self.lock().len() >= PARKED_LAUNCHERS
+            || self.refilling.swap(true, Ordering::SeqCst)
+        {
             return;
         }
         let command = GitCommand {
@@ -190,12 +202,17 @@ impl Spawner {
             let Some(spawner) = spawner.upgrade() else {
                 return;
             };
+            let started = parked.is_ok();
             match parked {
-                Ok(parked) if spawner.wanted.load(Ordering::SeqCst) => *spawner.lock() = Some(parked),
+                Ok(parked) if spawner.wanted.load(Ordering::SeqCst) => spawner.lock().push(parked),
                 Ok(_) => {}
                 Err(error) => tracing::warn!(%error, "cannot park a git launcher; git is forked into the cgroup"),
             }
             spawner.refilling.store(false, Ordering::SeqCst);
+            // A failure is not tried again at once: the next child taken tries.
+            if started {
+                spawner.refill();
+            }
         });
     }
 }
