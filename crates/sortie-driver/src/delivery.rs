@@ -551,6 +551,9 @@ pub struct DeliveryInput<'a> {
     pub start_head: Option<&'a str>,
     /// Told once, in a sentence, when the push waits for an unreachable gateway.
     pub waiting: Option<tokio::sync::mpsc::UnboundedSender<String>>,
+    /// The index was refreshed while the agent worked ([`crate::refresh`]): only what the agent touched
+    /// since can be stale, which `git add` looks at anyway.
+    pub index_refreshed: bool,
 }
 
 /// Commits, scans and publishes; the report says what happened, its `error` what went wrong.
@@ -634,8 +637,11 @@ async fn try_deliver(
     // A fresh checkout's files are "racily clean" (written in the index's second) and, seen through the
     // sandbox's user namespace, under another owner than the index says: `add` would hash every file
     // again and write each as a loose object (1.8 s for 2,000 files), where a refresh only compares
-    // (~0.1 s) and leaves `add` the changed files. Its status says nothing `add` does not: ignored.
-    let _ = git.run("refresh the index", &["update-index", "-q", "--refresh"]).await;
+    // (~0.1 s) and leaves `add` the changed files. Its status says nothing `add` does not: ignored. An
+    // index refreshed while the agent worked needs none (see `refresh`).
+    if !input.index_refreshed {
+        let _ = git.run("refresh the index", &["update-index", "-q", "--refresh"]).await;
+    }
     git.output("stage the workspace", &["add", "--all"]).await?;
     let committed = commit(config, git, input).await?;
     let head = match committed.then(|| committed_head(&git.workspace)).flatten() {

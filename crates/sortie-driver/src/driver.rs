@@ -441,11 +441,12 @@ async fn run_turn(mut turn: Turn, request: TurnRequest, cancel: Arc<Notify>) {
     if ran.agent_started
         && let Some((config, git)) = &delivery
     {
+        let mut index_refreshed = false;
         if let Some(early_refresh) = early_refresh {
-            let handed_over = early_refresh.hand_over().await;
-            tracing::debug!(handed_over, "the index refreshed while the agent worked");
+            index_refreshed = early_refresh.hand_over().await;
+            tracing::debug!(index_refreshed, "the index refreshed while the agent worked");
         }
-        let report = deliver(&mut turn, config, git, &request).await;
+        let report = deliver(&mut turn, config, git, &request, index_refreshed).await;
         // A turn that failed already keeps its failure; one that went well fails with the delivery.
         if let Some(failure) = report.error
             && ending.state != TurnState::Failed
@@ -604,7 +605,13 @@ async fn run_agent(turn: &mut Turn, request: &TurnRequest, cancel: &Notify) -> A
 }
 
 /// Commits, scans and pushes the turn's work; reports what happened.
-async fn deliver(turn: &mut Turn, config: &DeliveryConfig, git: &Git, request: &TurnRequest) -> DeliveryReport {
+async fn deliver(
+    turn: &mut Turn,
+    config: &DeliveryConfig,
+    git: &Git,
+    request: &TurnRequest,
+    index_refreshed: bool,
+) -> DeliveryReport {
     turn.update(|report| report.state = TurnState::Delivering);
     let shared = turn.shared.clone();
     let start_head = shared.start_head.get();
@@ -625,6 +632,7 @@ async fn deliver(turn: &mut Turn, config: &DeliveryConfig, git: &Git, request: &
             baseline: request.baseline.as_deref(),
             start_head: start_head.and_then(Option::as_deref),
             waiting: None,
+            index_refreshed,
         };
         crate::delivery::deliver(config, git, &input).await
     };

@@ -12,9 +12,10 @@
 //! (`GIT_INDEX_FILE`): it never takes the index's own lock, so the agent's git is never refused. At
 //! delivery, [`EarlyRefresh::hand_over`] puts the copy in place only if it finished and the index is
 //! byte for byte what was copied, under the index's lock; otherwise the delivery refreshes as before.
-//! Either way the delivery's own refresh still runs: a file the agent wrote after the copy's refresh
-//! has a newer time than the copy recorded, and a file written in the copy's own second was marked
-//! racy by git when it wrote the copy.
+//! Once the copy is in place the delivery refreshes no more: what can still be stale is a file the
+//! agent wrote after the copy's refresh (a newer time than the copy recorded) or in the copy's own
+//! second (marked racy by git when it wrote the copy), and `git add` hashes exactly those, as it
+//! hashes every file the agent changed.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

@@ -64,6 +64,7 @@ fn input<'a>(baseline: Option<&'a str>, start_head: Option<&'a str>) -> Delivery
         baseline,
         start_head,
         waiting: None,
+        index_refreshed: false,
     }
 }
 
