@@ -97,8 +97,8 @@ impl BranchDiffs {
     }
 
     /// Begins the read of the branch at `to` against the workspace's start, when that is known (a
-    /// session without it is read at settlement, against its last delivery). A read begun before
-    /// runs to its end and is forgotten.
+    /// session without it is read at settlement, against its last delivery). A read begun before is
+    /// stopped (its git killed): a sandbox pushing in a loop holds at most one read on the host.
     fn begin(self: &Arc<Self>, to: &str) {
         let Some(from) = std::fs::read_to_string(&self.start_commit)
             .ok()
@@ -109,11 +109,14 @@ impl BranchDiffs {
         let diffs = self.clone();
         let (from_now, to_now) = (from.clone(), to.to_owned());
         let read = tokio::spawn(async move { diffs.read_now(Some(&from_now), &to_now).await });
-        *self.ahead.lock().unwrap_or_else(|p| p.into_inner()) = Some(DiffAhead {
+        let before = self.ahead.lock().unwrap_or_else(|p| p.into_inner()).replace(DiffAhead {
             from,
             to: to.to_owned(),
             read,
         });
+        if let Some(before) = before {
+            before.read.abort();
+        }
     }
 }
 
