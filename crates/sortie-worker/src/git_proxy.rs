@@ -32,7 +32,7 @@ pub const GIT_MEMORY_BYTES: u64 = 1 << 30;
 /// Processes and threads of them together (index-pack and pack-objects run a thread per core).
 pub const GIT_PIDS: u64 = 256;
 /// Where the cgroup hierarchies are mounted (the local runtime's default).
-const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+pub(crate) const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
 /// One session's git proxy, ready for [`sortie_gateway::git::http::router`], and its ledger.
 pub struct SessionGitProxy {

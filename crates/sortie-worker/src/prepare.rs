@@ -304,7 +304,7 @@ async fn git_fed(
     }
     let what = format!("git {}", args.first().copied().unwrap_or_default());
     let run = async {
-        let mut child = command.spawn()?;
+        let mut child = sortie_sandbox::local::priority::spawn(command).await?;
         if let (Some(input), Some(mut stdin)) = (input, child.stdin.take()) {
             use tokio::io::AsyncWriteExt;
             stdin.write_all(input).await?;

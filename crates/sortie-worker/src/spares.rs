@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sortie_sandbox::local::disk::{self, SessionDisk};
+use sortie_sandbox::local::{cgroup, priority};
 
 use crate::pool::fresh_name;
 use crate::prepare;
@@ -140,7 +141,20 @@ fn primed_prefix(mirror: &Path) -> String {
 
 /// Keeps [`SPARE_DISKS`] plain spares, and a primed disk for each wanted repository, until `shutdown`
 /// (plain spares stay for the next start; primed ones are made again).
-pub(crate) async fn keep_spare_disks(spares: Arc<SpareDisks>, mut shutdown: tokio::sync::oneshot::Receiver<()>) {
+/// The processes it runs (`mkfs`, `e2fsck`, `mount`, a checkout's git) are work ahead
+/// ([`priority::HostWork::Ahead`]): they take only the CPU that `serve` and the sandboxes leave.
+pub(crate) async fn keep_spare_disks(spares: Arc<SpareDisks>, shutdown: tokio::sync::oneshot::Receiver<()>) {
+    let group = match cgroup::create_for_work_ahead(Path::new(crate::git_proxy::CGROUP_ROOT)) {
+        Ok(procs) => procs,
+        Err(error) => {
+            tracing::warn!(%error, "disks made ahead run niced only, in no CPU group of their own");
+            Vec::new()
+        }
+    };
+    priority::ahead(group.into(), keep(spares, shutdown)).await;
+}
+
+async fn keep(spares: Arc<SpareDisks>, mut shutdown: tokio::sync::oneshot::Receiver<()>) {
     if let Err(error) = std::fs::create_dir_all(&spares.primed_dir) {
         tracing::warn!(%error, dir = %spares.primed_dir.display(), "no spare session disks");
         return;

@@ -90,6 +90,63 @@ pub fn create_for_host_processes(
     Cgroup::create(detect(root)?, root, name, &limits)
 }
 
+/// The group, beside sandboxes' under [`PARENT`], of the processes the host runs for later sessions.
+pub const WORK_AHEAD: &str = "work-ahead";
+/// Its CPU weight among sandboxes where the kernel cannot mark it idle: the least there is (v1
+/// `cpu.shares` 2, v2 `cpu.weight` 1).
+const WORK_AHEAD_CPU_SHARES_V1: &str = "2";
+const WORK_AHEAD_CPU_WEIGHT_V2: &str = "1";
+
+/// Makes (or finds) [`WORK_AHEAD`], a CPU group only, and returns the `cgroup.procs` files a process
+/// writes its pid to, to join it. What runs there (a spare disk's `mkfs`, a workspace checked out
+/// ahead) takes the CPU only where neither `serve` nor a sandbox wants it. It is not removed: it holds
+/// nothing between those processes, and the next start finds it.
+pub fn create_for_work_ahead(root: &Path) -> Result<Vec<PathBuf>, SandboxError> {
+    let make =
+        |dir: &Path| std::fs::create_dir_all(dir).map_err(SandboxError::io(format!("cannot create {}", dir.display())));
+    let dir = match detect(root)? {
+        CgroupVersion::V1 => {
+            let parent = root.join("cpu").join(PARENT);
+            let weigh_parent = !parent.exists();
+            let dir = parent.join(WORK_AHEAD);
+            make(&dir)?;
+            if weigh_parent {
+                let _ = std::fs::write(parent.join("cpu.shares"), PARENT_CPU_SHARES_V1);
+            }
+            if !mark_idle(&dir) {
+                write(&dir.join("cpu.shares"), WORK_AHEAD_CPU_SHARES_V1)?;
+            }
+            dir
+        }
+        CgroupVersion::V2 => {
+            let parent = root.join(PARENT);
+            let weigh_parent = !parent.exists();
+            make(&parent)?;
+            for level in [root, parent.as_path()] {
+                let _ = std::fs::write(level.join("cgroup.subtree_control"), "+memory +pids +cpu");
+            }
+            if weigh_parent {
+                let _ = std::fs::write(parent.join("cpu.weight"), PARENT_CPU_WEIGHT_V2);
+            }
+            let dir = parent.join(WORK_AHEAD);
+            make(&dir)?;
+            if !mark_idle(&dir) {
+                write(&dir.join("cpu.weight"), WORK_AHEAD_CPU_WEIGHT_V2)?;
+            }
+            dir
+        }
+    };
+    Ok(vec![dir.join("cgroup.procs")])
+}
+
+/// Sets `cpu.idle` where the kernel has it (5.15 on, v1 and v2): the group's processes are scheduled
+/// as `SCHED_IDLE` against their siblings, below even the least weight (an idle group's weight cannot
+/// be written). `false` where it is not set.
+fn mark_idle(dir: &Path) -> bool {
+    let _ = std::fs::write(dir.join("cpu.idle"), "1");
+    std::fs::read_to_string(dir.join("cpu.idle")).is_ok_and(|idle| idle.trim() == "1")
+}
+
 pub struct Cgroup {
     version: CgroupVersion,
     /// v1: one directory per hierarchy (deduplicated when cpu and cpuacct are co-mounted); v2: one.

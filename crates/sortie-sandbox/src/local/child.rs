@@ -1,9 +1,13 @@
-//! The one place this crate calls into the OS unsafely: what a sandbox's first process does between
-//! fork and exec. It joins the sandbox's cgroups, takes the status file as fd 3 (bwrap's
+//! The one place this crate calls into the OS unsafely: what a child does between fork and exec.
+//!
+//! A sandbox's first process joins the sandbox's cgroups, takes the status file as fd 3 (bwrap's
 //! `--json-status-fd`), and, when the runtime is root, drops to the sandbox uid and gid with no
 //! supplementary groups, an empty bounding set and nothing to inherit — what a shell and `setpriv`
 //! did as two more programs before every bwrap. bwrap then never runs as root (ref/sandbox-recipe.md
 //! §0: as root, the sandbox's uid would map to host root).
+//!
+//! A process the host runs for sessions ([`super::priority`]) lowers its CPU priority, and may join a
+//! CPU group, before it runs anything.
 
 #![allow(unsafe_code)]
 
@@ -11,6 +15,25 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
+
+/// Makes `command`'s child raise its nice value by `nice_increment` and join the cgroups whose
+/// `cgroup.procs` files are `cgroups` (opened by this process), before it runs anything. Best effort:
+/// a child that can do neither runs as its parent would have.
+pub fn lower_priority(command: &mut tokio::process::Command, nice_increment: i32, cgroups: Vec<File>) {
+    // SAFETY: the closure runs in the forked child before exec. It allocates nothing and makes only
+    // async-signal-safe system calls (nice, write) on memory made before the fork.
+    unsafe {
+        command.pre_exec(move || {
+            // Raising one's own nice value needs no privilege; a failure leaves it as it was.
+            let _ = libc::nice(nice_increment);
+            for file in &cgroups {
+                // `0` names the writer itself.
+                let _ = libc::write(file.as_raw_fd(), b"0".as_ptr().cast(), 1);
+            }
+            Ok(())
+        });
+    }
+}
 
 /// The fd bwrap reports the sandbox's pid on.
 pub const STATUS_FD: u32 = 3;

@@ -674,7 +674,8 @@ impl Ran {
 
 /// Runs a tool to completion within `deadline`.
 async fn run(program: &Path, package: &'static str, args: &[OsString], deadline: Duration) -> Result<Ran, DiskError> {
-    let child = tokio::process::Command::new(program)
+    let mut command = tokio::process::Command::new(program);
+    command
         .args(args)
         .env_clear()
         .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
@@ -682,9 +683,8 @@ async fn run(program: &Path, package: &'static str, args: &[OsString], deadline:
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn();
-    let child = match child {
+        .kill_on_drop(true);
+    let child = match super::priority::spawn(command).await {
         Ok(child) => child,
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
             return Err(DiskError::ToolMissing {

@@ -17,6 +17,7 @@ pub mod cgroup;
 pub mod child;
 pub mod disk;
 pub mod keeper;
+pub mod priority;
 pub mod slot;
 
 use std::collections::HashMap;
