@@ -5,8 +5,8 @@
 //! - [`HostWork::Session`], nice +5 (weight 335 against `serve`'s threads' 1024): a session being
 //!   prepared, which someone waits for, yields to API requests, streams and the git proxy's answers.
 //! - [`HostWork::Ahead`], nice 19 and in [`super::cgroup::WORK_AHEAD`], a CPU group scheduled idle
-//!   beside the sandboxes' groups: what is made for a later session (spare disks, a workspace checked out ahead)
-//!   takes only the CPU neither `serve` nor a sandbox wants.
+//!   beside the sandboxes' groups: what is made for a later session (spare disks, a workspace checked
+//!   out ahead) takes only the CPU neither `serve` nor a sandbox wants.
 //!
 //! Nice alone cannot rank a host process against sandboxes: it counts within the scheduling group the
 //! process is in, which is `serve`'s own when the kernel groups by session (autogroup, as on this
@@ -119,7 +119,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn work_ahead_joins_its_group_at_the_least_weight() {
+    async fn work_ahead_joins_its_idle_group_as_root_and_as_the_sandbox_uid() {
         let root = std::path::Path::new("/sys/fs/cgroup");
         let procs: Arc<[PathBuf]> = crate::local::cgroup::create_for_work_ahead(root)
             .expect("the group (tests run as root, as the worker does when it makes disks ahead)")
