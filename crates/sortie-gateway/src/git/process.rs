@@ -265,7 +265,7 @@ async fn start(command: GitCommand, procs: &[PathBuf]) -> Result<Spawned, SpawnE
         .kill_on_drop(true);
     super::child::confine(&mut process, cgroups, identity);
     // The spawn returns once the child has exec'd (after its cgroup migration, which may wait out a
-    // grace period): never on a runtime thread, which would serve nothing else meanwhile (5–23 ms a
+    // grace period): never on a runtime thread, which would serve nothing else meanwhile (milliseconds a
     // spawn, under load).
     let mut child = tokio::task::spawn_blocking(move || process.spawn())
         .await

@@ -76,9 +76,9 @@ pub fn yield_cpu(command: &mut tokio::process::Command) {
 
 /// Starts `command` at the current work's priority ([`yield_cpu`]), from a blocking thread: a spawn
 /// returns only once the child has exec'd (after its cgroup migration, for work ahead, which may wait
-/// out an RCU grace period), and on a runtime thread that thread serves nothing else meanwhile. Under
-/// the load of 60 sessions starting, serve's two runtime threads spent 5–23 ms in many of their 3,900
-/// spawns, while API requests and streams waited (strace).
+/// out an RCU grace period), and on a runtime thread that thread serves nothing else meanwhile. While
+/// 60 sessions started, each of serve's two runtime threads waited over 3 ms in some 650 forks and
+/// exec waits, up to 155 ms, about 9 s in all under strace, as API requests and streams waited.
 pub async fn spawn(mut command: tokio::process::Command) -> std::io::Result<tokio::process::Child> {
     yield_cpu(&mut command);
     tokio::task::spawn_blocking(move || command.spawn())
