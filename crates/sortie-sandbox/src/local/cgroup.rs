@@ -102,41 +102,51 @@ const WORK_AHEAD_CPU_WEIGHT_V2: &str = "1";
 /// ahead) takes the CPU only where neither `serve` nor a sandbox wants it. It is not removed: it holds
 /// nothing between those processes, and the next start finds it.
 pub fn create_for_work_ahead(root: &Path) -> Result<Vec<PathBuf>, SandboxError> {
-    let make =
-        |dir: &Path| std::fs::create_dir_all(dir).map_err(SandboxError::io(format!("cannot create {}", dir.display())));
-    let dir = match detect(root)? {
+    let version = detect(root)?;
+    let parent = make_parent_with(version, root, Path::new(WORK_AHEAD)).map_err(SandboxError::io(format!(
+        "cannot create {}",
+        root.join(PARENT).join(WORK_AHEAD).display()
+    )))?;
+    let dir = parent.join(WORK_AHEAD);
+    if !mark_idle(&dir) {
+        match version {
+            CgroupVersion::V1 => write(&dir.join("cpu.shares"), WORK_AHEAD_CPU_SHARES_V1)?,
+            CgroupVersion::V2 => write(&dir.join("cpu.weight"), WORK_AHEAD_CPU_WEIGHT_V2)?,
+        }
+    }
+    Ok(vec![dir.join("cgroup.procs")])
+}
+
+/// Makes the parent group of sandboxes if missing, weighed as [`PARENT_CPU_SHARES_V1`] /
+/// [`PARENT_CPU_WEIGHT_V2`] only when this call made it (an operator's own weight is kept), with
+/// `child` under it; returns the parent's directory (v1: in the cpu hierarchy).
+fn make_parent_with(version: CgroupVersion, root: &Path, child: &Path) -> std::io::Result<PathBuf> {
+    match version {
         CgroupVersion::V1 => {
             let parent = root.join("cpu").join(PARENT);
             let weigh_parent = !parent.exists();
-            let dir = parent.join(WORK_AHEAD);
-            make(&dir)?;
+            std::fs::create_dir_all(parent.join(child))?;
             if weigh_parent {
+                // A priority, not a limit: where it may not be set, sandboxes run at the default.
                 let _ = std::fs::write(parent.join("cpu.shares"), PARENT_CPU_SHARES_V1);
             }
-            if !mark_idle(&dir) {
-                write(&dir.join("cpu.shares"), WORK_AHEAD_CPU_SHARES_V1)?;
-            }
-            dir
+            Ok(parent)
         }
         CgroupVersion::V2 => {
             let parent = root.join(PARENT);
             let weigh_parent = !parent.exists();
-            make(&parent)?;
+            std::fs::create_dir_all(&parent)?;
+            // Controllers must be enabled for the children of each level.
             for level in [root, parent.as_path()] {
                 let _ = std::fs::write(level.join("cgroup.subtree_control"), "+memory +pids +cpu");
             }
             if weigh_parent {
                 let _ = std::fs::write(parent.join("cpu.weight"), PARENT_CPU_WEIGHT_V2);
             }
-            let dir = parent.join(WORK_AHEAD);
-            make(&dir)?;
-            if !mark_idle(&dir) {
-                write(&dir.join("cpu.weight"), WORK_AHEAD_CPU_WEIGHT_V2)?;
-            }
-            dir
+            std::fs::create_dir_all(parent.join(child))?;
+            Ok(parent)
         }
-    };
-    Ok(vec![dir.join("cgroup.procs")])
+    }
 }
 
 /// Sets `cpu.idle` where the kernel has it (5.15 on, v1 and v2): the group's processes are scheduled
@@ -229,8 +239,8 @@ impl Cgroup {
         match version {
             CgroupVersion::V1 => {
                 let mut dirs: Vec<PathBuf> = Vec::new();
-                let cpu_parent = root.join("cpu").join(PARENT);
-                let weigh_parent = !cpu_parent.exists();
+                make_parent_with(version, root, Path::new(name))
+                    .map_err(|e| permission_hint(e, &root.join("cpu").join(PARENT).join(name)))?;
                 for controller in V1_CONTROLLERS {
                     let dir = root.join(controller).join(PARENT).join(name);
                     std::fs::create_dir_all(&dir).map_err(|e| permission_hint(e, &dir))?;
@@ -238,10 +248,6 @@ impl Cgroup {
                     if !dirs.contains(&canonical) {
                         dirs.push(canonical);
                     }
-                }
-                if weigh_parent {
-                    // A priority, not a limit: where it may not be set, sandboxes run at the default.
-                    let _ = std::fs::write(cpu_parent.join("cpu.shares"), PARENT_CPU_SHARES_V1);
                 }
                 let cgroup = Self {
                     version,
@@ -269,19 +275,8 @@ impl Cgroup {
                 Ok(cgroup)
             }
             CgroupVersion::V2 => {
-                let parent = root.join(PARENT);
-                let weigh_parent = !parent.exists();
-                std::fs::create_dir_all(&parent).map_err(|e| permission_hint(e, &parent))?;
-                // Controllers must be enabled for the children of each level.
-                for level in [root, parent.as_path()] {
-                    let _ = std::fs::write(level.join("cgroup.subtree_control"), "+memory +pids +cpu");
-                }
-                if weigh_parent {
-                    // A priority, not a limit (as on v1).
-                    let _ = std::fs::write(parent.join("cpu.weight"), PARENT_CPU_WEIGHT_V2);
-                }
-                let dir = parent.join(name);
-                std::fs::create_dir_all(&dir).map_err(|e| permission_hint(e, &dir))?;
+                let dir = root.join(PARENT).join(name);
+                make_parent_with(version, root, Path::new(name)).map_err(|e| permission_hint(e, &dir))?;
                 write(&dir.join("memory.max"), &limits.memory_bytes.to_string())?;
                 let swap = dir.join("memory.swap.max");
                 if swap.exists() {
